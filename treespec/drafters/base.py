@@ -1,0 +1,162 @@
+"""The drafter contract, the partial tree builders grow, and the drafter registry.
+
+Glossary:
+    committed   tokens the engine has emitted (prompt included). The last committed token is the
+                **root** of the next tree; every committed token before it is in the target's KV
+                cache and has target features.
+    features    ``TargetFeatures``: target hidden states for committed positions, keyed by HF
+                ``hidden_states`` index (0 = embeddings, L = last layer), as a drafter asked for
+                through ``target_layers``.
+    frontier    the nodes of a ``PartialTree`` a builder asks the drafter to expand: for each,
+                the drafter returns logits of q(.|prefix, path to node).
+
+Lifecycle driven by the engine:
+    begin(prompt_ids, features)         once per request; prompt_ids[-1] is the first root.
+    expand(tree, nodes) -> logits        any number of times while a builder grows one tree;
+                                         a node is expanded at most once, parents before children.
+    commit(path, tokens, features)       after verification: ``path`` (accepted node indices,
+                                         root excluded) and ``tokens`` (their tokens + the new
+                                         token, which becomes the next root). ``features`` covers
+                                         the old root and the accepted nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+from treespec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class TargetFeatures:
+    """Target hidden states for a run of committed positions.
+
+    Attributes:
+        hidden: mapping HF hidden_states index -> FloatTensor[T, H], one row per position.
+    """
+
+    hidden: dict[int, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        lengths = {int(h.shape[0]) for h in self.hidden.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"all feature layers must cover the same positions, got lengths {lengths}")
+
+    @property
+    def length(self) -> int:
+        return next(iter(self.hidden.values())).shape[0] if self.hidden else 0
+
+    def select(self, rows: torch.Tensor) -> "TargetFeatures":
+        return TargetFeatures({k: v.index_select(0, rows.to(v.device)) for k, v in self.hidden.items()})
+
+    @staticmethod
+    def empty() -> "TargetFeatures":
+        return TargetFeatures({})
+
+
+@dataclass
+class PartialTree:
+    """A tree under construction; node 0 is the root. Builders append, drafters read.
+
+    Attributes:
+        tokens:  token per node.
+        parents: parent per node (-1 for the root), always < the node's index.
+        depth:   depth per node (root 0).
+        score:   builder-defined score per node (e.g. cumulative draft log-probability).
+    """
+
+    tokens: list[int]
+    parents: list[int] = field(default_factory=lambda: [-1])
+    depth: list[int] = field(default_factory=lambda: [0])
+    score: list[float] = field(default_factory=lambda: [0.0])
+
+    @classmethod
+    def rooted(cls, root_token: int) -> "PartialTree":
+        return cls(tokens=[int(root_token)])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, score: float = 0.0) -> int:
+        """Append a child of ``parent``; returns its index."""
+        self.tokens.append(int(token))
+        self.parents.append(int(parent))
+        self.depth.append(self.depth[parent] + 1)
+        self.score.append(float(score))
+        return len(self.tokens) - 1
+
+    def path_to(self, node: int) -> list[int]:
+        path = [node]
+        while self.parents[path[-1]] >= 0:
+            path.append(self.parents[path[-1]])
+        return path[::-1]
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Anything that proposes next-token distributions cheaply (see the module docstring).
+
+    Capability flags:
+        needs_target_hidden: the engine must collect target features for ``begin``/``commit``.
+        target_layers:       which HF hidden_states indices the drafter needs (empty if none).
+        vocab_size:          V of the logits ``expand`` returns (must equal the target's).
+        path_independent:    q at a node depends only on its depth, not on the path
+                             (Medusa-style heads); builders may share one call per depth.
+    """
+
+    needs_target_hidden: bool
+    target_layers: tuple[int, ...]
+    vocab_size: int
+    path_independent: bool
+
+    def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
+        """Start a request. prompt_ids: LongTensor[P]; features cover prompt_ids[:-1]."""
+
+    def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
+        """FloatTensor[len(nodes), V]: draft logits of the next token after each node."""
+
+    def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
+        """Accept ``path`` (LongTensor[A]) of the last tree; tokens: LongTensor[A + 1]."""
+
+
+# ---------------------------------------------------------------- registry
+# name -> factory(target, **options) -> Drafter. Factories receive the treespec Target.
+_REGISTRY: dict[str, Callable[..., Drafter]] = {}
+
+
+def register_drafter(name: str) -> Callable[[Callable[..., Drafter]], Callable[..., Drafter]]:
+    """Decorator: register a drafter factory under ``name``; a duplicate name is an error."""
+
+    def wrap(factory: Callable[..., Drafter]) -> Callable[..., Drafter]:
+        if not callable(factory):
+            raise TypeError(f"drafter factory for {name!r} must be callable, got {factory!r}")
+        if name in _REGISTRY:
+            raise ValueError(f"a drafter named {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def registered_drafters() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def drafter_factory(name: str) -> Callable[..., Drafter]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown drafter {name!r}; registered: {', '.join(registered_drafters())}") from None
+
+
+def as_draft_tree(partial: PartialTree, draft_probs: torch.Tensor | None, sampling: str) -> DraftTree:
+    """Freeze a PartialTree into a validated DraftTree."""
+    return DraftTree(
+        torch.tensor(partial.tokens, dtype=torch.long),
+        torch.tensor(partial.parents, dtype=torch.long),
+        draft_probs,
+        sampling,  # type: ignore[arg-type]
+    )

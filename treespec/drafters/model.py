@@ -1,0 +1,197 @@
+"""Independent-model drafter: any HF causal LM sharing the target's vocabulary.
+
+The drafter keeps its own KV cache laid out like the target's:
+    [ committed prefix (everything before the root) | tree region (root, expanded nodes...) ]
+Each ``expand`` call is one batched forward over the frontier with a tree mask (prefix ‖
+ancestors among the already-fed tree slots). ``commit`` gathers the slots of the root and of
+the accepted nodes that were fed, crops the rest, and queues any accepted token that was never
+fed (an unexpanded leaf) plus the new root, to be fed with the next tree's root expansion.
+
+``early_exit_drafter(target, k)`` builds a self-speculative drafter: the target's first k decoder
+layers + final norm + LM head as a separate module that *shares* the target's weights.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter
+from treespec.masks import attn_implementation_of
+
+
+def output_vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the model's output embedding (what its logits' last dim will be)."""
+    head = model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+class ModelDrafter:
+    """Drafts with an independent HF causal LM (see module docstring)."""
+
+    needs_target_hidden = False
+    target_layers: tuple[int, ...] = ()
+    path_independent = False
+
+    def __init__(self, model: torch.nn.Module, target_vocab_size: int | None = None):
+        self.model = model.eval()
+        self.vocab_size = output_vocab_size(model)
+        if target_vocab_size is not None and target_vocab_size != self.vocab_size:
+            raise ValueError(
+                f"drafter vocab size {self.vocab_size} != target vocab size {target_vocab_size}; "
+                "an independent drafter must share the target's tokenizer and vocabulary"
+            )
+        self.attn_impl = attn_implementation_of(model)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cache: DynamicCache | None = None
+        self.prefix_len = 0           # committed tokens before the root that are cached
+        self.pending: list[int] = []  # committed tokens not yet fed; the last one is the root
+        self.slots: dict[int, int] = {}  # tree node -> cache position
+        self.calls = 0                # forward passes, for tests and stats
+
+    # ------------------------------------------------------------------ protocol
+    def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.prefix_len = 0
+        self.pending = [int(t) for t in prompt_ids.tolist()]
+        self.slots = {}
+
+    @torch.inference_mode()
+    def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
+        if self.cache is None:
+            raise RuntimeError("call begin() before expand()")
+        if 0 in nodes:
+            if len(nodes) != 1:
+                raise ValueError("the root must be expanded on its own, before any other node")
+            return self._expand_root(tree.tokens[0])
+        missing = [n for n in nodes if tree.parents[n] not in self.slots or n in self.slots]
+        if missing:
+            raise ValueError(f"nodes {missing} cannot be expanded: each node is expanded once, "
+                             "after its parent")
+        base = self.prefix_len + len(self.slots)       # cache length before this call
+        ids = torch.tensor([tree.tokens[n] for n in nodes], device=self.device)[None]
+        pos = torch.tensor([self.prefix_len + tree.depth[n] for n in nodes], device=self.device)[None]
+        # [F, base + F]: prefix ‖ ancestor slots ‖ self
+        allowed = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
+        allowed[:, : self.prefix_len] = True
+        for row, n in enumerate(nodes):
+            a = tree.parents[n]
+            while a >= 0:
+                allowed[row, self.slots[a]] = True
+                a = tree.parents[a]
+            allowed[row, base + row] = True
+        logits = self._forward(ids, pos, self._mask(allowed))
+        for row, n in enumerate(nodes):
+            self.slots[n] = base + row
+        return logits
+
+    @torch.inference_mode()
+    def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
+        accepted = [0] + path.tolist()
+        fed = []
+        for n in accepted:
+            if n not in self.slots:
+                break
+            fed.append(self.slots[n])
+        toks = tokens.tolist()
+        # Tokens of accepted nodes we never fed (unexpanded leaves), then the new root.
+        self.pending = toks[len(fed) - 1:] if fed else self.pending + toks
+        self._keep(fed)
+        self.slots = {}
+
+    # ------------------------------------------------------------------ internals
+    def _expand_root(self, root_token: int) -> torch.Tensor:
+        if self.slots:
+            raise ValueError("the root was already expanded for this tree")
+        if not self.pending or self.pending[-1] != root_token:
+            raise ValueError(f"root token {root_token} is not the last committed token "
+                             f"{self.pending[-1:] or None}")
+        n = len(self.pending)
+        ids = torch.tensor(self.pending, device=self.device)[None]
+        pos = torch.arange(self.prefix_len, self.prefix_len + n, device=self.device)[None]
+        logits = self._forward(ids, pos, None)
+        self.prefix_len += n - 1
+        self.slots = {0: self.prefix_len}
+        self.pending = []
+        return logits[-1:]
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        allowed = allowed.to(self.device)[None, None]
+        if self.attn_impl != "eager":
+            return allowed
+        out = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return out.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        self.calls += 1
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                         cache=self.cache, use_cache=True)
+        return out.logits[0].float()
+
+    def _keep(self, slots: list[int]) -> None:
+        """Keep cache positions ``slots`` (ascending, starting at the root slot) after the prefix."""
+        p, k = self.prefix_len, len(slots)
+        idx = torch.tensor(slots, device=self.device)
+        contiguous = slots == list(range(p, p + k))
+        for layer in self.cache.layers:
+            if not layer.is_initialized:
+                continue
+            total = layer.keys.shape[-2]
+            if not contiguous:
+                layer.keys[..., p:p + k, :] = layer.keys.index_select(-2, idx)
+                layer.values[..., p:p + k, :] = layer.values.index_select(-2, idx)
+            if total > p + k:
+                layer.crop(-(total - p - k))
+        self.prefix_len = p + k
+
+
+def early_exit_model(target_model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """The target's first ``num_layers`` decoder layers + final norm + LM head, weights shared.
+
+    Works for Llama-family HF models (``model.model.layers``, ``.norm``, ``.embed_tokens``,
+    ``.rotary_emb``). The result is a separate module: its own config, its own KV cache.
+    """
+    inner = getattr(target_model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(inner, "norm") or not hasattr(inner, "embed_tokens"):
+        raise TypeError(f"early-exit needs a Llama-style model (model.layers/norm/embed_tokens); "
+                        f"got {type(target_model).__name__}")
+    total = len(layers)
+    if not 1 <= num_layers < total:
+        raise ValueError(f"num_layers must be in [1, {total - 1}] for a {total}-layer target, "
+                         f"got {num_layers}")
+    cfg = copy.deepcopy(target_model.config)
+    cfg.num_hidden_layers = num_layers
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = list(cfg.layer_types)[:num_layers]
+    with torch.device("meta"):
+        draft = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation_of(target_model))
+    draft.model.embed_tokens = inner.embed_tokens
+    draft.model.layers = torch.nn.ModuleList(list(layers)[:num_layers])
+    draft.model.norm = inner.norm
+    draft.model.rotary_emb = inner.rotary_emb
+    draft.lm_head = target_model.get_output_embeddings()
+    leftovers = [n for n, t in list(draft.named_parameters()) + list(draft.named_buffers()) if t.is_meta]
+    if leftovers:
+        raise TypeError(f"early-exit could not share these tensors of {type(target_model).__name__}: "
+                        f"{leftovers[:5]}")
+    return draft.eval()
+
+
+@register_drafter("early-exit")
+def _early_exit_factory(target, num_layers: int | None = None) -> ModelDrafter:
+    """Self-speculative drafter from the target's first layers (default: a quarter of them)."""
+    total = len(target.model.model.layers)
+    k = num_layers if num_layers is not None else max(1, total // 4)
+    return ModelDrafter(early_exit_model(target.model, k), target.vocab_size)
+
+
+@register_drafter("target")
+def _self_factory(target) -> ModelDrafter:
+    """The target drafting for itself: every draft is accepted at T = 0 (a sanity check)."""
+    return ModelDrafter(target.model, target.vocab_size)

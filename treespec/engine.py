@@ -1,0 +1,254 @@
+"""SpeculativeGenerator: the draft -> verify -> accept -> compact -> commit loop.
+
+One step (DESIGN.md):
+    built = builder.build(drafter, root, sampling, gen)        draft a tree
+    out   = verifier.score(built.tree)                         ONE target forward, p: [N, V]
+    acc   = accept(built.tree, out.probs, gen)                 exact rejection sampling
+    verifier.compact([root] + acc.path)                        target KV = prefix + accepted
+    drafter.commit(source[acc.path], acc.tokens, features)     drafter catches up
+The new token becomes the next root. Generation stops at EOS or ``max_new_tokens``; the last
+chunk is truncated, never overshooting.
+
+Glossary of stats: τ (tau) = emitted tokens / target forwards (prefill excluded); per-depth
+acceptance = accepted / attempted at each depth; time split = draft / verify / accept / other
+(compaction, commit, bookkeeping).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from treespec.drafters.base import Drafter, TargetFeatures, drafter_factory
+from treespec.models import Target
+from treespec.sampling import SamplingConfig
+from treespec.trees.base import TreeBuilder
+from treespec.trees.dynamic import DynamicTreeBuilder
+from treespec.verifiers.rejection import accept
+from treespec.verifiers.tree_attention import TreeVerifier
+
+
+@dataclass
+class GenerationStats:
+    """Counters and timings of one generation (times in seconds)."""
+
+    new_tokens: int = 0
+    steps: int = 0                    # target forwards after prefill (= verify passes)
+    prompt_tokens: int = 0
+    tree_nodes: int = 0               # total tree nodes verified (root included)
+    drafter_calls: int = 0
+    depth_attempts: list[int] = field(default_factory=list)
+    depth_accepts: list[int] = field(default_factory=list)
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    accept_time: float = 0.0
+    other_time: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per target forward (accepted + 1), before EOS/limit truncation."""
+        return self._emitted / self.steps if self.steps else 0.0
+
+    _emitted: int = 0
+
+    @property
+    def decode_time(self) -> float:
+        return self.draft_time + self.verify_time + self.accept_time + self.other_time
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    @property
+    def depth_acceptance(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.depth_accepts, self.depth_attempts)]
+
+    def _add_depths(self, attempts: Sequence[int], accepts: Sequence[int]) -> None:
+        grow = len(attempts) - len(self.depth_attempts)
+        if grow > 0:
+            self.depth_attempts += [0] * grow
+            self.depth_accepts += [0] * grow
+        for d, (t, a) in enumerate(zip(attempts, accepts)):
+            self.depth_attempts[d] += t
+            self.depth_accepts[d] += a
+
+    def table(self) -> str:
+        """A small human-readable table."""
+        rows = [
+            ("new tokens", f"{self.new_tokens}"),
+            ("target forwards", f"{self.steps}"),
+            ("tau (tokens/forward)", f"{self.tau:.2f}"),
+            ("tokens/s", f"{self.tokens_per_s:.1f}"),
+            ("mean tree nodes", f"{self.tree_nodes / max(self.steps, 1):.1f}"),
+            ("acceptance by depth", " ".join(f"{a:.2f}" for a in self.depth_acceptance)),
+            ("time draft/verify/accept/other",
+             " / ".join(f"{t * 1e3:.0f} ms" for t in (self.draft_time, self.verify_time,
+                                                      self.accept_time, self.other_time))),
+            ("prefill", f"{self.prefill_time * 1e3:.0f} ms"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """text (None without a tokenizer), token_ids: LongTensor[T] new tokens only, stats."""
+
+    text: str | None
+    token_ids: torch.Tensor
+    stats: GenerationStats
+
+
+class GenerationStream:
+    """Iterates over token-id chunks as they are accepted; ``.result`` is set when exhausted."""
+
+    def __init__(self, chunks: Iterator[list[int]], finish):
+        self._chunks = chunks
+        self._finish = finish
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self._chunks
+        self.result = self._finish()
+
+
+class SpeculativeGenerator:
+    """Speculative generation with a target, a drafter and a tree builder.
+
+    Args:
+        target:  a ``treespec.Target`` (``load_target`` or ``Target.from_hf``).
+        drafter: a Drafter, or a registered drafter name (``registered_drafters()``).
+        builder: a TreeBuilder; default ``DynamicTreeBuilder(budget=16, depth=5, top_k=4)``.
+    """
+
+    def __init__(self, target: Target, drafter: Drafter | str, builder: TreeBuilder | None = None):
+        if not isinstance(target, Target):
+            raise TypeError(f"target must be a treespec.Target (use Target.from_hf(model, tokenizer)), "
+                            f"got {type(target).__name__}")
+        if isinstance(drafter, str):
+            drafter = drafter_factory(drafter)(target)
+        if drafter.vocab_size != target.vocab_size:
+            raise ValueError(f"drafter vocab size {drafter.vocab_size} != target vocab size "
+                             f"{target.vocab_size}; they must share one vocabulary")
+        self.target = target
+        self.drafter = drafter
+        self.builder = builder if builder is not None else DynamicTreeBuilder()
+
+    # ------------------------------------------------------------------ inputs
+    def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = True) -> torch.Tensor:
+        """LongTensor[P] of prompt ids; strings go through the chat template when there is one."""
+        if isinstance(prompt, str):
+            tok = self.target.tokenizer
+            if tok is None:
+                raise ValueError("this target has no tokenizer: pass token ids instead of a string")
+            if not prompt.strip():
+                raise ValueError("prompt is empty; pass some text or token ids")
+            if chat and getattr(tok, "chat_template", None):
+                ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                              add_generation_prompt=True, tokenize=True)
+                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                    ids = ids["input_ids"]
+            else:
+                ids = tok(prompt, add_special_tokens=True)["input_ids"]
+            return torch.tensor(ids, dtype=torch.long)
+        ids = torch.as_tensor(prompt, dtype=torch.long).flatten() if not isinstance(prompt, torch.Tensor) \
+            else prompt.flatten().long()
+        if ids.numel() == 0:
+            raise ValueError("prompt is empty; pass at least one token id")
+        if bool((ids < 0).any()) or bool((ids >= self.target.vocab_size).any()):
+            raise ValueError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
+        return ids.cpu()
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 seed: int | None = None, chat: bool = True) -> GenerationResult:
+        """Generate up to ``max_new_tokens``; see ``stream`` for the arguments."""
+        stream = self.stream(prompt, max_new_tokens, temperature, top_p, top_k, min_p, seed, chat)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def stream(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+               seed: int | None = None, chat: bool = True) -> GenerationStream:
+        """A GenerationStream of token-id chunks; temperature 0 = greedy. Seeded runs repeat."""
+        sampling = SamplingConfig(temperature, top_k, top_p, min_p)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be an int > 0, got {max_new_tokens!r}")
+        ids = self.encode(prompt, chat)
+        limit = self.target.max_context
+        if ids.numel() >= limit:
+            raise ValueError(f"prompt has {ids.numel()} tokens but the context window is {limit}; "
+                             "shorten the prompt")
+        room = limit - ids.numel() - getattr(self.builder, "budget", 1)
+        if max_new_tokens > room:
+            raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the context window "
+                             f"({limit} tokens, prompt {ids.numel()}, tree budget included); "
+                             f"use at most {max(room, 0)}")
+        gen = torch.Generator()
+        if seed is not None:
+            gen.manual_seed(int(seed))
+        else:
+            gen.seed()
+        out: list[int] = []
+        stats = GenerationStats(prompt_tokens=ids.numel())
+        chunks = self._loop(ids, max_new_tokens, sampling, gen, out, stats)
+
+        def finish() -> GenerationResult:
+            tok = self.target.tokenizer
+            text = tok.decode(out, skip_special_tokens=True) if tok is not None else None
+            return GenerationResult(text, torch.tensor(out, dtype=torch.long), stats)
+
+        return GenerationStream(chunks, finish)
+
+    def _loop(self, ids: torch.Tensor, max_new: int, sampling: SamplingConfig,
+              gen: torch.Generator, out: list[int], stats: GenerationStats) -> Iterator[list[int]]:
+        drafter, builder = self.drafter, self.builder
+        layers = drafter.target_layers if drafter.needs_target_hidden else ()
+        verifier = TreeVerifier(self.target.model, sampling, layers)
+        eos = set(self.target.eos_token_ids)
+        t0 = time.perf_counter()
+        feats = verifier.prefill(ids)
+        drafter.begin(ids, feats)
+        stats.prefill_time = time.perf_counter() - t0
+        root = int(ids[-1])
+        while True:
+            t0 = time.perf_counter()
+            built = builder.build(drafter, root, sampling, gen)
+            t1 = time.perf_counter()
+            scored = verifier.score(built.tree)
+            t2 = time.perf_counter()
+            acc = accept(built.tree, scored.probs, gen)
+            t3 = time.perf_counter()
+            keep = torch.cat([torch.zeros(1, dtype=torch.long), acc.path])
+            verifier.compact(keep)
+            feats = scored.features.select(keep) if layers else TargetFeatures.empty()
+            drafter.commit(built.source[acc.path], acc.tokens, feats)
+            new = acc.tokens.tolist()
+            stats.steps += 1
+            stats._emitted += len(new)
+            stats.tree_nodes += built.tree.num_nodes
+            stats.drafter_calls += built.drafter_calls
+            stats._add_depths(acc.depth_attempts, acc.depth_accepts)
+            chunk = []
+            for t in new:
+                chunk.append(t)
+                if t in eos or len(out) + len(chunk) >= max_new:
+                    break
+            out.extend(chunk)
+            stats.new_tokens = len(out)
+            root = new[-1]
+            t4 = time.perf_counter()
+            stats.draft_time += t1 - t0
+            stats.verify_time += t2 - t1
+            stats.accept_time += t3 - t2
+            stats.other_time += t4 - t3
+            yield chunk
+            if len(chunk) < len(new) or chunk[-1] in eos or len(out) >= max_new:
+                return
