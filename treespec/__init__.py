@@ -1,17 +1,30 @@
 """treespec: tree-based speculative decoding with exact multi-branch rejection sampling."""
 
 from treespec.analytics import acceptance_rate, expected_chain_tokens, expected_tree_tokens
+from treespec.drafters import load_drafter, registered_drafters
+from treespec.engine import GenerationResult, GenerationStats, SpeculativeGenerator
+from treespec.models import Target, load_target
 from treespec.sampling import SamplingConfig, logits_to_probs
 from treespec.tree import DraftTree
+from treespec.trees import ChainBuilder, DynamicTreeBuilder
 from treespec.verifiers import Acceptance, accept
 
 __all__ = [
     "Acceptance",
+    "ChainBuilder",
     "DraftTree",
+    "DynamicTreeBuilder",
+    "GenerationResult",
+    "GenerationStats",
     "SamplingConfig",
+    "SpeculativeGenerator",
+    "Target",
     "accept",
     "acceptance_rate",
     "expected_chain_tokens",
     "expected_tree_tokens",
+    "load_drafter",
+    "load_target",
     "logits_to_probs",
+    "registered_drafters",
 ]

@@ -1,0 +1,19 @@
+"""Drafters: anything that proposes next-token distributions cheaply.
+
+Registered names resolve through ``treespec.load_drafter(name, target)``.
+"""
+
+from treespec.drafters.base import (
+    Drafter, PartialTree, TargetFeatures, drafter_factory, register_drafter, registered_drafters,
+)
+from treespec.drafters.model import ModelDrafter, early_exit_model
+
+__all__ = [
+    "Drafter", "ModelDrafter", "PartialTree", "TargetFeatures", "drafter_factory",
+    "early_exit_model", "load_drafter", "register_drafter", "registered_drafters",
+]
+
+
+def load_drafter(name: str, target, **options) -> Drafter:
+    """Build the registered drafter ``name`` for ``target`` (a treespec.Target)."""
+    return drafter_factory(name)(target, **options)
