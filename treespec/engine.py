@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from treespec.drafters.base import Drafter, TargetFeatures, drafter_factory
 from treespec.models import Target
 from treespec.sampling import SamplingConfig
-from treespec.trees.base import TreeBuilder
+from treespec.trees.base import BuiltTree, TreeBuilder
 from treespec.trees.dynamic import DynamicTreeBuilder
-from treespec.verifiers.rejection import accept
+from treespec.verifiers.rejection import Acceptance, accept
+
+# Called after every step with (built tree, acceptance, step index); e.g. to draw trees.
+StepHook = Callable[[BuiltTree, Acceptance, int], None]
 from treespec.verifiers.tree_attention import TreeVerifier
 
 
@@ -166,9 +169,11 @@ class SpeculativeGenerator:
     # ------------------------------------------------------------------ generation
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                 seed: int | None = None, chat: bool = True) -> GenerationResult:
+                 seed: int | None = None, chat: bool = True,
+                 on_step: StepHook | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens``; see ``stream`` for the arguments."""
-        stream = self.stream(prompt, max_new_tokens, temperature, top_p, top_k, min_p, seed, chat)
+        stream = self.stream(prompt, max_new_tokens, temperature, top_p, top_k, min_p, seed, chat,
+                             on_step)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -176,8 +181,13 @@ class SpeculativeGenerator:
 
     def stream(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-               seed: int | None = None, chat: bool = True) -> GenerationStream:
-        """A GenerationStream of token-id chunks; temperature 0 = greedy. Seeded runs repeat."""
+               seed: int | None = None, chat: bool = True,
+               on_step: StepHook | None = None) -> GenerationStream:
+        """A GenerationStream of token-id chunks; temperature 0 = greedy. Seeded runs repeat.
+
+        ``prompt``: text (through the chat template when ``chat`` and the tokenizer has one) or
+        token ids. ``on_step(built, acceptance, step)`` is called after every verification.
+        """
         sampling = SamplingConfig(temperature, top_k, top_p, min_p)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be an int > 0, got {max_new_tokens!r}")
@@ -198,7 +208,7 @@ class SpeculativeGenerator:
             gen.seed()
         out: list[int] = []
         stats = GenerationStats(prompt_tokens=ids.numel())
-        chunks = self._loop(ids, max_new_tokens, sampling, gen, out, stats)
+        chunks = self._loop(ids, max_new_tokens, sampling, gen, out, stats, on_step)
 
         def finish() -> GenerationResult:
             tok = self.target.tokenizer
@@ -208,7 +218,8 @@ class SpeculativeGenerator:
         return GenerationStream(chunks, finish)
 
     def _loop(self, ids: torch.Tensor, max_new: int, sampling: SamplingConfig,
-              gen: torch.Generator, out: list[int], stats: GenerationStats) -> Iterator[list[int]]:
+              gen: torch.Generator, out: list[int], stats: GenerationStats,
+              on_step: StepHook | None) -> Iterator[list[int]]:
         drafter, builder = self.drafter, self.builder
         layers = drafter.target_layers if drafter.needs_target_hidden else ()
         verifier = TreeVerifier(self.target.model, sampling, layers)
@@ -249,6 +260,8 @@ class SpeculativeGenerator:
             stats.verify_time += t2 - t1
             stats.accept_time += t3 - t2
             stats.other_time += t4 - t3
+            if on_step is not None:
+                on_step(built, acc, stats.steps - 1)
             yield chunk
             if len(chunk) < len(new) or chunk[-1] in eos or len(out) >= max_new:
                 return
