@@ -1,0 +1,377 @@
+"""Local calibration: measure this machine's verify and drafter pass times, fit, save JSON.
+
+On a CPU the verification cost is far from a roofline: small-row GEMMs (MKL / oneDNN) cost
+almost linearly in rows up to ~8, then flatten, then grow with FLOPs. So the calibrated model
+is the measurement itself: medians of repeated passes at n = 1 … 128 tokens, made monotone
+(isotonic regression) and interpolated piecewise-linearly in n, extrapolated with the slope of
+the last segment.
+
+Calibrated machine, batch and context: the curves are measured at batch 1 with a cached
+prefix of ``context`` tokens. ``CalibratedCost`` reads a batch of B sequences as one pass of
+B · n tokens, plus the extra KV bytes of the longer contexts at the bandwidth the n = 1 pass
+attained (weight bytes / t(1)). Both are approximations; calibrate at the context you serve.
+
+File: ``default_calibration_path(model)`` = ``$TREESPEC_CACHE/calibration-<model>.json``,
+else ``~/.cache/treespec/calibration-<model>.json``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from treespec.cost.shapes import ModelShape
+
+__all__ = [
+    "CALIBRATION_VERSION",
+    "DEFAULT_NS",
+    "CalibratedCost",
+    "Calibration",
+    "Curve",
+    "calibrate",
+    "default_calibration_path",
+    "measure",
+]
+
+CALIBRATION_VERSION = 1
+
+# Token counts measured by default: every n up to 8 (where CPU cost is steep), then sparser.
+DEFAULT_NS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64,
+                               80, 96, 112, 128)
+
+
+def measure(fn: Callable[[], object], n_warmup: int = 2, n_rep: int = 7) -> float:
+    """Median wall-clock seconds of ``fn()`` over ``n_rep`` calls after ``n_warmup`` calls.
+
+    ``fn`` must finish its work before returning (synchronise accelerators inside it).
+    """
+    if not isinstance(n_warmup, int) or n_warmup < 0:
+        raise ValueError(f"n_warmup must be an int >= 0, got {n_warmup!r}")
+    if not isinstance(n_rep, int) or n_rep < 1:
+        raise ValueError(f"n_rep must be an int >= 1, got {n_rep!r}")
+    for _ in range(n_warmup):
+        fn()
+    times = []
+    for _ in range(n_rep):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _isotonic(values: Sequence[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators), equal weights."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            prev = blocks[-1]
+            prev[0] = (prev[0] * prev[1] + mean * count) / (prev[1] + count)
+            prev[1] += count
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A monotone piecewise-linear fit of measured seconds against tokens per pass.
+
+    Attributes:
+        ns:       measured token counts, strictly increasing.
+        measured: median seconds measured at each n.
+        fitted:   the non-decreasing fit at each n (isotonic regression of ``measured``).
+    """
+
+    ns: tuple[int, ...]
+    measured: tuple[float, ...]
+    fitted: tuple[float, ...]
+
+    @classmethod
+    def fit(cls, ns: Sequence[int], seconds: Sequence[float]) -> Curve:
+        if len(ns) != len(seconds) or not ns:
+            raise ValueError(f"need one time per n, got {len(ns)} ns and {len(seconds)} times")
+        if any(b <= a for a, b in zip(ns, ns[1:])) or ns[0] < 1:
+            raise ValueError(f"ns must be positive and strictly increasing, got {list(ns)}")
+        if any(not s > 0 for s in seconds):
+            raise ValueError(f"measured seconds must be > 0, got {list(seconds)}")
+        return cls(tuple(int(n) for n in ns), tuple(float(s) for s in seconds), tuple(_isotonic(seconds)))
+
+    def __call__(self, n: float) -> float:
+        """Seconds for n tokens: interpolated inside the measured range, flat below it, and
+        extended with the last segment's slope above it."""
+        ns, ts = self.ns, self.fitted
+        if n <= ns[0] or len(ns) == 1:
+            return ts[0] if n <= ns[0] else ts[-1]
+        if n >= ns[-1]:
+            slope = (ts[-1] - ts[-2]) / (ns[-1] - ns[-2])
+            return ts[-1] + slope * (n - ns[-1])
+        i = bisect.bisect_right(ns, n)
+        frac = (n - ns[i - 1]) / (ns[i] - ns[i - 1])
+        return ts[i - 1] + frac * (ts[i] - ts[i - 1])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ns": list(self.ns), "measured_s": list(self.measured), "fitted_s": list(self.fitted)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Curve:
+        return cls.fit(data["ns"], data["measured_s"])
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured pass times of one model on this machine.
+
+    Attributes:
+        model:    model name (the file is ``calibration-<model>.json``).
+        shape:    the measured model's shape (bytes per weight as run: fp32 = 4).
+        context:  cached prefix tokens during the measurement (P).
+        target:   seconds of a target verify pass (forward over n tree tokens + softmax), batch 1.
+        drafters: drafter kind -> seconds of one drafting pass over n tokens, batch 1.
+        drafter_layers: drafter kind -> layers the measured drafter ran.
+        device:   machine description (CPU model, threads, torch version).
+        created:  UTC time of the measurement, ISO 8601.
+    """
+
+    model: str
+    shape: ModelShape
+    context: int
+    target: Curve
+    drafters: Mapping[str, Curve] = field(default_factory=dict)
+    drafter_layers: Mapping[str, int] = field(default_factory=dict)
+    device: str = ""
+    created: str = ""
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write JSON to ``path`` (directories created); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {
+            "version": CALIBRATION_VERSION,
+            "model": self.model,
+            "shape": dataclasses.asdict(self.shape),
+            "context": self.context,
+            "target": self.target.to_json(),
+            "drafters": {kind: curve.to_json() for kind, curve in self.drafters.items()},
+            "drafter_layers": dict(self.drafter_layers),
+            "device": self.device,
+            "created": self.created,
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Calibration:
+        """Read a file written by ``save``. Missing file -> FileNotFoundError saying how to make it."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no calibration at {path}; run `treespec calibrate --model <name>` "
+                                    "(or `python -m treespec.cost.cli calibrate`) first")
+        data = json.loads(path.read_text())
+        if data.get("version") != CALIBRATION_VERSION:
+            raise ValueError(f"{path}: calibration version {data.get('version')!r}, expected "
+                             f"{CALIBRATION_VERSION}; recalibrate")
+        return cls(
+            model=data["model"],
+            shape=ModelShape(**data["shape"]),
+            context=int(data["context"]),
+            target=Curve.from_json(data["target"]),
+            drafters={kind: Curve.from_json(c) for kind, c in data["drafters"].items()},
+            drafter_layers={kind: int(k) for kind, k in data.get("drafter_layers", {}).items()},
+            device=data.get("device", ""),
+            created=data.get("created", ""),
+        )
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes/s the n = 1 pass attained (weight bytes / t(1)): used for KV-read corrections."""
+        return self.shape.weight_bytes / self.target(1)
+
+
+def default_calibration_path(model: str) -> Path:
+    """``$TREESPEC_CACHE/calibration-<model>.json``, else under ``~/.cache/treespec``."""
+    root = os.environ.get("TREESPEC_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "treespec") / f"calibration-{model}.json"
+
+
+@dataclass(frozen=True)
+class CalibratedCost:
+    """StepCost (see ``planner.StepCost``) from a Calibration.
+
+    Attributes:
+        calibration:  the measurement.
+        drafter_kind: a key of ``calibration.drafters``, or "lookup" (0 s).
+        scale:        multiplies every time; 1 for the calibrated model (``for_model`` sets
+                      the ratio of matmul parameters to plan another model on this machine,
+                      a rough approximation).
+    """
+
+    calibration: Calibration
+    drafter_kind: str
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.drafter_kind != "lookup" and self.drafter_kind not in self.calibration.drafters:
+            raise KeyError(f"calibration of {self.calibration.model!r} has no {self.drafter_kind!r} drafter; "
+                           f"measured: {sorted(self.calibration.drafters)} (plus 'lookup', free)")
+        if not self.scale > 0:
+            raise ValueError(f"scale must be > 0, got {self.scale}")
+
+    @classmethod
+    def for_model(cls, calibration: Calibration, drafter_kind: str, shape: ModelShape) -> CalibratedCost:
+        """Cost of ``shape`` on the calibrated machine: scaled by matmul parameters when
+        ``shape`` is not the calibrated model."""
+        same = shape.matmul_params == calibration.shape.matmul_params and shape.layers == calibration.shape.layers
+        scale = 1.0 if same else shape.matmul_params / calibration.shape.matmul_params
+        return cls(calibration, drafter_kind, scale)
+
+    def _kv_extra_s(self, batch: int, context: int) -> float:
+        """Seconds to read KV beyond what the calibration pass read (never negative)."""
+        extra_tokens = batch * context - self.calibration.context
+        return max(0, extra_tokens) * self.calibration.shape.kv_bytes_per_token / self.calibration.bandwidth
+
+    def verify_s(self, n_tokens: int, batch: int, context: int) -> float:
+        return self.scale * (self.calibration.target(n_tokens * batch) + self._kv_extra_s(batch, context))
+
+    def draft_s(self, widths: Sequence[int], batch: int, context: int) -> float:
+        if not widths or self.drafter_kind == "lookup":
+            return 0.0
+        curve = self.calibration.drafters[self.drafter_kind]
+        return self.scale * sum(curve(w * batch) for w in widths)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring a HF model
+
+
+def _truncated_model(model: Any, layers: int) -> Any:
+    """A copy of ``model`` with only its first ``layers`` decoder layers (same weights, same
+    final norm and LM head): the "early-exit" drafter."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    for attr in ("layer_types",):  # per-layer lists must shrink with the layer count
+        if isinstance(getattr(config, attr, None), list):
+            setattr(config, attr, getattr(config, attr)[:layers])
+    param = next(model.parameters())
+    draft = AutoModelForCausalLM.from_config(config, dtype=param.dtype).to(param.device)
+    missing, _ = draft.load_state_dict(model.state_dict(), strict=False)
+    if missing:
+        raise RuntimeError(f"early-exit copy misses weights: {missing[:5]}")
+    return draft.eval().requires_grad_(False)
+
+
+def _verify_fn(model: Any, n_tokens: int, context: int, seed: int = 0) -> Callable[[], None]:
+    """One verify-shaped pass: n tree tokens (a chain; the mask shape, not the tree, sets the
+    cost) over a cached prefix of ``context`` tokens, then the softmax over [n, V] logits and
+    the cache cropped back to the prefix."""
+    import torch
+    from transformers import DynamicCache
+
+    from treespec.masks import attn_implementation_of, hf_tree_mask, position_ids
+    from treespec.tree import DraftTree
+
+    param = next(model.parameters())
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        if context:
+            prefix = torch.randint(vocab, (1, context), generator=gen).to(param.device)
+            model(input_ids=prefix, cache=cache, use_cache=True)
+    tokens = torch.randint(vocab, (n_tokens,), generator=gen)
+    tree = DraftTree(tokens, torch.arange(-1, n_tokens - 1))
+    attn_impl = attn_implementation_of(model)
+
+    @torch.inference_mode()
+    def fn() -> None:
+        mask = hf_tree_mask(tree, context, attn_impl, param.dtype, param.device)
+        out = model(input_ids=tree.tokens.to(param.device)[None], position_ids=position_ids(tree, context, param.device),
+                    attention_mask=mask, cache=cache, use_cache=True)
+        out.logits[0].float().softmax(-1)
+        cache.crop(-n_tokens)
+        if param.device.type == "cuda":
+            torch.cuda.synchronize(param.device)
+
+    return fn
+
+
+def _device_description() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}; torch {torch.__version__}; {torch.get_num_threads()} threads"
+
+
+def calibrate(
+    model: Any,
+    name: str,
+    ns: Sequence[int] = DEFAULT_NS,
+    context: int = 128,
+    early_exit_layers: int = 4,
+    draft_ns: Sequence[int] | None = None,
+    n_warmup: int = 2,
+    n_rep: int = 7,
+    progress: Callable[[str], None] | None = None,
+) -> Calibration:
+    """Measure ``model`` (a HF causal LM) on its device and return the fitted Calibration.
+
+    Measures the verify pass at every n in ``ns``, and two drafters at every n in ``draft_ns``
+    (default: ``ns`` up to 64): "early_exit" (the first ``early_exit_layers`` target layers +
+    LM head) and "eagle" (one target-width layer + LM head; EAGLE's 2H -> H fusion layer is
+    left out, a small fraction of the pass). Each point is ``measure(fn, n_warmup, n_rep)``.
+    Cost: len(ns) · (n_warmup + n_rep) passes of the model, plus the drafters'.
+    """
+    from treespec.cost.roofline import _check_sizes
+
+    for n in ns:
+        _check_sizes(n, 1, context)
+    layers = model.config.num_hidden_layers
+    if not 1 <= early_exit_layers <= layers:
+        raise ValueError(f"early_exit_layers must be in [1, {layers}], got {early_exit_layers}")
+    draft_ns = tuple(n for n in ns if n <= 64) if draft_ns is None else tuple(draft_ns)
+    dtype_bytes = next(model.parameters()).element_size()
+    shape = ModelShape.from_hf_config(model.config, name=name, bytes_per_weight=dtype_bytes, bytes_per_kv=dtype_bytes)
+    say = progress or (lambda message: None)
+
+    def curve(m: Any, label: str, points: Sequence[int]) -> Curve:
+        seconds = []
+        for n in points:
+            seconds.append(measure(_verify_fn(m, n, context), n_warmup, n_rep))
+            say(f"{label} n={n}: {seconds[-1] * 1e3:.2f} ms")
+        return Curve.fit(points, seconds)
+
+    _verify_fn(model, max(ns), context)()  # first pass of the process: lazy kernel set-up
+    target = curve(model, "target", ns)
+    drafter_layers = {"early_exit": early_exit_layers, "eagle": 1}
+    drafters = {kind: curve(_truncated_model(model, k), kind, draft_ns) for kind, k in drafter_layers.items()}
+    return Calibration(
+        model=name,
+        shape=shape,
+        context=context,
+        target=target,
+        drafters=drafters,
+        drafter_layers=drafter_layers,
+        device=_device_description(),
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )

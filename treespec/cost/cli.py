@@ -1,0 +1,198 @@
+"""`treespec plan` and `treespec calibrate`.
+
+    python -m treespec.cost.cli plan --model llama-3-8b --hardware h100,mi300x,h200,a100,local \\
+        --batch 1,8,64 --context 2048
+    python -m treespec.cost.cli calibrate --model smollm2-135m
+
+The main ``treespec`` CLI calls ``register(subparsers)``; ``main()`` runs these two alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from treespec.cost.acceptance import DEFAULT_BETA, acceptance_vector
+from treespec.cost.calibration import DEFAULT_NS, CalibratedCost, Calibration, calibrate, default_calibration_path
+from treespec.cost.hardware import get_hardware
+from treespec.cost.planner import RooflineCost, StepCost, TreeChoice, batch_limits, best_choice, plan_curve
+from treespec.cost.roofline import DRAFTER_KINDS, DrafterSpec
+from treespec.cost.shapes import MODEL_PRESETS, ModelShape, model_shape
+
+__all__ = ["main", "register"]
+
+# Errors a bad command line can raise; printed as one line, exit status 2.
+_USER_ERRORS = (KeyError, ValueError, FileNotFoundError)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _acceptance(text: str) -> float | tuple[float, ...]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected β or comma-separated probabilities, got {text!r}") from None
+    try:
+        vector = acceptance_vector(values[0] if len(values) == 1 else values)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return values[0] if len(values) == 1 else vector
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``plan`` and ``calibrate`` subcommands (each sets ``func``)."""
+    plan = subparsers.add_parser("plan", help="best tree budget/depth per hardware and batch (cost model)",
+                                 description=_plan.__doc__)
+    plan.add_argument("--model", default="smollm2-135m", help=f"target preset: {', '.join(MODEL_PRESETS)}")
+    plan.add_argument("--hardware", default="h100,mi300x,h200,a100",
+                      help="comma-separated presets (h100, mi300x, h200, a100, l40) and/or 'local'")
+    plan.add_argument("--batch", type=_ints, default=[1], help="comma-separated batch sizes (default 1)")
+    plan.add_argument("--context", type=int, default=2048, help="cached tokens per sequence (default 2048)")
+    plan.add_argument("--drafter", default="eagle", choices=DRAFTER_KINDS, help="drafter kind (default eagle)")
+    plan.add_argument("--draft-model", default=None, help="preset shape of a 'model' drafter (e.g. llama-68m)")
+    plan.add_argument("--draft-layers", type=int, default=None,
+                      help="eagle: decoder layers (1); early_exit: first k target layers (4)")
+    plan.add_argument("--draft-vocab", type=int, default=None, help="drafter LM-head rows (default: full vocab)")
+    plan.add_argument("--acceptance", type=_acceptance, default=None,
+                      help="β, or a positional acceptance vector 'p1,p2,...' (default per drafter: "
+                           + ", ".join(f"{k} {v}" for k, v in DEFAULT_BETA.items()) + ")")
+    plan.add_argument("--max-budget", type=int, default=128, help="largest tree budget searched (default 128)")
+    plan.add_argument("--max-depth", type=int, default=16, help="deepest tree searched (default 16)")
+    plan.add_argument("--calibration", type=Path, default=None,
+                      help="calibration JSON for 'local' (default: the model's default calibration path)")
+    plan.add_argument("--plot", default=None,
+                      help="PNG of tokens/s vs budget (default plan-<model>.png; 'none' to skip)")
+    plan.add_argument("--limits", action="store_true",
+                      help="also print the batch sizes where verification turns compute-bound and the "
+                           "best tree shrinks to a chain / to no speculation")
+    plan.set_defaults(func=_plan)
+
+    cal = subparsers.add_parser("calibrate", help="measure this machine's verify/draft pass times, save JSON",
+                                description=_calibrate.__doc__)
+    cal.add_argument("--model", default="smollm2-135m", help=f"target preset: {', '.join(MODEL_PRESETS)}")
+    cal.add_argument("--weights", choices=("random", "pretrained"), default="random",
+                     help="random: the preset's shape with random fp32 weights (timing depends only on "
+                          "shapes and dtype); pretrained: treespec.models.load_target(model)")
+    cal.add_argument("--context", type=int, default=128, help="cached prefix tokens during the measurement")
+    cal.add_argument("--max-n", type=int, default=128, help="largest tokens per pass measured (default 128)")
+    cal.add_argument("--early-exit-layers", type=int, default=4, help="layers of the early-exit drafter")
+    cal.add_argument("--warmup", type=int, default=2, help="untimed calls per point")
+    cal.add_argument("--reps", type=int, default=7, help="timed calls per point (median kept)")
+    cal.add_argument("--out", type=Path, default=None, help="output JSON (default: the model's default path)")
+    cal.set_defaults(func=_calibrate)
+
+
+def _drafter(args: argparse.Namespace) -> DrafterSpec:
+    if args.drafter == "model":
+        if args.draft_model is None:
+            raise ValueError("--drafter model needs --draft-model <preset> (e.g. llama-68m)")
+        return DrafterSpec("model", shape=model_shape(args.draft_model), draft_vocab=args.draft_vocab)
+    default_layers = 4 if args.drafter == "early_exit" else 1
+    return DrafterSpec(args.drafter, layers=args.draft_layers or default_layers, draft_vocab=args.draft_vocab)
+
+
+def _cost(name: str, target: ModelShape, spec: DrafterSpec, args: argparse.Namespace) -> StepCost:
+    if name.strip().lower() == "local":
+        path = args.calibration or default_calibration_path(args.model)
+        return CalibratedCost.for_model(Calibration.load(path), spec.kind, target)
+    return RooflineCost(target, spec, get_hardware(name))
+
+
+def _fmt_batch(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Predict the best draft tree (budget, depth), τ, tokens/s and speedup for a target on
+    each hardware and batch size, from the roofline (presets) or this machine's calibration
+    ('local'), and plot tokens/s against the tree budget."""
+    target = model_shape(args.model)
+    spec = _drafter(args)
+    acceptance = args.acceptance if args.acceptance is not None else DEFAULT_BETA[spec.kind]
+    names = [h.strip() for h in args.hardware.split(",") if h.strip()]
+    costs = {name: _cost(name, target, spec, args) for name in names}
+    print(f"target {target.name} ({target.total_params / 1e9:.3g} B params, {target.bytes_per_weight:g} B/weight), "
+          f"drafter {spec.kind}, acceptance {acceptance}, context {args.context}")
+    header = f"{'hardware':<9} {'batch':>5} {'budget':>6} {'depth':>5} {'tau':>6} {'tokens/s':>10} " \
+             f"{'speedup':>7} {'verify ms':>9} {'draft ms':>8}"
+    print(header)
+    print("-" * len(header))
+    curves: dict[int, dict[str, list[TreeChoice]]] = {}
+    for name, cost in costs.items():
+        for batch in args.batch:
+            curve = plan_curve(cost, acceptance, batch, args.context, args.max_budget, args.max_depth)
+            curves.setdefault(batch, {})[name] = curve
+            c = best_choice(curve)
+            print(f"{name:<9} {batch:>5} {c.budget:>6} {c.depth:>5} {c.tau:>6.2f} {c.tokens_per_s:>10.1f} "
+                  f"{c.speedup:>7.2f} {c.verify_s * 1e3:>9.3f} {c.draft_s * 1e3:>8.3f}")
+    if args.limits:
+        print("\nbatch where: decode compute-bound | verify of the batch-1 tree compute-bound | "
+              "best is a chain | best is no speculation")
+        for name in names:
+            hardware = Calibration.load(args.calibration or default_calibration_path(args.model)) \
+                if name.lower() == "local" else get_hardware(name)
+            lim = batch_limits(target, spec, hardware, args.context, acceptance,
+                               max_budget=args.max_budget, max_depth=args.max_depth)
+            print(f"{name:<9} {_fmt_batch(lim.decode_compute_bound):>6} | {_fmt_batch(lim.verify_compute_bound):>6} | "
+                  f"{_fmt_batch(lim.chain):>6} | {_fmt_batch(lim.no_speculation):>6}")
+    plot = args.plot if args.plot is not None else f"plan-{args.model}.png"
+    if plot.lower() != "none":
+        from treespec.cost.plot import plot_curves
+
+        path = plot_curves(curves, plot, f"{target.name}, {spec.kind} drafter, context {args.context}")
+        print(f"\nplot: {path}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """Measure this machine's target verify pass (n = 1 … max-n tokens) and two drafters'
+    passes (early-exit and EAGLE-like one layer), fit monotone piecewise-linear curves and save
+    them as JSON for `plan --hardware local` and the engine's budget="auto"."""
+    import torch
+
+    if args.weights == "pretrained":
+        from treespec.models import load_target
+
+        model = load_target(args.model).model
+    else:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        if args.model not in MODEL_PRESETS:
+            raise KeyError(f"unknown model {args.model!r}; known models: {sorted(MODEL_PRESETS)}")
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL_PRESETS[args.model]), dtype=torch.float32)
+        model.eval().requires_grad_(False)
+    ns = tuple(n for n in DEFAULT_NS if n <= args.max_n)
+    if not ns:
+        raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
+    result = calibrate(model, args.model, ns=ns, context=args.context, early_exit_layers=args.early_exit_layers,
+                       n_warmup=args.warmup, n_rep=args.reps, progress=lambda m: print(m, flush=True))
+    path = result.save(args.out or default_calibration_path(args.model))
+    print(f"saved {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="treespec", description="treespec cost model")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    register(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except _USER_ERRORS as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
