@@ -32,6 +32,7 @@ Custom hardware: ``Hardware(name, bandwidth, peak_flops, ...)`` with your own nu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 __all__ = ["HARDWARE_PRESETS", "Hardware", "get_hardware"]
@@ -71,17 +72,17 @@ class Hardware:
         if not self.overhead_s >= 0:
             raise ValueError(f"hardware {self.name!r}: overhead_s must be >= 0, got {self.overhead_s!r}")
 
-    @property
+    @functools.cached_property
     def effective_bandwidth(self) -> float:
         """Attained bytes/s."""
         return self.bandwidth * self.bandwidth_efficiency
 
-    @property
+    @functools.cached_property
     def effective_flops(self) -> float:
         """Attained FLOP/s."""
         return self.peak_flops * self.compute_efficiency
 
-    @property
+    @functools.cached_property
     def ridge_point(self) -> float:
         """Attained FLOP per byte at which a pass turns from memory- to compute-bound."""
         return self.effective_flops / self.effective_bandwidth

@@ -22,6 +22,7 @@ Drafters (``DrafterSpec.kind``), one batched pass per tree level unless noted:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -49,32 +50,50 @@ DrafterKind = Literal["model", "eagle", "early_exit", "medusa", "lookup"]
 DRAFTER_KINDS: tuple[str, ...] = get_args(DrafterKind)
 
 
+def _is_int(value: object, low: int) -> bool:
+    return (type(value) is int or isinstance(value, numbers.Integral)) and not isinstance(value, bool) \
+        and value >= low
+
+
 def _check_sizes(n_tokens: int, batch: int, context: int) -> None:
-    if not isinstance(n_tokens, numbers.Integral) or n_tokens < 1:
+    if not _is_int(n_tokens, 1):
         raise ValueError(f"n_tokens must be a positive int (tokens per sequence per pass), got {n_tokens!r}")
-    if not isinstance(batch, numbers.Integral) or batch < 1:
+    if not _is_int(batch, 1):
         raise ValueError(f"batch must be a positive int (sequences per pass), got {batch!r}")
-    if not isinstance(context, numbers.Integral) or context < 0:
+    if not _is_int(context, 0):
         raise ValueError(f"context must be an int >= 0 (cached tokens per sequence), got {context!r}")
+
+
+def _bytes(shape: ModelShape, n_tokens: int, batch: int, context: int) -> float:
+    return shape.weight_bytes + batch * (context + n_tokens) * shape.kv_bytes_per_token
+
+
+def _flops(shape: ModelShape, n_tokens: int, batch: int, context: int) -> float:
+    return batch * n_tokens * shape.flops_per_token(context + n_tokens)
+
+
+def _time(shape: ModelShape, hardware: Hardware, n_tokens: int, batch: int, context: int) -> float:
+    memory_s = _bytes(shape, n_tokens, batch, context) / hardware.effective_bandwidth
+    compute_s = _flops(shape, n_tokens, batch, context) / hardware.effective_flops
+    return max(memory_s, compute_s) + hardware.overhead_s
 
 
 def pass_bytes(shape: ModelShape, n_tokens: int, batch: int = 1, context: int = 0) -> float:
     """Bytes one forward pass moves: weights once, KV read per sequence, new KV written."""
     _check_sizes(n_tokens, batch, context)
-    return shape.weight_bytes + batch * (context + n_tokens) * shape.kv_bytes_per_token
+    return _bytes(shape, n_tokens, batch, context)
 
 
 def pass_flops(shape: ModelShape, n_tokens: int, batch: int = 1, context: int = 0) -> float:
     """FLOPs of one forward pass: B · n tokens, each attending to context + n keys."""
     _check_sizes(n_tokens, batch, context)
-    return batch * n_tokens * shape.flops_per_token(context + n_tokens)
+    return _flops(shape, n_tokens, batch, context)
 
 
 def pass_time(shape: ModelShape, hardware: Hardware, n_tokens: int, batch: int = 1, context: int = 0) -> float:
     """Seconds of one forward pass: max(memory time, compute time) + overhead."""
-    memory_s = pass_bytes(shape, n_tokens, batch, context) / hardware.effective_bandwidth
-    compute_s = pass_flops(shape, n_tokens, batch, context) / hardware.effective_flops
-    return max(memory_s, compute_s) + hardware.overhead_s
+    _check_sizes(n_tokens, batch, context)
+    return _time(shape, hardware, n_tokens, batch, context)
 
 
 def t_target(shape: ModelShape, hardware: Hardware, n_tokens: int, batch: int = 1, context: int = 0) -> float:
@@ -151,6 +170,7 @@ class DrafterSpec:
             raise ValueError(f"draft_vocab must be a positive int or None, got {self.draft_vocab!r}")
 
 
+@functools.lru_cache(maxsize=64)
 def drafter_pass_shape(spec: DrafterSpec, target: ModelShape) -> ModelShape | None:
     """The weights one per-level drafter pass reads, as a ModelShape (None: medusa, lookup)."""
     if spec.kind == "model":
@@ -183,7 +203,7 @@ def t_draft(
     ``widths[l]`` is the number of nodes at depth l that pass l expands (``widths[0] == 1``, the
     root); a chain of k draft tokens has ``widths == [1] * k``. No widths: no drafting, 0 s.
     """
-    if any(not isinstance(w, numbers.Integral) or w < 1 for w in widths):
+    if not all(_is_int(w, 1) for w in widths):
         raise ValueError(f"widths must be positive ints (nodes expanded per level), got {list(widths)}")
     _check_sizes(1, batch, context)
     if not widths or spec.kind == "lookup":
@@ -197,4 +217,4 @@ def t_draft(
         return max(memory_s, compute_s) + hardware.overhead_s
     shape = drafter_pass_shape(spec, target)
     assert shape is not None
-    return math.fsum(pass_time(shape, hardware, w, batch, context) for w in widths)
+    return math.fsum(_time(shape, hardware, w, batch, context) for w in widths)

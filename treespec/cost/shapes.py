@@ -79,14 +79,14 @@ class ModelShape:
             raise ValueError(f"ModelShape {self.name!r}: extra_params must be >= 0, got {self.extra_params}")
 
     # ------------------------------------------------------------------ parameters by kind
-    @property
+    @functools.cached_property
     def attention_params(self) -> int:
         """Q, K, V, O projections over all layers (biases ignored)."""
         q_out = self.heads * self.head_dim
         kv_out = self.kv_heads * self.head_dim
         return self.layers * (self.hidden * q_out + 2 * self.hidden * kv_out + q_out * self.hidden)
 
-    @property
+    @functools.cached_property
     def mlp_params(self) -> int:
         matrices = 3 if self.gated_mlp else 2
         return self.layers * matrices * self.hidden * self.intermediate
@@ -101,30 +101,30 @@ class ModelShape:
         """LM head, V · H (the same matrix as the embedding when tied)."""
         return self.vocab * self.hidden
 
-    @property
+    @functools.cached_property
     def norm_params(self) -> int:
         """RMSNorm gains: two per block plus the final norm."""
         return (2 * self.layers + 1) * self.hidden
 
-    @property
+    @functools.cached_property
     def total_params(self) -> int:
         """Stored parameters (a tied LM head is counted once)."""
         head = 0 if self.tied_embeddings else self.lm_head_params
         return (self.attention_params + self.mlp_params + self.embedding_params + head
                 + self.norm_params + self.extra_params)
 
-    @property
+    @functools.cached_property
     def matmul_params(self) -> int:
         """Parameters every token multiplies through: attention + MLP + LM head + extra."""
         return self.attention_params + self.mlp_params + self.lm_head_params + self.extra_params
 
     # ------------------------------------------------------------------ bytes and FLOPs
-    @property
+    @functools.cached_property
     def weight_bytes(self) -> float:
         """Bytes of weights one forward pass reads (matmul weights + norms), in bytes."""
         return (self.matmul_params + self.norm_params) * self.bytes_per_weight
 
-    @property
+    @functools.cached_property
     def kv_bytes_per_token(self) -> float:
         """Bytes of KV cache one token occupies across all layers (K and V)."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_kv
