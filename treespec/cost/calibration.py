@@ -138,6 +138,7 @@ class Calibration:
         drafters: drafter kind -> seconds of one drafting pass over n tokens, batch 1.
         drafter_layers: drafter kind -> layers the measured drafter ran.
         device:   machine description (CPU model, threads, torch version).
+        threads:  torch intra-op threads during the measurement (run the engine with the same).
         created:  UTC time of the measurement, ISO 8601.
     """
 
@@ -148,6 +149,7 @@ class Calibration:
     drafters: Mapping[str, Curve] = field(default_factory=dict)
     drafter_layers: Mapping[str, int] = field(default_factory=dict)
     device: str = ""
+    threads: int = 0
     created: str = ""
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -163,6 +165,7 @@ class Calibration:
             "drafters": {kind: curve.to_json() for kind, curve in self.drafters.items()},
             "drafter_layers": dict(self.drafter_layers),
             "device": self.device,
+            "threads": self.threads,
             "created": self.created,
         }
         tmp = path.with_name(path.name + ".tmp")
@@ -189,6 +192,7 @@ class Calibration:
             drafters={kind: Curve.from_json(c) for kind, c in data["drafters"].items()},
             drafter_layers={kind: int(k) for kind, k in data.get("drafter_layers", {}).items()},
             device=data.get("device", ""),
+            threads=int(data.get("threads", 0)),
             created=data.get("created", ""),
         )
 
@@ -332,6 +336,7 @@ def calibrate(
     draft_ns: Sequence[int] | None = None,
     n_warmup: int = 2,
     n_rep: int = 7,
+    threads: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Calibration:
     """Measure ``model`` (a HF causal LM) on its device and return the fitted Calibration.
@@ -340,8 +345,12 @@ def calibrate(
     (default: ``ns`` up to 64): "early_exit" (the first ``early_exit_layers`` target layers +
     LM head) and "eagle" (one target-width layer + LM head; EAGLE's 2H -> H fusion layer is
     left out, a small fraction of the pass). Each point is ``measure(fn, n_warmup, n_rep)``.
+    ``threads``: torch intra-op threads for the measurement (default: leave as set); on a
+    shared machine 1 thread is far less sensitive to other processes.
     Cost: len(ns) · (n_warmup + n_rep) passes of the model, plus the drafters'.
     """
+    import torch
+
     from treespec.cost.roofline import _check_sizes
 
     for n in ns:
@@ -353,6 +362,20 @@ def calibrate(
     dtype_bytes = next(model.parameters()).element_size()
     shape = ModelShape.from_hf_config(model.config, name=name, bytes_per_weight=dtype_bytes, bytes_per_kv=dtype_bytes)
     say = progress or (lambda message: None)
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    try:
+        return _calibrate(model, name, shape, ns, draft_ns, context, early_exit_layers, n_warmup, n_rep, say)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _calibrate(model: Any, name: str, shape: ModelShape, ns: Sequence[int], draft_ns: Sequence[int], context: int,
+               early_exit_layers: int, n_warmup: int, n_rep: int, say: Callable[[str], None]) -> Calibration:
+    import torch
 
     def curve(m: Any, label: str, points: Sequence[int]) -> Curve:
         seconds = []
@@ -373,5 +396,6 @@ def calibrate(
         drafters=drafters,
         drafter_layers=drafter_layers,
         device=_device_description(),
+        threads=torch.get_num_threads(),
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )

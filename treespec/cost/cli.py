@@ -88,6 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cal.add_argument("--early-exit-layers", type=int, default=4, help="layers of the early-exit drafter")
     cal.add_argument("--warmup", type=int, default=2, help="untimed calls per point")
     cal.add_argument("--reps", type=int, default=7, help="timed calls per point (median kept)")
+    cal.add_argument("--threads", type=int, default=None,
+                     help="torch threads while measuring (default: torch's); use what the engine will use")
     cal.add_argument("--out", type=Path, default=None, help="output JSON (default: the model's default path)")
     cal.set_defaults(func=_calibrate)
 
@@ -175,7 +177,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if not ns:
         raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
     result = calibrate(model, args.model, ns=ns, context=args.context, early_exit_layers=args.early_exit_layers,
-                       n_warmup=args.warmup, n_rep=args.reps, progress=lambda m: print(m, flush=True))
+                       n_warmup=args.warmup, n_rep=args.reps, threads=args.threads, progress=lambda m: print(m, flush=True))
     path = result.save(args.out or default_calibration_path(args.model))
     print(f"saved {path}")
     return 0

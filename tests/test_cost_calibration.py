@@ -1,0 +1,167 @@
+"""Cost model: measurement, calibration files, the calibrated cost, auto budget and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from treespec.cost import (
+    CalibratedCost,
+    Calibration,
+    Curve,
+    auto_budget,
+    best_tree,
+    default_calibration_path,
+    measure,
+    model_shape,
+)
+from treespec.cost.cli import main
+
+
+def _flat_then_linear(n: int) -> float:
+    """A synthetic CPU-like verify curve: 1 s up to 8 tokens, then n / 8 s."""
+    return max(1.0, n / 8)
+
+
+def _calibration(drafter_s: float = 0.01) -> Calibration:
+    ns = (1, 2, 4, 8, 16, 32, 64)
+    return Calibration(
+        model="toy",
+        shape=model_shape("smollm2-135m", bytes_per_weight=4),
+        context=64,
+        target=Curve.fit(ns, [_flat_then_linear(n) for n in ns]),
+        drafters={"early_exit": Curve.fit(ns, [drafter_s * n for n in ns])},
+        drafter_layers={"early_exit": 2},
+        device="test",
+    )
+
+
+def test_measure_calls_warmup_plus_reps_and_takes_the_median(monkeypatch):
+    calls = []
+    clock = iter([0.0, 1.0, 10.0, 13.0, 20.0, 22.0])  # durations 1, 3, 2 -> median 2
+    monkeypatch.setattr("treespec.cost.calibration.time.perf_counter", lambda: next(clock))
+    assert measure(lambda: calls.append(1), n_warmup=2, n_rep=3) == 2.0
+    assert len(calls) == 5
+    with pytest.raises(ValueError, match="n_rep must be an int >= 1"):
+        measure(lambda: None, n_rep=0)
+    with pytest.raises(ValueError, match="n_warmup must be an int >= 0"):
+        measure(lambda: None, n_warmup=-1)
+
+
+def test_curve_is_monotone_piecewise_linear():
+    curve = Curve.fit([1, 2, 4, 8], [1.0, 3.0, 2.0, 6.0])
+    assert curve.fitted == (1.0, 2.5, 2.5, 6.0)  # the 3, 2 dip pooled to its mean
+    assert curve(1) == 1.0 and curve(0.5) == 1.0  # flat below the first point
+    assert curve(1.5) == pytest.approx(1.75)
+    assert curve(6) == pytest.approx(2.5 + 0.5 * 3.5)
+    assert curve(12) == pytest.approx(6.0 + 4 * 3.5 / 4)  # last segment's slope
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Curve.fit([1, 1], [1.0, 2.0])
+    with pytest.raises(ValueError, match="measured seconds must be > 0"):
+        Curve.fit([1, 2], [1.0, 0.0])
+    with pytest.raises(ValueError, match="need one time per n"):
+        Curve.fit([1, 2], [1.0])
+
+
+def test_calibration_round_trip_and_default_path(tmp_path, monkeypatch):
+    cal = _calibration()
+    path = cal.save(tmp_path / "sub" / "cal.json")
+    assert Calibration.load(path) == cal
+    assert json.loads(path.read_text())["target"]["ns"] == [1, 2, 4, 8, 16, 32, 64]
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    assert default_calibration_path("smollm2-135m") == tmp_path / "calibration-smollm2-135m.json"
+    monkeypatch.delenv("TREESPEC_CACHE")
+    assert default_calibration_path("m").name == "calibration-m.json"
+    assert default_calibration_path("m").parent.name == "treespec"
+    with pytest.raises(FileNotFoundError, match="run `treespec calibrate"):
+        Calibration.load(tmp_path / "missing.json")
+    bad = tmp_path / "old.json"
+    bad.write_text(json.dumps({"version": 0}))
+    with pytest.raises(ValueError, match="calibration version 0"):
+        Calibration.load(bad)
+
+
+def test_calibrated_cost_follows_the_measurement():
+    cal = _calibration()
+    cost = CalibratedCost(cal, "early_exit")
+    for n in (1, 3, 8, 24, 64):
+        assert cost.verify_s(n, 1, cal.context) == pytest.approx(_flat_then_linear(n))
+    assert cost.verify_s(4, 4, 0) == pytest.approx(cal.target(16))  # a batch is one pass of B·n tokens
+    assert cost.verify_s(1, 1, 10 * cal.context) > cost.verify_s(1, 1, cal.context)  # more KV to read
+    assert cost.draft_s([1, 2, 4], 1, cal.context) == pytest.approx(0.01 * 7)
+    assert CalibratedCost(cal, "lookup").draft_s([1, 2], 1, 0) == 0.0
+    with pytest.raises(KeyError, match=r"no 'eagle' drafter; measured: \['early_exit'\]"):
+        CalibratedCost(cal, "eagle")
+    scaled = CalibratedCost.for_model(cal, "early_exit", model_shape("llama-3-8b", bytes_per_weight=4))
+    assert scaled.scale == pytest.approx(model_shape("llama-3-8b").matmul_params / cal.shape.matmul_params)
+
+
+def test_auto_budget_by_hand():
+    # Free drafting on a verify curve flat up to 8 tokens, then linear; chain-only acceptance
+    # 0.5: τ(b) = 2 − 0.5^b rises while t(b + 1) stays 1 s up to b = 7, after which the time
+    # grows faster (9/8 at b = 8) than τ (1.996 / 1.992). Best: a 7-node chain.
+    choice = auto_budget(_calibration(), (0.5,), "lookup")
+    assert (choice.budget, choice.depth) == (7, 7)
+    assert choice.tau == pytest.approx(2 - 0.5**7) and choice.tokens_per_s == pytest.approx(choice.tau)
+    assert choice.speedup == pytest.approx(choice.tau)
+    # A costly drafter shortens it.
+    slow = auto_budget(_calibration(drafter_s=0.2), (0.5,), "early_exit")
+    assert 0 < slow.budget < 7
+    # best_tree accepts a calibration as the hardware.
+    assert best_tree("smollm2-135m", "lookup", _calibration(), context=64, acceptance=(0.5,)).budget == 7
+
+
+def test_calibrate_a_tiny_model():
+    from treespec.cost import calibrate
+    from treespec.models import tiny_llama
+
+    cal = calibrate(tiny_llama(num_layers=2), "tiny", ns=(1, 3), context=5, early_exit_layers=1,
+                    n_warmup=0, n_rep=1)
+    assert cal.target.ns == (1, 3) and all(t > 0 for t in cal.target.measured)
+    assert set(cal.drafters) == {"early_exit", "eagle"} and cal.drafter_layers["early_exit"] == 1
+    assert cal.shape.bytes_per_weight == 4 and cal.shape.layers == 2 and cal.context == 5
+    with pytest.raises(ValueError, match=r"early_exit_layers must be in \[1, 2\]"):
+        calibrate(tiny_llama(num_layers=2), "tiny", ns=(1,), early_exit_layers=3)
+
+
+def test_cli_plan_prints_a_table_and_writes_a_plot(tmp_path, capsys):
+    cal_path = _calibration().save(tmp_path / "cal.json")
+    plot = tmp_path / "plan.png"
+    assert main(["plan", "--model", "smollm2-135m", "--hardware", "h100,mi300x,local", "--batch", "1,8",
+                 "--context", "64", "--calibration", str(cal_path), "--drafter", "early_exit",
+                 "--max-budget", "32", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["h100"], ["mi300x"], ["local"])]
+    assert [(r[0], r[1]) for r in rows] == [("h100", "1"), ("h100", "8"), ("mi300x", "1"), ("mi300x", "8"),
+                                          ("local", "1"), ("local", "8")]
+    assert plot.stat().st_size > 1000
+
+
+def test_cli_errors(capsys):
+    assert main(["plan", "--hardware", "h100,tpu", "--plot", "none"]) == 2
+    assert "unknown hardware 'tpu'" in capsys.readouterr().err
+    assert main(["plan", "--model", "gpt-5", "--plot", "none"]) == 2
+    assert "unknown model 'gpt-5'" in capsys.readouterr().err
+    assert main(["plan", "--drafter", "model", "--plot", "none"]) == 2
+    assert "needs --draft-model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--acceptance", "1.5"])
+    assert "must be in [0, 1], got 1.5" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--batch", "0,x"])
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert main(["plan", "--batch", "0", "--plot", "none"]) == 2
+    assert "batch must be an int >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrate_smollm2(tmp_path):
+    """The real target, a few points: the CPU verify curve is increasing and far from flat."""
+    from treespec.cost import calibrate
+    from treespec.models import load_target
+
+    cal = calibrate(load_target("smollm2-135m").model, "smollm2-135m", ns=(1, 8, 64), context=32,
+                    n_warmup=1, n_rep=3)
+    assert cal.target(64) > 2 * cal.target(1)
+    assert Calibration.load(cal.save(tmp_path / "c.json")) == cal
