@@ -6,10 +6,11 @@ Registered names resolve through ``treespec.load_drafter(name, target)``.
 from treespec.drafters.base import (
     Drafter, PartialTree, TargetFeatures, drafter_factory, register_drafter, registered_drafters,
 )
+from treespec.drafters.lookup import LookupConfig, LookupDrafter
 from treespec.drafters.model import ModelDrafter, early_exit_model
 
 __all__ = [
-    "Drafter", "ModelDrafter", "PartialTree", "TargetFeatures", "drafter_factory",
+    "Drafter", "LookupConfig", "LookupDrafter", "ModelDrafter", "PartialTree", "TargetFeatures", "drafter_factory",
     "early_exit_model", "load_drafter", "register_drafter", "registered_drafters",
 ]
 

@@ -1,0 +1,99 @@
+"""Prompt-lookup drafter: n-gram matches in the context propose the next tokens; no model.
+
+For a node, the context is the committed tokens plus the node's draft path. The longest suffix
+n-gram (``max_ngram`` down to ``min_ngram`` tokens) that occurred earlier in the context
+votes for the tokens that followed its earlier occurrences (the most recent ``max_matches``).
+q mixes those votes with a small uniform floor (``floor``), so q is a proper distribution with
+full support: stochastic drafting modes stay exact, and a node without any match gets the
+uniform q (whose top-k ranking then carries no information: builders give it a low score).
+Cheap enough to run on every node; strong on summarising, rewriting and code-editing prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    """max_ngram / min_ngram: suffix lengths tried, longest first; max_matches: earlier
+    occurrences that vote (most recent first); floor: uniform probability mass mixed in."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    max_matches: int = 8
+    floor: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if self.max_matches < 1:
+            raise ValueError(f"max_matches must be >= 1, got {self.max_matches}")
+        if not 0.0 < self.floor < 1.0:
+            raise ValueError(f"floor must be in (0, 1), got {self.floor}")
+
+
+class LookupDrafter:
+    """Prompt-lookup (n-gram) drafter; see the module docstring."""
+
+    needs_target_hidden = False
+    target_layers: tuple[int, ...] = ()
+    path_independent = False
+
+    def __init__(self, vocab_size: int, config: LookupConfig = LookupConfig()):
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.config = config
+        self.history: list[int] = []
+        self.calls = 0
+
+    def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
+        self.history = [int(t) for t in prompt_ids.tolist()]
+
+    def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
+        self.calls += 1
+        # [F, V]
+        out = torch.full((len(nodes), self.vocab_size), 0.0)
+        for row, node in enumerate(nodes):
+            path = [tree.tokens[n] for n in tree.path_to(node)[1:]]  # root is history[-1]
+            votes = self._votes(np.asarray(self.history + path, dtype=np.int64))
+            q = np.full(self.vocab_size, self.config.floor / self.vocab_size)
+            if votes:
+                total = sum(votes.values())
+                for tok, c in votes.items():
+                    q[tok] += (1.0 - self.config.floor) * c / total
+            else:
+                q[:] = 1.0 / self.vocab_size
+            out[row] = torch.from_numpy(np.log(q))
+        return out
+
+    def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
+        self.history.extend(int(t) for t in tokens.tolist())
+
+    def _votes(self, ctx: np.ndarray) -> dict[int, int]:
+        cfg, n_ctx = self.config, ctx.shape[0]
+        for n in range(min(cfg.max_ngram, n_ctx - 1), cfg.min_ngram - 1, -1):
+            suffix = ctx[n_ctx - n:]
+            # windows starting at s = 0 .. n_ctx - n - 1 (an occurrence must have a follower)
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                votes: dict[int, int] = {}
+                for s in hits[::-1][: cfg.max_matches]:
+                    tok = int(ctx[s + n])
+                    votes[tok] = votes.get(tok, 0) + 1
+                return votes
+        return {}
+
+
+@register_drafter("lookup")
+def _lookup_factory(target, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 8) -> LookupDrafter:
+    """Prompt lookup over the target's vocabulary."""
+    return LookupDrafter(target.vocab_size, LookupConfig(max_ngram, min_ngram, max_matches))
+
