@@ -6,12 +6,22 @@ Glossary:
     built tree    ``BuiltTree``: the validated ``DraftTree`` handed to the verifier, plus
                   ``source[i]``: the partial-tree id of tree node i (a builder may keep only
                   a subset of what it drafted, e.g. EAGLE-2's final rerank).
+    score         cumulative draft log-probability of a node's path, Σ log q(token | path).
+    confidence    exp(score): the drafter's probability of the whole path.
+    slot          "the j-th child of node u", before it exists. Its planning value is
+                  score(u) + log q_u^(j), with q_u^(j) the j-th largest entry of q_u: known as
+                  soon as u is expanded, before any child is drawn.
 
 Exactness constraint for stochastic modes: the *number* of children drawn at a node may depend
 on anything except those children's own draws; a builder must never drop a drawn child because
 of its value (that biases the i.i.d. / without-replacement law the acceptance rule relies on).
+Deciding to add the j-th child may depend on everything drawn before it (earlier siblings,
+other nodes, their subtrees): the rules reproduce the residual after each rejection whatever
+comes next, so a stopping rule over the draw sequence is exact. ``expand_nodes`` pre-draws a
+node's children in draw order; a builder takes a *prefix* of them whose length it decides from
+slot values, never from the drawn tokens themselves.
 Deterministic trees have no such constraint: any candidate set is exact under the
-deterministic rule.
+deterministic rule, so deterministic builders may prune freely.
 """
 
 from __future__ import annotations
@@ -48,7 +58,11 @@ class BuiltTree:
 
 
 class TreeBuilder(Protocol):
-    """Grows a draft tree for one step."""
+    """Grows a draft tree for one step. ``budget``: the most tree nodes it returns, root included
+    (the engine reserves that much context)."""
+
+    @property
+    def budget(self) -> int: ...
 
     def build(
         self,
@@ -59,9 +73,34 @@ class TreeBuilder(Protocol):
     ) -> BuiltTree: ...
 
 
+# ---------------------------------------------------------------- validation
+def check_int(name: str, value: object, minimum: int = 1) -> None:
+    """Clear error for a config integer below ``minimum`` (bools are not ints here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
 def check_mode(mode: str) -> None:
     if mode not in DRAFT_MODES:
         raise ValueError(f"sampling mode must be one of {DRAFT_MODES}, got {mode!r}")
+
+
+def check_confidence(min_confidence: float) -> None:
+    if isinstance(min_confidence, bool) or not isinstance(min_confidence, (int, float)) \
+            or not 0.0 <= min_confidence < 1.0:
+        raise ValueError(f"min_confidence must be a probability in [0, 1) (0 disables adaptive "
+                         f"termination), got {min_confidence!r}")
+
+
+def check_width(name: str, width: int, drafter: Drafter) -> None:
+    """A per-node child count above the drafter's vocabulary cannot be honoured."""
+    if width > drafter.vocab_size:
+        raise ValueError(f"{name}={width} exceeds the drafter's vocabulary V={drafter.vocab_size}; "
+                         f"use {name} <= V")
+
+
+def log_confidence(min_confidence: float) -> float:
+    return math.log(min_confidence) if min_confidence > 0 else -math.inf
 
 
 def effective_mode(mode: DraftMode, sampling: SamplingConfig) -> DraftMode:
@@ -79,33 +118,94 @@ def draft_distribution(logits: torch.Tensor, sampling: SamplingConfig) -> torch.
     return process(logits, sampling)
 
 
-def choose_children(
-    # [V]
+# ---------------------------------------------------------------- child choice
+@dataclass(frozen=True)
+class Expansion:
+    """What one expanded node offers its children, in trial (= draw) order.
+
+    Attributes:
+        tokens:    tokens[j] is the node's j-th child if it gets more than j children: the j-th
+                   ranked token (deterministic) or the j-th draw from q (stochastic).
+        logq:      log q(tokens[j]).
+        slot_logq: planning value of slot j, log of the j-th largest q (see module docstring);
+                   independent of the draws. Equal to ``logq`` in deterministic mode.
+    """
+
+    tokens: list[int]
+    logq: list[float]
+    slot_logq: list[float]
+
+
+def draw_children(
+    # [F, V]
     q: torch.Tensor,
     k: int,
     mode: DraftMode,
     generator: torch.Generator | None,
-) -> list[int]:
-    """k child tokens of one node: top-k (distinct), i.i.d. draws, or draws without replacement.
+) -> list[Expansion]:
+    """Up to k children per row of q, in trial order (see ``Expansion``).
 
-    Deterministic and without-replacement choices are capped by the support of q.
+    deterministic:        the k most likely tokens with q > 0, most likely first.
+    with_replacement:     k i.i.d. draws from q (repeats possible).
+    without_replacement:  k sequential draws without replacement (Gumbel-top-k), capped by the
+                          support of q.
     """
-    if k <= 0:
-        return []
-    if mode == "with_replacement":
-        return torch.multinomial(q.float(), k, replacement=True, generator=generator).tolist()
-    k = min(k, int((q > 0).sum()))
+    if q.dim() != 2:
+        raise ValueError(f"q must be [F, V], got shape {tuple(q.shape)}")
+    rows, vocab = q.shape
+    if k <= 0 or rows == 0:
+        return [Expansion([], [], []) for _ in range(rows)]
+    top = min(k, vocab)
+    # [F, top]
+    ranked_q, ranked = torch.topk(q, top, dim=-1)
+    support = (q > 0).sum(-1).tolist()
+    slot = ranked_q.double().clamp_min(0).log().tolist()
     if mode == "deterministic":
-        return torch.topk(q, k).indices.tolist()
-    # Gumbel-top-k == sequential draws without replacement, in draw order.
-    u = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
-    keys = torch.log(q.double()) - torch.log(-torch.log(u))
-    return torch.topk(keys, k).indices.tolist()
+        tokens, logq = ranked.tolist(), slot
+    elif mode == "with_replacement":
+        # [F, k]
+        drawn = torch.multinomial(q.float(), k, replacement=True, generator=generator)
+        tokens = drawn.tolist()
+        logq = q.gather(1, drawn).double().log().tolist()
+    elif mode == "without_replacement":
+        u = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
+        keys = q.double().log() - torch.log(-torch.log(u))  # Gumbel-top-k = draws w/o replacement
+        # [F, top]
+        drawn = torch.topk(keys, top, dim=-1).indices
+        tokens = drawn.tolist()
+        logq = q.gather(1, drawn).double().log().tolist()
+    else:
+        check_mode(mode)
+        raise AssertionError  # pragma: no cover
+    out = []
+    for r in range(rows):
+        s = min(support[r], top)
+        if mode == "with_replacement":
+            # every draw has q > 0; slot j is planned with the j-th largest q (the last one with
+            # q > 0 once j exceeds the support)
+            plan = [slot[r][min(j, s - 1)] for j in range(k)]
+            out.append(Expansion(tokens[r], logq[r], plan))
+        else:
+            out.append(Expansion(tokens[r][:s], logq[r][:s], slot[r][:s]))
+    return out
 
 
-def log_prob(q_row: torch.Tensor, token: int) -> float:
-    x = float(q_row[token])
-    return math.log(x) if x > 0 else -math.inf
+def expand_nodes(
+    drafter: Drafter,
+    tree: PartialTree,
+    nodes: list[int],
+    sampling: SamplingConfig,
+    mode: DraftMode,
+    k: int,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, list[Expansion]]:
+    """ONE batched drafter call for ``nodes``; returns q [F, V] and each node's Expansion."""
+    logits = drafter.expand(tree, nodes)
+    if logits.dim() != 2 or logits.shape[0] != len(nodes):
+        raise ValueError(f"drafter.expand must return logits [F={len(nodes)}, V], got shape "
+                         f"{tuple(logits.shape)} from {type(drafter).__name__}")
+    q = draft_distribution(logits, sampling)
+    return q, draw_children(q, k, mode, generator)
 
 
 def finish(
@@ -124,7 +224,10 @@ def finish(
         raise ValueError("the kept node set must contain the root")
     new_id = {old: i for i, old in enumerate(keep)}
     tokens = [partial.tokens[o] for o in keep]
-    parents = [-1] + [new_id[partial.parents[o]] for o in keep[1:]]
+    try:
+        parents = [-1] + [new_id[partial.parents[o]] for o in keep[1:]]
+    except KeyError:
+        raise ValueError("the kept node set must contain every kept node's parent") from None
     probs = None
     if mode != "deterministic":
         vocab = next(iter(rows.values())).shape[-1]
@@ -132,5 +235,6 @@ def finish(
         for i, o in enumerate(keep):
             if o in rows:
                 probs[i] = rows[o].float().cpu()
-    tree = DraftTree(torch.tensor(tokens), torch.tensor(parents), probs, mode)
-    return BuiltTree(tree, torch.tensor(keep), calls, len(partial))
+    tree = DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                     probs, mode)
+    return BuiltTree(tree, torch.tensor(keep, dtype=torch.long), calls, len(partial))

@@ -9,8 +9,7 @@ import torch
 from treespec.drafters.base import Drafter, PartialTree
 from treespec.sampling import SamplingConfig
 from treespec.trees.base import (
-    BuiltTree, DraftMode, check_mode, choose_children, draft_distribution, effective_mode,
-    finish, log_prob,
+    BuiltTree, DraftMode, check_int, check_mode, effective_mode, expand_nodes, finish,
 )
 
 
@@ -22,13 +21,16 @@ class ChainConfig:
     mode: DraftMode = "deterministic"
 
     def __post_init__(self) -> None:
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"k (chain length) must be an int >= 1, got {self.k!r}")
+        check_int("k (chain length)", self.k)
         check_mode(self.mode)
 
 
 class ChainBuilder:
-    """One drafter call per token; the draft is the argmax (or a draw from q) each time."""
+    """One drafter call per token; the draft is the argmax (or one draw from q) each time.
+
+    A chain is a tree whose nodes have one child each, so every sampling mode is trivially
+    exact: the child count (1) never depends on the draw.
+    """
 
     def __init__(self, k: int = 4, mode: DraftMode = "deterministic"):
         self.config = ChainConfig(k, mode)
@@ -37,6 +39,13 @@ class ChainBuilder:
     def budget(self) -> int:
         return self.config.k + 1
 
+    @property
+    def max_depth(self) -> int:
+        return self.config.k
+
+    def __repr__(self) -> str:
+        return f"ChainBuilder(k={self.config.k}, mode={self.config.mode!r})"
+
     def build(self, drafter: Drafter, root_token: int, sampling: SamplingConfig,
               generator: torch.Generator | None) -> BuiltTree:
         mode = effective_mode(self.config.mode, sampling)
@@ -44,10 +53,9 @@ class ChainBuilder:
         rows: dict[int, torch.Tensor] = {}
         node = 0
         for _ in range(self.config.k):
-            q = draft_distribution(drafter.expand(tree, [node]), sampling)[0]
-            rows[node] = q
-            kids = choose_children(q, 1, mode, generator)
-            if not kids:
+            q, (exp,) = expand_nodes(drafter, tree, [node], sampling, mode, 1, generator)
+            rows[node] = q[0]
+            if not exp.tokens:
                 break
-            node = tree.add(node, kids[0], tree.score[node] + log_prob(q, kids[0]))
+            node = tree.add(node, exp.tokens[0], tree.score[node] + exp.logq[0])
         return finish(tree, rows, mode, calls=len(rows))

@@ -1,10 +1,24 @@
-"""DynamicTreeBuilder: EAGLE-2's context-aware dynamic draft tree.
+"""DynamicTreeBuilder: EAGLE-2's context-aware dynamic draft tree (Li et al. 2024).
 
-Expansion: the root is expanded, then at each further depth the ``top_k`` frontier nodes with
-the highest cumulative draft log-probability (score) are expanded in ONE batched drafter call,
-each proposing its ``top_k`` most likely children. Rerank: after the last depth, the best
-``budget - 1`` scored nodes are kept (ties go to the shallower, then earlier node, so a kept
-node's ancestors are always kept: a child's score never exceeds its parent's).
+Expansion: the root is expanded, then at each further depth the ``top_k`` newest nodes with
+the highest cumulative draft log-probability (score) are expanded in ONE batched drafter call.
+So there are at most ``depth`` drafter calls, whatever the budget.
+
+Deterministic mode (EAGLE-2 as published): each expanded node proposes its ``top_k`` most likely
+children; after the last depth every scored node is reranked and the best ``budget - 1`` are
+kept. Ties go to the shallower, then earlier node, so a kept node's ancestors are always kept
+(a child's score never exceeds its parent's).
+
+Stochastic modes (our extension): children are draws from q, and a drawn child may not be
+dropped because of its value (trees.base), so the final rerank cannot prune. The rerank moves
+*before* the draws: at each depth, every slot "j-th child of expanded node u" (j < top_k) is
+valued score(u) + log q_u^(j) — what the deterministic builder would score that child — and the
+best ``quota`` slots are drawn, where ``quota`` = remaining budget minus one node per deeper
+level (so the tree can still reach ``depth``). Each node's child count is thus fixed from q and
+earlier draws only; the children are then drawn (i.i.d. or without replacement) and all kept.
+
+Adaptive termination (``min_confidence`` > 0): no further depth is expanded once the best
+frontier node's confidence exp(score) is below ``min_confidence``.
 """
 
 from __future__ import annotations
@@ -16,62 +30,97 @@ import torch
 from treespec.drafters.base import Drafter, PartialTree
 from treespec.sampling import SamplingConfig
 from treespec.trees.base import (
-    BuiltTree, DraftMode, check_mode, choose_children, draft_distribution, effective_mode,
-    finish, log_prob,
+    BuiltTree, DraftMode, Expansion, check_confidence, check_int, check_mode, check_width,
+    effective_mode, expand_nodes, finish, log_confidence,
 )
 
 
 @dataclass(frozen=True)
 class DynamicConfig:
-    """budget: tree nodes incl. the root; depth: max draft depth; top_k: nodes expanded per
-    depth and children per expanded node; mode: see trees.base."""
+    """EAGLE-2 settings."""
 
-    budget: int = 16
-    depth: int = 5
-    top_k: int = 4
-    mode: DraftMode = "deterministic"
+    budget: int = 16             # tree nodes incl. the root
+    depth: int = 5               # max draft depth = max drafter calls
+    top_k: int = 4               # nodes expanded per depth, and children per expanded node
+    mode: DraftMode = "deterministic"   # how children are chosen (see trees.base)
+    min_confidence: float = 0.0  # adaptive termination threshold on exp(score); 0 = off
 
     def __post_init__(self) -> None:
         for name in ("budget", "depth", "top_k"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            check_int(name, getattr(self, name))
         check_mode(self.mode)
+        check_confidence(self.min_confidence)
 
 
 class DynamicTreeBuilder:
     """EAGLE-2 dynamic tree (see module docstring)."""
 
     def __init__(self, budget: int = 16, depth: int = 5, top_k: int = 4,
-                 mode: DraftMode = "deterministic"):
-        self.config = DynamicConfig(budget, depth, top_k, mode)
+                 mode: DraftMode = "deterministic", min_confidence: float = 0.0):
+        self.config = DynamicConfig(budget, depth, top_k, mode, min_confidence)
 
     @property
     def budget(self) -> int:
         return self.config.budget
 
+    @property
+    def max_depth(self) -> int:
+        return self.config.depth
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"DynamicTreeBuilder(budget={c.budget}, depth={c.depth}, top_k={c.top_k}, "
+                f"mode={c.mode!r}, min_confidence={c.min_confidence})")
+
     def build(self, drafter: Drafter, root_token: int, sampling: SamplingConfig,
               generator: torch.Generator | None) -> BuiltTree:
         cfg = self.config
+        check_width("top_k", cfg.top_k, drafter)
         mode = effective_mode(cfg.mode, sampling)
-        if mode != "deterministic":
-            raise NotImplementedError("stochastic dynamic trees arrive with the full builder set")
         tree = PartialTree.rooted(root_token)
         rows: dict[int, torch.Tensor] = {}
+        if cfg.budget == 1:
+            return finish(tree, rows, mode)
+        floor = log_confidence(cfg.min_confidence)
         frontier, calls = [0], 0
-        if cfg.budget > 1:
-            for _ in range(cfg.depth):
-                q = draft_distribution(drafter.expand(tree, frontier), sampling)
-                calls += 1
-                layer = []
-                for row, node in enumerate(frontier):
-                    rows[node] = q[row]
-                    for tok in choose_children(q[row], cfg.top_k, mode, generator):
-                        layer.append(tree.add(node, tok, tree.score[node] + log_prob(q[row], tok)))
-                layer.sort(key=lambda n: (-tree.score[n], n))
-                frontier = layer[: cfg.top_k]
-                if not frontier:
-                    break
+        for level in range(1, cfg.depth + 1):
+            q, exps = expand_nodes(drafter, tree, frontier, sampling, mode, cfg.top_k, generator)
+            calls += 1
+            rows.update(zip(frontier, q))
+            if mode == "deterministic":
+                counts = [len(e.tokens) for e in exps]
+            else:
+                quota = cfg.budget - len(tree) - (cfg.depth - level)
+                counts = self._allocate(tree, frontier, exps, max(quota, 1))
+            layer = []
+            for node, exp, count in zip(frontier, exps, counts):
+                for tok, lq in zip(exp.tokens[:count], exp.logq[:count]):
+                    layer.append(tree.add(node, tok, tree.score[node] + lq))
+            if mode != "deterministic" and len(tree) >= cfg.budget:
+                break
+            layer.sort(key=lambda n: (-tree.score[n], n))
+            frontier = layer[: cfg.top_k]
+            if not frontier or tree.score[frontier[0]] < floor:
+                break
+        if mode != "deterministic":
+            return finish(tree, rows, mode, calls=calls)
         ranked = sorted(range(1, len(tree)), key=lambda n: (-tree.score[n], tree.depth[n], n))
         keep = [0] + ranked[: cfg.budget - 1]
         return finish(tree, rows, mode, keep=keep, calls=calls)
+
+    def _allocate(self, tree: PartialTree, frontier: list[int], exps: list[Expansion],
+                  quota: int) -> list[int]:
+        """Children per frontier node: the best ``quota`` slots by planning value.
+
+        For one node the slot values decrease with j, and ties go to the earlier slot, so the
+        chosen slots of each node are a prefix: a child count, fixed before looking at draws.
+        """
+        slots = [(-(tree.score[u] + v), i, j)
+                 for i, (u, e) in enumerate(zip(frontier, exps))
+                 for j, v in enumerate(e.slot_logq[: self.config.top_k])]
+        slots.sort()
+        counts = [0] * len(frontier)
+        for _, i, _ in slots[:quota]:
+            counts[i] += 1
+        return counts
+
