@@ -1,0 +1,126 @@
+"""Medusa drafter: K parallel residual heads on the target's last hidden state.
+
+Glossary:
+    f       the target's last hidden state (post final norm) at the last committed position
+            before the root, i.e. the state whose LM-head output produced the root.
+    head k  ResBlock_k(f) = f + SiLU(W_k f + b_k); q_k = softmax(lm_head(ResBlock_k(f))) with the
+            target's frozen LM head. Head k proposes the token k positions after the root, so a
+            node at depth d gets head d + 1: q at depth d does NOT depend on the path
+            (``path_independent``), only on f. Nodes deeper than K reuse the last head.
+
+Caching: only f is kept. ``commit`` replaces it with the feature of the last accepted node (the
+last row of the features the engine passes), so rollback is trivial and the state equals a
+fresh drafter's built from the committed tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    """hidden_size: H (the target's); num_heads: K; feature_layer: HF hidden_states index."""
+
+    hidden_size: int
+    num_heads: int
+    feature_layer: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks; ``forward(f [..., H], k)`` -> hidden for head k (1-based) [..., H]."""
+
+    def __init__(self, cfg: MedusaConfig):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.proj = nn.ModuleList(nn.Linear(h, h) for _ in range(cfg.num_heads))
+        for lin in self.proj:                       # Medusa's init: each head starts as identity
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, f: torch.Tensor, k: int) -> torch.Tensor:
+        return f + F.silu(self.proj[k - 1](f))
+
+
+class MedusaDrafter:
+    """Medusa heads + the target's frozen LM head (see the module docstring)."""
+
+    needs_target_hidden = True
+    path_independent = True
+
+    def __init__(self, heads: MedusaHeads, lm_head: nn.Module, vocab_size: int):
+        self.heads = heads.eval().requires_grad_(False)
+        self.lm_head = lm_head
+        self.vocab_size = int(vocab_size)
+        self.target_layers = (heads.cfg.feature_layer,)
+        self.f: torch.Tensor | None = None          # [H] feature before the root
+        self.root_token: int | None = None
+        self.calls = 0
+
+    def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
+        self.root_token = int(prompt_ids[-1])
+        rows = features.hidden.get(self.target_layers[0])
+        # A one-token prompt has no feature yet: a zero feature (heads still return valid logits).
+        p = next(self.heads.parameters())
+        self.f = rows[-1].to(p) if rows is not None and rows.shape[0] else \
+            torch.zeros(self.heads.cfg.hidden_size, dtype=p.dtype, device=p.device)
+
+    @torch.inference_mode()
+    def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
+        if self.f is None:
+            raise RuntimeError("call begin() before expand()")
+        if 0 in nodes and tree.tokens[0] != self.root_token:
+            raise ValueError(f"root token {tree.tokens[0]} is not the last committed token {self.root_token}")
+        self.calls += 1
+        k_max = self.heads.cfg.num_heads
+        ks = [min(tree.depth[n] + 1, k_max) for n in nodes]
+        out = {k: self.lm_head(self.heads(self.f[None], k))[0].float() for k in set(ks)}
+        return torch.stack([out[k] for k in ks])
+
+    def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
+        rows = features.hidden[self.target_layers[0]]
+        if rows.shape[0] != tokens.numel():
+            raise ValueError(f"commit needs {tokens.numel()} feature rows, got {rows.shape[0]}")
+        self.f = rows[-1].to(next(self.heads.parameters()))
+        self.root_token = int(tokens[-1])
+
+
+def random_medusa(target, num_heads: int = 4, seed: int = 0, scale: float = 0.1) -> MedusaDrafter:
+    """Untrained heads with random (not identity) weights, for tests."""
+    cfg = MedusaConfig(target.model.config.hidden_size, num_heads, target.model.config.num_hidden_layers)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        heads = MedusaHeads(cfg)
+        for lin in heads.proj:
+            nn.init.normal_(lin.weight, std=scale)
+    return MedusaDrafter(heads.to(target.device, target.dtype), target.model.get_output_embeddings(),
+                         target.vocab_size)
+
+
+def load_medusa(target, checkpoint: str | Path | None = None) -> MedusaDrafter:
+    from treespec.drafters.checkpoint import load_checkpoint
+    from treespec.drafters.eagle import shipped_checkpoint
+
+    path = Path(checkpoint) if checkpoint is not None else shipped_checkpoint(target, "medusa")
+    state, header = load_checkpoint(path, target, "medusa")
+    heads = MedusaHeads(MedusaConfig(**header["arch"]))
+    heads.load_state_dict(state, strict=True)
+    return MedusaDrafter(heads.to(target.device, target.dtype), target.model.get_output_embeddings(),
+                         target.vocab_size)
+
+
+@register_drafter("medusa")
+def _medusa_factory(target, checkpoint: str | None = None) -> MedusaDrafter:
+    """Medusa-style parallel heads on SmolLM2's last hidden state, shipped checkpoint by default."""
+    return load_medusa(target, checkpoint)

@@ -1,0 +1,305 @@
+"""One recipe per drafter: how to build it, its loss, its held-out metrics and its checkpoint.
+
+Loss choices (recorded in each card's ``loss`` field):
+    eagle   EAGLE-1/2: smooth-L1 regression of the block output g_t onto the target's next
+            feature f_{t+1} (weight 1) + top-k KD of lm_head(g_t) against p_{t+1} (weight 0.5),
+            inputs perturbed with uniform feature noise (±0.2) so the head tolerates its own
+            imperfect features at depth >= 1. Regression gives a dense 576-dim signal per token,
+            which is what makes a one-layer head learn fast on little data.
+    eagle3  EAGLE-3: top-k KD only (the fused input is not the target's last state, so there is
+            nothing to regress onto), over a TTT unroll of 3 depths weighted 1, 0.8, 0.64, on
+            the reduced draft vocabulary (target probabilities renormalised over it).
+    mtp     DeepSeek-V3 MTP: top-k KD at each of 3 sequential depths (weights 1, 0.8, 0.64),
+            no regression, each depth causal over the previous depth's outputs.
+    medusa  Medusa-2 self-distillation: top-k KD of head k against p_{t+k}, weights 0.8^(k-1).
+    small   top-k KD of the small model's next-token law against the target's, every position.
+Why distillation rather than cross-entropy on the ShareGPT tokens: acceptance is
+sum min(p, q) = 1 - TVD(p, q) and greedy acceptance is argmax agreement, both functions of the
+*target's* distribution; the ShareGPT replies were written by another model, so their tokens
+would teach that model's law instead. Forward KL to p bounds the TVD (Pinsker) and is smooth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treespec.drafters.eagle import FeatureHead, HeadConfig, Trunk, build_head
+from treespec.drafters.medusa import MedusaConfig, MedusaHeads
+from treespec.train.data import Batch
+from treespec.train.objectives import (
+    DepthMetrics, VocabSubset, _shift, depth_view, masked_mean, sequential_unroll, topk_kd, ttt_unroll,
+)
+
+EVAL_DEPTHS = 4
+DEPTH_WEIGHTS = (1.0, 0.8, 0.64, 0.512)
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """Knobs of a recipe (stored in the card)."""
+
+    draft_vocab: int = 4096          # eagle3's reduced vocabulary
+    frequent: int = 2048             # always-present ids of the KD candidate set S
+    subset_top: int = 8              # + the target's top-n ids at the batch's positions
+    feature_noise: float = 0.2       # eagle: uniform input-feature noise amplitude
+    reg_weight: float = 1.0          # eagle: smooth-L1 weight
+    kd_weight: float = 0.5           # eagle: KD weight
+    unroll: int = 3                  # eagle3 TTT depths / mtp sequential depths
+    medusa_heads: int = 4
+
+
+class Recipe:
+    """Base: ``kind``, ``layers`` (cached target layers needed), build/loss/metrics/export."""
+
+    kind: str
+    loss_note: str
+
+    def __init__(self, target, cfg: RecipeConfig, frequency: torch.Tensor):
+        self.target = target
+        self.cfg = cfg
+        self.L = target.model.config.num_hidden_layers
+        self.lm_w = target.model.get_output_embeddings().weight      # [V, H], frozen
+        self.order = torch.sort(frequency, descending=True, stable=True).indices   # most frequent first
+        self.subset = VocabSubset(self.order[: cfg.frequent], target.vocab_size)
+
+    layers: tuple[int, ...] = ()
+
+    def build(self, seed: int) -> nn.Module:
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict]:
+        raise NotImplementedError
+
+    def metrics(self, model: nn.Module, batch: Batch, acc: DepthMetrics) -> None:
+        raise NotImplementedError
+
+    def export(self, model: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
+        raise NotImplementedError
+
+    # helpers
+    def kd_full(self, z: torch.Tensor, view, mask: torch.Tensor) -> torch.Tensor:
+        """Top-k KD over the subset S with the target's LM-head rows; z: [B, T, H] head input."""
+        ids = self.subset.ids(view.top_i[mask][:, : self.cfg.subset_top])
+        logits = F.linear(z[mask], self.lm_w[ids])
+        return topk_kd(logits, view.top_i[mask], view.top_p[mask], self.subset.lookup(ids)).mean()
+
+
+# ---------------------------------------------------------------------------------- feature heads
+def init_block_from_target(head: FeatureHead, target, layer: int) -> None:
+    """Copy the target decoder layer ``layer`` into the head's block (the halves of a 2H-input
+    attention both get the target's weights / sqrt(2))."""
+    src = target.model.model.layers[layer]
+    blk = head.block
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(src.self_attn, name).weight
+            dst = getattr(blk, name).weight
+            dst.copy_(w if dst.shape == w.shape else torch.cat((w, w), 1) / 2 ** 0.5)
+        # Residual-branch outputs scaled by 0.1: the block starts close to the identity
+        # (the target's late layers write huge activations a post-norm input cannot absorb).
+        blk.o_proj.weight.copy_(src.self_attn.o_proj.weight * 0.1)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(blk, name).weight.copy_(getattr(src.mlp, name).weight)
+        blk.down_proj.weight.mul_(0.1)
+        blk.mlp_norm.weight.copy_(src.post_attention_layernorm.weight)
+        if hasattr(head, "attn_norm"):
+            head.attn_norm.weight.copy_(src.input_layernorm.weight)
+
+
+class FeatureRecipe(Recipe):
+    """eagle, eagle3 and mtp: a FeatureHead trained on cached target features."""
+
+    def __init__(self, kind: str, target, cfg: RecipeConfig, frequency: torch.Tensor):
+        super().__init__(target, cfg, frequency)
+        self.kind = kind
+        self.head_cfg = HeadConfig.for_target(kind, target.model.config, cfg.draft_vocab)
+        self.layers = tuple(sorted(set(self.head_cfg.target_layers) | {self.L}))
+        # EAGLE-3's draft vocabulary: the most frequent target top-1 ids, in id order.
+        self.d2t = self.order[: cfg.draft_vocab].sort().values if kind == "eagle3" else None
+        self.loss_note = {
+            "eagle": "smooth-L1(g_t, f_{t+1}) + 0.5 * top-32 KD(lm_head(g_t), p_{t+1}); uniform feature "
+                     "noise 0.2; regression gives a dense per-token signal (EAGLE-1/2)",
+            "eagle3": "top-32 KD on the draft vocabulary over a 3-depth training-time-test unroll, "
+                      "depth weights 1/0.8/0.64 (EAGLE-3); no regression: the fused input is not a "
+                      "target state",
+            "mtp": "top-32 KD at 3 sequential DeepSeek-V3 depths (each causal over the previous "
+                   "depth's outputs), depth weights 1/0.8/0.64; no regression",
+        }[kind]
+
+    def build(self, seed: int) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            head = build_head(self.head_cfg, Trunk.of(self.target.model), self.d2t)
+        init_block_from_target(head, self.target, self.L - 1)
+        h = self.head_cfg.hidden_size
+        with torch.no_grad():
+            if self.kind == "eagle":        # fc[embed ‖ f]: start by passing f through
+                head.fc.weight[:, h:] += torch.eye(h)
+                head.fc.bias.zero_()
+            elif self.kind == "mtp":        # proj[norm h ‖ norm embed]: same idea
+                head.proj.weight[:, :h] += torch.eye(h)
+            else:                           # eagle3 fc[low ‖ mid ‖ high]: start from the high layer
+                head.fc.weight.mul_(0.1)
+                head.fc.weight[:, 2 * h:] += torch.eye(h)
+        return head.float().train()
+
+    def _feat0(self, head, batch: Batch) -> torch.Tensor:
+        return head.fuse({l: batch.hidden[l] for l in self.head_cfg.target_layers})
+
+    def loss(self, head, batch):
+        logs = {}
+        if self.kind == "eagle":
+            g = ttt_unroll(head, self._feat0(head, batch), batch, 1, self.cfg.feature_noise)[0]
+            view = depth_view(batch, 0)
+            f_next = _shift(batch.hidden[self.L], 1)
+            reg = masked_mean(F.smooth_l1_loss(g, f_next, reduction="none").mean(-1), view.mask)
+            kd = self.kd_full(g, view, view.mask)
+            logs = {"reg": reg.item(), "kd": kd.item()}
+            return self.cfg.reg_weight * reg + self.cfg.kd_weight * kd, logs
+        n = self.cfg.unroll
+        feat0 = self._feat0(head, batch)
+        outs = ttt_unroll(head, feat0, batch, n) if self.kind == "eagle3" else \
+            sequential_unroll(head, feat0, batch, n)
+        total, wsum = 0.0, 0.0
+        for j, g in enumerate(outs):
+            view = depth_view(batch, j)
+            if self.kind == "eagle3":
+                lookup = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
+                lookup[head.d2t] = torch.arange(head.d2t.numel())
+                m = view.mask
+                kd = topk_kd(head.logits(g[m]), view.top_i[m], view.top_p[m], lookup).mean()
+            else:
+                kd = self.kd_full(head.trunk.norm(g), view, view.mask)
+            logs[f"kd{j}"] = kd.item()
+            total = total + DEPTH_WEIGHTS[j] * kd
+            wsum += DEPTH_WEIGHTS[j]
+        return total / wsum, logs
+
+    @torch.no_grad()
+    def metrics(self, head, batch, acc):
+        outs = ttt_unroll(head, self._feat0(head, batch), batch, EVAL_DEPTHS)
+        for j, g in enumerate(outs):
+            view = depth_view(batch, j)
+            m = view.mask
+            logits = head.logits(g[m]).float()
+            if self.kind == "eagle3":
+                full = torch.full((logits.shape[0], self.target.vocab_size), -torch.inf)
+                logits = full.index_copy_(1, head.d2t, logits)
+            acc.add(j, logits.softmax(-1), view.top_i[m], view.top_p[m], torch.ones(len(logits), dtype=torch.bool))
+
+    def export(self, head):
+        return dict(head.state_dict()), self.head_cfg.to_json()
+
+
+# ---------------------------------------------------------------------------------- medusa
+class MedusaRecipe(Recipe):
+    kind = "medusa"
+    loss_note = "top-32 KD of head k against p_{t+k} (Medusa-2 self-distillation), head weights 0.8^(k-1)"
+
+    def __init__(self, target, cfg, frequency):
+        super().__init__(target, cfg, frequency)
+        self.layers = (self.L,)
+        self.mcfg = MedusaConfig(target.model.config.hidden_size, cfg.medusa_heads, self.L)
+
+    def build(self, seed):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return MedusaHeads(self.mcfg).float().train()
+
+    def loss(self, heads, batch):
+        f = batch.hidden[self.L]
+        total, wsum, logs = 0.0, 0.0, {}
+        for k in range(1, self.mcfg.num_heads + 1):
+            view = depth_view(batch, k - 1)
+            kd = self.kd_full(heads(f, k), view, view.mask)
+            logs[f"kd{k}"] = kd.item()
+            total = total + DEPTH_WEIGHTS[k - 1] * kd
+            wsum += DEPTH_WEIGHTS[k - 1]
+        return total / wsum, logs
+
+    @torch.no_grad()
+    def metrics(self, heads, batch, acc):
+        f = batch.hidden[self.L]
+        for j in range(EVAL_DEPTHS):
+            view = depth_view(batch, j)
+            m = view.mask
+            z = heads(f[m], min(j + 1, self.mcfg.num_heads))
+            acc.add(j, F.linear(z, self.lm_w).float().softmax(-1), view.top_i[m], view.top_p[m],
+                    torch.ones(int(m.sum()), dtype=torch.bool))
+
+    def export(self, heads):
+        return dict(heads.state_dict()), self.mcfg.to_json()
+
+
+# ---------------------------------------------------------------------------------- small
+class SmallRecipe(Recipe):
+    kind = "small"
+    loss_note = ("top-32 KD of the small model's next-token law against the target's at every "
+                 "position (prompt and reply); embedding initialised from the target embedding's "
+                 "top principal directions")
+
+    def __init__(self, target, cfg, frequency):
+        super().__init__(target, cfg, frequency)
+        self.layers = ()
+
+    def build(self, seed):
+        from treespec.drafters.small import small_model
+
+        model = small_model(self.target, seed=seed).float()
+        with torch.no_grad():                # PCA init of the tied embedding
+            e = self.target.model.model.embed_tokens.weight.float()
+            e = e - e.mean(0, keepdim=True)
+            h = model.config.hidden_size
+            q = min(h, *e.shape)
+            _, _, v = torch.pca_lowrank(e, q=q, center=False, niter=4)
+            proj = e @ v                                          # [V, q]
+            proj = proj / proj.pow(2).mean().sqrt() * 0.4         # rms 0.4: logits of a few nats
+            emb = model.model.embed_tokens.weight
+            emb[:, :q] = proj
+            emb[:, q:] *= 20
+        model.tie_weights()
+        return model.train()
+
+    def _hidden(self, model, batch):
+        # h_t predicts token t + 1; depth_view(0) at slot t is about p_{t+1}: shift by one.
+        return _shift(model.model(input_ids=batch.tokens).last_hidden_state, 1)
+
+    def loss(self, model, batch):
+        z = self._hidden(model, batch)
+        view = depth_view(batch, 0)
+        length = batch.valid.sum(1, keepdim=True)
+        mask = (torch.arange(batch.tokens.shape[1])[None] + 1) < length     # every position
+        ids = self.subset.ids(view.top_i[mask][:, : self.cfg.subset_top])
+        logits = F.linear(z[mask], model.get_output_embeddings().weight[ids])
+        kd = topk_kd(logits, view.top_i[mask], view.top_p[mask], self.subset.lookup(ids)).mean()
+        return kd, {"kd": kd.item()}
+
+    @torch.no_grad()
+    def metrics(self, model, batch, acc):
+        z = self._hidden(model, batch)
+        view = depth_view(batch, 0)
+        m = view.mask
+        q = model.lm_head(z[m]).float().softmax(-1)
+        acc.add(0, q, view.top_i[m], view.top_p[m], torch.ones(int(m.sum()), dtype=torch.bool))
+
+    def export(self, model):
+        from treespec.drafters.small import SMALL_ARCH, export_state
+
+        return export_state(model), dict(SMALL_ARCH)
+
+
+KINDS = ("eagle", "eagle3", "medusa", "mtp", "small")
+
+
+def make_recipe(kind: str, target, cfg: RecipeConfig, frequency: torch.Tensor) -> Recipe:
+    if kind in ("eagle", "eagle3", "mtp"):
+        return FeatureRecipe(kind, target, cfg, frequency)
+    if kind == "medusa":
+        return MedusaRecipe(target, cfg, frequency)
+    if kind == "small":
+        return SmallRecipe(target, cfg, frequency)
+    raise KeyError(f"unknown drafter kind {kind!r}; trainable kinds: {', '.join(KINDS)}")
