@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from treespec.tree import DraftTree
@@ -46,13 +47,18 @@ def hf_tree_mask(
     device: torch.device | None = None,
 ) -> torch.Tensor:
     """HF 4-D mask [1, 1, N, P + N]: bool (True = attend), or additive 0 / finfo.min for eager."""
-    allowed = tree_bool_mask(tree, prefix_len, device)[None, None]
     if attn_implementation not in _ADDITIVE_MASK_IMPLS:
-        return allowed
+        return tree_bool_mask(tree, prefix_len, device)[None, None]
     if not dtype.is_floating_point:
         raise ValueError(f"an eager (additive) mask needs a floating dtype, got {dtype}")
-    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return out.masked_fill_(~allowed, torch.finfo(dtype).min)
+    if prefix_len < 0:
+        raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
+    # The prefix block is all "attend" (0); only the tree block [N, N] needs dtype-min entries.
+    n = tree.num_nodes
+    anc = tree.ancestor_mask if device is None else tree.ancestor_mask.to(device)
+    out = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype, device=anc.device)
+    out[0, 0, :, prefix_len:].masked_fill_(~anc, torch.finfo(dtype).min)
+    return out
 
 
 def attn_implementation_of(model: torch.nn.Module) -> str:
@@ -71,6 +77,13 @@ def position_ids(tree: DraftTree, prefix_len: int, device: torch.device | None =
 
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Bool[M] -> uint8[ceil(M / 8)], little bit order (bit j of byte b = bits[8b + j])."""
+    if bits.device.type == "cpu":  # numpy's packbits is ~10x faster than the torch version
+        return torch.from_numpy(np.packbits(bits.numpy(), bitorder="little"))
+    return _pack_bits_torch(bits)
+
+
+def _pack_bits_torch(bits: torch.Tensor) -> torch.Tensor:
+    """``_pack_bits`` in torch ops, for tensors on an accelerator."""
     m = bits.numel()
     padded = torch.zeros((m + 7) // 8 * 8, dtype=torch.uint8, device=bits.device)
     padded[:m] = bits.to(torch.uint8)

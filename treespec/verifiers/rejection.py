@@ -16,9 +16,11 @@ If no child is accepted the new token is drawn from r. Each rule reproduces p ex
 (tests/test_exact_law.py computes the output law by enumeration). Greedy decoding is the
 deterministic rule with one-hot p.
 
-Round-off: all arithmetic is float64 on the CPU. A rejection whose residual mass is below
-``_NULL_MASS`` can only come from round-off (in exact arithmetic the rejection probability
-*equals* that mass), so it is treated as the acceptance it would have been.
+Round-off: all sums, residuals and comparisons are float64. A rejection whose residual mass is
+below ``_NULL_MASS`` (relative) can only come from round-off (in exact arithmetic the
+rejection probability *equals* that mass), so it is treated as the acceptance it would have
+been, unless the child's target probability is exactly 0: a token the target forbids is never
+accepted.
 """
 
 from __future__ import annotations
@@ -58,62 +60,80 @@ class Acceptance:
         return int(self.path.numel())
 
 
-def _uniform(generator: torch.Generator | None) -> float:
-    return float(torch.rand((), generator=generator, dtype=torch.float64))
-
-
-def _draw(r: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from the unnormalised non-negative float64 vector r (mass > 0)."""
-    cdf = r.cumsum(0)
+def _draw(r: torch.Tensor, u: float) -> int:
+    """One token from the unnormalised non-negative vector r [V] (mass > 0), uniform u."""
+    cdf = torch.cumsum(r, 0, dtype=torch.float64)
     total = float(cdf[-1])
     if not total > 0.0:
         raise ValueError("cannot draw from a distribution with zero mass; target_probs has a "
                          "row that sums to 0")
-    idx = int(torch.searchsorted(cdf, _uniform(generator) * total, right=True))
+    idx = int(torch.searchsorted(cdf, u * total, right=True))
     if idx >= r.numel():  # u * total rounded up to total: take the last token with mass
         idx = int(r.nonzero()[-1])
     return idx
 
 
-def _try_deterministic(r: torch.Tensor, xs: list[int], gen: torch.Generator | None):
-    """Returns (index of accepted child or None, final residual, tries)."""
-    for i, x in enumerate(xs):
-        mass = float(r.sum())
-        px = float(r[x])
-        if px > 0.0 and (mass - px <= _NULL_MASS * mass or _uniform(gen) * mass < px):
-            return i, r, i + 1
-        r[x] = 0.0
-    return None, r, len(xs)
+def _try_deterministic(row: torch.Tensor, mass: float, xs: list[int], pxs: list[float], us):
+    """Children tokens xs (target probs pxs) at a node with target row ``row`` of sum ``mass``.
+
+    Returns (index of the accepted child or None, residual to draw from or None, tries). The
+    residual is kept as a scalar mass until every child is rejected.
+    """
+    for i, (x, px) in enumerate(zip(xs, pxs)):
+        # accept w.p. r(x) / Σr; a rejection of (numerically) all the mass is round-off.
+        if px > 0.0 and (mass - px <= _NULL_MASS * mass or next(us) * mass < px):
+            return i, None, i + 1
+        mass -= px  # r[x] = 0
+    residual = row.to("cpu", torch.float64, copy=True)
+    residual[xs] = 0.0
+    return None, residual, len(xs)
 
 
 def _try_stochastic(
-    r: torch.Tensor, xs: list[int], q: torch.Tensor, gen: torch.Generator | None,
-    without_replacement: bool,
+    p_row: torch.Tensor, pm: float, draft_probs: torch.Tensor, u: int, qm: float,
+    xs: list[int], pxs: list[float], qxs: list[float], us, without_replacement: bool,
 ):
-    """Returns (index of accepted child or None, final residual, tries)."""
-    r = r / r.sum()
-    q = q / q.sum()
+    """Children tokens xs of node u, with p(x) = pxs (row p_row of mass pm) and q(x) = qxs
+    (row ``draft_probs[u]`` of mass qm).
+
+    Returns (index of the accepted child or None, residual to draw from or None, tries).
+
+    r, q are kept unnormalised with masses rm, qm (r̂ = r / rm, q̂ = q / qm); float64 copies
+    of the rows are made only at the first rejection, and each rejection costs three passes.
+    """
+    r = q = spare = None
+    rm = pm
+    removed: set[int] = set()
     for i, x in enumerate(xs):
-        qx = float(q[x])
+        rx = pxs[i] if r is None else float(r[x])
+        qx = 0.0 if x in removed else qxs[i]
         if not qx > 0.0:
             raise ValueError(
                 f"child token {x} has draft probability {qx} under its parent's draft_probs "
                 f"{'(after removing earlier siblings) ' if without_replacement else ''}"
                 "so it cannot have been drawn from it; fix the builder or the sampling mode"
             )
-        rest = (r - q).clamp_(min=0.0)
+        # q̂ <= r̂ at x: always accept; else accept w.p. r̂(x) / q̂(x).
+        if rx * qm >= qx * rm or next(us) * qx * rm < rx * qm:
+            return i, None, i + 1
+        if r is None:
+            r = p_row.to("cpu", torch.float64, copy=True)
+            q = draft_probs[u].to("cpu", torch.float64, copy=True)
+            spare = torch.empty_like(r)
+        rest = torch.sub(r, q, alpha=rm / qm, out=spare).clamp_(min=0.0)  # rm·max(r̂ - q̂, 0)
         rest_mass = float(rest.sum())
-        if rest_mass <= _NULL_MASS or _uniform(gen) * qx < float(r[x]):
-            return i, r, i + 1
-        r = rest / rest_mass
+        if rest_mass > _NULL_MASS * rm:
+            r, spare, rm = rest, r, rest_mass
+        elif rx > 0.0:  # r̂ == q̂ up to round-off: the rejection had probability ~0
+            return i, None, i + 1
+        # else: x has target probability 0 and r is round-off away from q; keep r (r[x] == 0)
         if without_replacement:
-            q = q.clone()
             q[x] = 0.0
-            q_mass = float(q.sum())
-            if i + 1 < len(xs) and not q_mass > 0.0:
+            qm -= qx
+            removed.add(x)
+            if i + 1 < len(xs) and not qm > 0.0:
                 raise ValueError("without_replacement tree has more children than tokens with "
                                  "draft probability > 0")
-            q = q / q_mass if q_mass > 0 else q
     return None, r, len(xs)
 
 
@@ -125,46 +145,60 @@ def accept(
 ) -> Acceptance:
     """Verify ``tree`` against the target's processed probabilities; exact in distribution.
 
-    ``target_probs[i]`` is p(.|path to i) after the same sampling processing as q. Uniforms are
-    drawn in float64 from ``generator`` (a CPU torch.Generator), so seeded runs repeat exactly.
+    ``target_probs[i]`` is p(.|path to i) after the same sampling processing as q. The call
+    draws N float64 uniforms from ``generator`` (a CPU torch.Generator) up front and uses each
+    at most once, so seeded runs repeat exactly. Rows are read where the walk goes: a sum per
+    visited node, a cumsum for the new token, full-row float64 work only after rejections.
     """
     n = tree.num_nodes
     if target_probs.dim() != 2 or target_probs.shape[0] != n:
         raise ValueError(f"target_probs must have shape [N={n}, V], got {tuple(target_probs.shape)}")
-    if tree.vocab_size is not None and target_probs.shape[1] != tree.vocab_size:
-        raise ValueError(f"target_probs has V={target_probs.shape[1]} but the tree's vocab is "
-                         f"{tree.vocab_size}")
-    if int(tree.tokens.max()) >= target_probs.shape[1]:
-        raise ValueError(f"tree tokens exceed target vocab V={target_probs.shape[1]}")
-    tokens = tree.tokens.tolist()
+    vocab = target_probs.shape[1]
+    if tree.vocab_size is not None and vocab != tree.vocab_size:
+        raise ValueError(f"target_probs has V={vocab} but the tree's vocab is {tree.vocab_size}")
+    if tree.vocab_size is None and int(tree.tokens.max()) >= vocab:
+        raise ValueError(f"tree tokens exceed target vocab V={vocab}")
+    tokens = tree._tokens_list
     children = tree.children
     mode = tree.sampling
+    dev = target_probs.device
+    # p(x_i | path to parent) of every child i: one gather (q's are cached on the tree).
+    kid_par, kid_tok = tree._child_index
+    p_kid = [0.0] + target_probs[kid_par.to(dev), kid_tok.to(dev)].tolist()
+    # At most one uniform per child tried, plus one for the new token.
+    us = iter(torch.rand(n, dtype=torch.float64, generator=generator).tolist())
     max_d = tree.max_depth
     attempts, accepts = [0] * max_d, [0] * max_d
     path: list[int] = []
     tried = 0
     u, d = 0, 0
+    residual = None
     while True:
-        r = target_probs[u].to("cpu", torch.float64)
-        if not float(r.sum()) > 0.0:
-            raise ValueError(f"target_probs row {u} sums to 0; rows must be distributions")
+        row = target_probs[u]
         kids = children[u]
         if not kids:
             break
+        mass = float(row.sum(dtype=torch.float64))
+        if not mass > 0.0:
+            raise ValueError(f"target_probs row {u} sums to 0; rows must be distributions")
         attempts[d] = 1
         xs = [tokens[c] for c in kids]
+        pxs = [p_kid[c] for c in kids]
         if mode == "deterministic":
-            hit, r, k = _try_deterministic(r.clone(), xs, generator)
+            hit, residual, k = _try_deterministic(row, mass, xs, pxs, us)
         else:
-            q = tree.draft_probs[u].to("cpu", torch.float64)
-            hit, r, k = _try_stochastic(r, xs, q, generator, mode == "without_replacement")
+            q_kid = tree._child_draft_probs
+            hit, residual, k = _try_stochastic(
+                row, mass, tree.draft_probs, u, tree._draft_mass[u], xs, pxs,
+                [q_kid[c] for c in kids], us, mode == "without_replacement",
+            )
         tried += k
         if hit is None:
             break
         accepts[d] = 1
         u, d = kids[hit], d + 1
         path.append(u)
-    new_token = _draw(r, generator)
+    new_token = _draw(row if residual is None else residual, next(us))
     return Acceptance(
         path=torch.tensor(path, dtype=torch.long),
         tokens=torch.tensor([tokens[i] for i in path] + [new_token], dtype=torch.long),
