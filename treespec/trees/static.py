@@ -106,7 +106,7 @@ class StaticTreeBuilder:
     """Fixed topology filled with ranked (or drawn) tokens; one drafter call per depth."""
 
     def __init__(self, choices: Sequence[Sequence[int]], mode: DraftMode = "deterministic"):
-        self.config = StaticConfig(tuple(tuple(c) for c in choices), mode)
+        self.config = StaticConfig(validate_choices(choices), mode)
         choices = self.config.choices
         # rank path -> its children's rank paths, in rank order (choices are sorted)
         self._kids: dict[Choice, list[Choice]] = {(): []}
