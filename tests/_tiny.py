@@ -86,3 +86,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword a HF causal LM takes its KV cache by: ``cache`` in recent transformers 5.x,
+    ``past_key_values`` before (and deprecated after) the rename."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
