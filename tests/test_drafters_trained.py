@@ -1,0 +1,284 @@
+"""Conformance of the trained drafters (eagle, eagle3, mtp, medusa, small).
+
+Fast (tiny random Llamas, randomly initialised drafters):
+  * greedy equivalence through the engine (chain and dynamic trees) against plain argmax decoding;
+  * commit / rollback leave the drafter's state equal to a fresh drafter's that ``begin``s on the
+    committed tokens (its cache, and the root distribution it then proposes);
+  * exactness at T = 1: the law of the first two tokens (V = 8) matches the target's exact law
+    (chi-square, seeded);
+  * checkpoints made for another target, and corrupt EAGLE-3 vocab maps, are refused.
+Slow (the real SmolLM2 and the shipped checkpoints): greedy equivalence on MT-bench prompts and
+the cards' held-out acceptance reproduced on load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import treespec.drafters.eagle  # noqa: F401  (registers eagle, eagle3)
+import treespec.drafters.medusa  # noqa: F401
+import treespec.drafters.mtp  # noqa: F401
+import treespec.drafters.small  # noqa: F401
+from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator
+from treespec.drafters import ModelDrafter, load_drafter
+from treespec.drafters.base import PartialTree, TargetFeatures
+from treespec.drafters.checkpoint import CheckpointMismatch, save_checkpoint
+from treespec.drafters.eagle import FeatureDrafter, random_feature_drafter
+from treespec.drafters.medusa import MedusaDrafter, random_medusa
+from treespec.drafters.small import export_state, small_model
+from treespec.models import tiny_target
+
+from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+KINDS = ("eagle", "eagle3", "mtp", "medusa", "small")
+TINY_SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m"
+
+
+def no_eos(target):
+    target.model.generation_config.eos_token_id = None
+    return target
+
+
+def make_drafter(kind: str, target, seed: int = 1):
+    """A randomly initialised drafter of ``kind`` for a tiny target."""
+    if kind in ("eagle", "eagle3", "mtp"):
+        return random_feature_drafter(target, kind, seed=seed, draft_vocab=target.vocab_size // 2)
+    if kind == "medusa":
+        return random_medusa(target, num_heads=3, seed=seed, scale=0.3)
+    model = small_model(target, TINY_SMALL, seed=seed)
+    return ModelDrafter(model.eval().requires_grad_(False), target.vocab_size)
+
+
+@torch.inference_mode()
+def plain_greedy(target, ids: torch.Tensor, n: int) -> list[int]:
+    seq = ids.tolist()
+    for _ in range(n):
+        seq.append(int(target.model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[ids.numel():]
+
+
+@torch.inference_mode()
+def features_of(target, ids: torch.Tensor, layers) -> TargetFeatures:
+    hs = target.model(ids[None], output_hidden_states=True).hidden_states
+    return TargetFeatures({l: hs[l][0] for l in layers})
+
+
+# ---------------------------------------------------------------------------------- greedy
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("builder", ["chain", "dynamic"])
+def test_greedy_equivalence_tiny(kind, builder):
+    target = no_eos(tiny_target(vocab_size=32, seed=0))
+    drafter = make_drafter(kind, target)
+    b = ChainBuilder(4) if builder == "chain" else DynamicTreeBuilder(budget=16, depth=4, top_k=3)
+    gen = SpeculativeGenerator(target, drafter, b)
+    for prompt in ([5, 7, 9, 11, 3], [4]):
+        ids = torch.tensor(prompt)
+        out = gen.generate(ids, max_new_tokens=24, temperature=0.0)
+        assert out.token_ids.tolist() == plain_greedy(target, ids, 24)
+
+
+def test_greedy_equivalence_with_a_good_drafter_accepts_much():
+    """Sanity of the whole path: the target-as-small-drafter accepts everything at T = 0."""
+    target = no_eos(tiny_target(vocab_size=32, seed=0))
+    gen = SpeculativeGenerator(target, ModelDrafter(target.model, 32), ChainBuilder(4))
+    out = gen.generate(torch.tensor([1, 2, 3]), max_new_tokens=20, temperature=0.0)
+    assert out.stats.tau == pytest.approx(5.0)
+
+
+# ---------------------------------------------------------------------------------- cache
+def _root_state(drafter, root: int) -> list[torch.Tensor]:
+    """Expand the root; return the tensors a fresh drafter must reproduce."""
+    logits = drafter.expand(PartialTree.rooted(root), [0])
+    if isinstance(drafter, FeatureDrafter):
+        k, v = drafter.committed_cache()
+        return [logits, k, v]
+    if isinstance(drafter, MedusaDrafter):
+        return [logits, drafter.f]
+    layers = [t for layer in drafter.cache.layers for t in (layer.keys, layer.values)]
+    return [logits] + layers
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_commit_leaves_state_of_a_fresh_drafter(kind):
+    target = no_eos(tiny_target(vocab_size=32, seed=0))
+    drafter = make_drafter(kind, target)
+    gen = SpeculativeGenerator(target, drafter, DynamicTreeBuilder(budget=10, depth=4, top_k=3))
+    committed: list[int] = []
+    depths: list[int] = []
+
+    def hook(built, acc, step):
+        committed.extend(acc.tokens.tolist())
+        depths.append(acc.path.numel())
+
+    prompt = torch.tensor([3, 8, 1, 9, 4, 4])
+    gen.generate(prompt, max_new_tokens=30, temperature=1.0, seed=7, on_step=hook)
+    assert len(depths) > 3 and 0 < sum(depths) < 4 * len(depths)   # some accepts, some rejects
+    ids = torch.cat([prompt, torch.tensor(committed)])
+    used = _root_state(drafter, int(ids[-1]))
+    fresh = make_drafter(kind, target)
+    fresh.begin(ids, features_of(target, ids[:-1], fresh.target_layers))
+    want = _root_state(fresh, int(ids[-1]))
+    assert len(used) == len(want)
+    for a, b in zip(used, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------- T = 1
+def _exact_law(target, ids: torch.Tensor) -> torch.Tensor:
+    """[V, V]: P(first two generated tokens) under the target at T = 1."""
+    v = target.vocab_size
+    with torch.inference_mode():
+        p1 = target.model(ids[None]).logits[0, -1].double().softmax(-1)
+        seqs = torch.cat([ids.expand(v, -1), torch.arange(v)[:, None]], 1)
+        p2 = target.model(seqs).logits[:, -1].double().softmax(-1)
+    return p1[:, None] * p2
+
+
+@pytest.mark.parametrize("kind,builder", [
+    ("eagle", DynamicTreeBuilder(budget=8, depth=3, top_k=2)),
+    ("eagle3", ChainBuilder(3, mode="with_replacement")),
+    ("mtp", ChainBuilder(2, mode="without_replacement")),
+    ("medusa", DynamicTreeBuilder(budget=8, depth=3, top_k=2)),
+    ("small", ChainBuilder(3, mode="with_replacement")),
+])
+def test_exact_law_at_t1(kind, builder):
+    from scipy.stats import chisquare
+
+    target = no_eos(tiny_target(vocab_size=8, seed=3))
+    gen = SpeculativeGenerator(target, make_drafter(kind, target, seed=2), builder)
+    ids = torch.tensor([1, 5, 2, 7])
+    law = _exact_law(target, ids).flatten()
+    runs = 800
+    counts = torch.zeros(64)
+    for s in range(runs):
+        x = gen.generate(ids, max_new_tokens=2, temperature=1.0, seed=s).token_ids.tolist()
+        counts[x[0] * 8 + x[1]] += 1
+    expected = law * runs
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]]).double()
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = chisquare(obs[keep].numpy(), exp[keep].numpy())
+    assert stat.pvalue > 1e-3, (kind, stat)
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def _save_random(kind: str, target, path: Path) -> Path:
+    d = make_drafter(kind, target)
+    if isinstance(d, FeatureDrafter):
+        state, arch = dict(d.head.state_dict()), d.head.cfg.to_json()
+    elif isinstance(d, MedusaDrafter):
+        state, arch = dict(d.heads.state_dict()), d.heads.cfg.to_json()
+    else:
+        state, arch = export_state(d.model), dict(TINY_SMALL)
+    return save_checkpoint(path / f"{kind}.safetensors", state, kind, arch, target, card={"kind": kind})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_roundtrip_and_foreign_target_refused(kind, tmp_path):
+    target = tiny_target(vocab_size=32, seed=0)
+    path = _save_random(kind, target, tmp_path)
+    assert json.loads(path.with_suffix(".json").read_text()) == {"kind": kind}
+    drafter = load_drafter(kind, target, checkpoint=str(path))
+    assert drafter.vocab_size == 32
+    other = tiny_target(vocab_size=32, seed=1)             # same shape, other weights
+    with pytest.raises(CheckpointMismatch, match="fingerprint") as err:
+        load_drafter(kind, other, checkpoint=str(path))
+    from treespec.models import model_fingerprint
+    assert model_fingerprint(target.model) in str(err.value)
+    assert model_fingerprint(other.model) in str(err.value)
+    bigger = tiny_target(vocab_size=48, seed=0)            # another vocabulary
+    with pytest.raises(CheckpointMismatch, match="vocab_size 32.*vocab_size 48"):
+        load_drafter(kind, bigger, checkpoint=str(path))
+
+
+def test_checkpoint_of_another_kind_or_hidden_size_refused(tmp_path):
+    from treespec.models import Target, tiny_llama
+
+    target = tiny_target(vocab_size=32, seed=0)
+    path = _save_random("eagle", target, tmp_path)
+    with pytest.raises(CheckpointMismatch, match="'eagle' checkpoint, not 'mtp'"):
+        load_drafter("mtp", target, checkpoint=str(path))
+    wide = tiny_llama(vocab_size=32, hidden_size=64, seed=0)
+    with pytest.raises(CheckpointMismatch, match="hidden_size 32.*hidden_size 64"):
+        load_drafter("eagle", Target.from_hf(wide, None, "wide"), checkpoint=str(path))
+
+
+@pytest.mark.parametrize("bad", ["duplicate", "range"])
+def test_eagle3_vocab_map_validated_on_load(bad, tmp_path):
+    target = tiny_target(vocab_size=32, seed=0)
+    d = make_drafter("eagle3", target)
+    state = dict(d.head.state_dict())
+    d2t = state["d2t"].clone()
+    d2t[1] = d2t[0] if bad == "duplicate" else 99
+    state["d2t"] = d2t
+    path = save_checkpoint(tmp_path / "eagle3.safetensors", state, "eagle3", d.head.cfg.to_json(), target)
+    with pytest.raises(ValueError, match="draft_to_target"):
+        load_drafter("eagle3", target, checkpoint=str(path))
+
+
+def test_missing_checkpoint_says_how_to_train(tmp_path):
+    target = tiny_target(vocab_size=32, seed=0)
+    with pytest.raises(FileNotFoundError, match="treespec train eagle"):
+        load_drafter("eagle", target, checkpoint=str(tmp_path / "nope.safetensors"))
+
+
+# ---------------------------------------------------------------------------------- real model
+@pytest.fixture(scope="module")
+def smollm():
+    from treespec.models import load_target
+
+    return load_target("smollm2-135m")
+
+
+def _shipped(kind: str) -> Path:
+    path = SHIPPED / f"{kind}.safetensors"
+    if not path.exists():
+        pytest.skip(f"no shipped {kind} checkpoint")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_shipped_greedy_equivalence_on_smollm2(kind, smollm):
+    from treespec.data import chat_prompt, mtbench_questions
+
+    _shipped(kind)
+    drafter = load_drafter(kind, smollm)
+    gen = SpeculativeGenerator(smollm, drafter, DynamicTreeBuilder(budget=16, depth=5, top_k=4))
+    for q in mtbench_questions()[:2]:
+        ids = torch.tensor(chat_prompt(smollm.tokenizer, q.turns[0]))
+        out = gen.generate(ids, max_new_tokens=32, temperature=0.0)
+        with torch.inference_mode():
+            ref = smollm.model.generate(ids[None], do_sample=False, max_new_tokens=32,
+                                        eos_token_id=list(smollm.eos_token_ids), pad_token_id=2,
+                                        temperature=None, top_p=None, top_k=None)
+        assert out.token_ids.tolist() == ref[0, ids.numel():].tolist()[: out.token_ids.numel()]
+        assert out.token_ids.numel() == ref.shape[1] - ids.numel()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_shipped_card_heldout_reproduced(kind, smollm):
+    from treespec.train.loop import heldout_of_checkpoint
+
+    path = _shipped(kind)
+    card = json.loads(path.with_suffix(".json").read_text())
+    got = heldout_of_checkpoint(kind, smollm, path, sequences=card["heldout"]["sequences"])
+    for key in ("top1_by_depth", "beta_top32_by_depth"):
+        for a, b in zip(got[key], card["heldout"][key]):
+            assert a == pytest.approx(b, abs=0.01), (kind, key, got, card["heldout"])
+
+
+@pytest.mark.slow
+def test_shipped_checkpoints_fit_the_budget():
+    files = list(SHIPPED.glob("*.safetensors"))
+    if not files:
+        pytest.skip("no shipped checkpoints")
+    assert sum(f.stat().st_size for f in files) <= 60 * 2 ** 20
