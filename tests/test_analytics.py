@@ -65,7 +65,7 @@ def test_expected_tree_tokens_by_hand():
     assert expected_tree_tokens(TREE, torch.zeros(5)) == 1.0
     chain = DraftTree(torch.arange(4), torch.arange(-1, 3))
     b = 0.7
-    assert expected_tree_tokens(chain, torch.full((4,), b)) == pytest.approx(
+    assert expected_tree_tokens(chain, torch.full((4,), b, dtype=F64)) == pytest.approx(
         expected_chain_tokens(b, 3), abs=1e-12)
 
 
