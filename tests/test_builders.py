@@ -446,3 +446,17 @@ def test_bad_config_raises_clear_errors(make, match) -> None:
 def test_top_k_above_vocab_raises_at_build() -> None:
     with pytest.raises(ValueError, match="top_k=9 exceeds the drafter's vocabulary V=8"):
         build(DynamicTreeBuilder(16, 3, top_k=9), TableDrafter(vocab=8))
+
+
+@pytest.mark.parametrize("mode", STOCHASTIC)
+def test_stochastic_dynamic_and_best_first_fill_the_budget_in_depth(mode) -> None:
+    """Without a final cut, stochastic trees still use the whole budget and grow deep where
+    the drafter is confident (the allocation plans deeper levels instead of filling the first
+    ones)."""
+    for budget, top_k in ((16, 4), (64, 8)):
+        for builder in (DynamicTreeBuilder(budget, 6, top_k, mode=mode),
+                        BestFirstBuilder(budget, max_width=top_k, max_rounds=7, mode=mode)):
+            d = TableDrafter(vocab=64, scale=4.0, seed=budget)
+            built = build(builder, d, T1)
+            assert built.tree.num_nodes == budget and built.drafted == budget
+            assert built.tree.max_depth >= 4, (builder, torch.bincount(built.tree.depth).tolist())

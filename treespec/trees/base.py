@@ -147,8 +147,8 @@ def draw_children(
 
     deterministic:        the k most likely tokens with q > 0, most likely first.
     with_replacement:     k i.i.d. draws from q (repeats possible).
-    without_replacement:  k sequential draws without replacement (Gumbel-top-k), capped by the
-                          support of q.
+    without_replacement:  k sequential draws without replacement (exponential race, i.e.
+                          Gumbel-top-k), capped by the support of q.
     """
     if q.dim() != 2:
         raise ValueError(f"q must be [F, V], got shape {tuple(q.shape)}")
@@ -168,10 +168,11 @@ def draw_children(
         tokens = drawn.tolist()
         logq = q.gather(1, drawn).double().log().tolist()
     elif mode == "without_replacement":
-        u = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
-        keys = q.double().log() - torch.log(-torch.log(u))  # Gumbel-top-k = draws w/o replacement
+        # Exponential race (= Gumbel-top-k): the order of q(x) / E_x, E_x ~ Exp(1) i.i.d., is
+        # the order of sequential draws without replacement from q. Tokens with q = 0 come last.
+        race = torch.empty(q.shape, dtype=torch.float64).exponential_(generator=generator)
         # [F, top]
-        drawn = torch.topk(keys, top, dim=-1).indices
+        drawn = torch.topk(q.double() / race, top, dim=-1).indices
         tokens = drawn.tolist()
         logq = q.gather(1, drawn).double().log().tolist()
     else:

@@ -12,10 +12,12 @@ kept. Ties go to the shallower, then earlier node, so a kept node's ancestors ar
 Stochastic modes (our extension): children are draws from q, and a drawn child may not be
 dropped because of its value (trees.base), so the final rerank cannot prune. The rerank moves
 *before* the draws: at each depth, every slot "j-th child of expanded node u" (j < top_k) is
-valued score(u) + log q_u^(j) — what the deterministic builder would score that child — and the
-best ``quota`` slots are drawn, where ``quota`` = remaining budget minus one node per deeper
-level (so the tree can still reach ``depth``). Each node's child count is thus fixed from q and
-earlier draws only; the children are then drawn (i.i.d. or without replacement) and all kept.
+valued score(u) + log q_u^(j) — what the deterministic builder would score that child. The
+deeper levels are simulated (EAGLE-2's expansion continued with the mean per-rank log q seen
+so far), and this depth draws the slots that rank among the best ``remaining budget`` of
+this depth's slots plus the simulated deeper nodes. Each node's child count is thus fixed from
+q and earlier draws only; the children are then drawn (i.i.d. or without replacement) and all
+kept.
 
 Adaptive termination (``min_confidence`` > 0): no further depth is expanded once the best
 frontier node's confidence exp(score) is below ``min_confidence``.
@@ -23,6 +25,7 @@ frontier node's confidence exp(score) is below ``min_confidence``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +86,7 @@ class DynamicTreeBuilder:
             return finish(tree, rows, mode)
         floor = log_confidence(cfg.min_confidence)
         frontier, calls = [0], 0
+        profile: list[list[float]] = [[] for _ in range(cfg.top_k)]  # slot_logq[j] seen so far
         for level in range(1, cfg.depth + 1):
             q, exps = expand_nodes(drafter, tree, frontier, sampling, mode, cfg.top_k, generator)
             calls += 1
@@ -90,8 +94,10 @@ class DynamicTreeBuilder:
             if mode == "deterministic":
                 counts = [len(e.tokens) for e in exps]
             else:
-                quota = cfg.budget - len(tree) - (cfg.depth - level)
-                counts = self._allocate(tree, frontier, exps, max(quota, 1))
+                for e in exps:
+                    for j, v in enumerate(e.slot_logq[: cfg.top_k]):
+                        profile[j].append(v)
+                counts = self._allocate(tree, frontier, exps, cfg.budget - len(tree), level, profile)
             layer = []
             for node, exp, count in zip(frontier, exps, counts):
                 for tok, lq in zip(exp.tokens[:count], exp.logq[:count]):
@@ -109,18 +115,31 @@ class DynamicTreeBuilder:
         return finish(tree, rows, mode, keep=keep, calls=calls)
 
     def _allocate(self, tree: PartialTree, frontier: list[int], exps: list[Expansion],
-                  quota: int) -> list[int]:
-        """Children per frontier node: the best ``quota`` slots by planning value.
+                  remaining: int, level: int, profile: list[list[float]]) -> list[int]:
+        """Children per frontier node in stochastic modes (see the module docstring).
 
-        For one node the slot values decrease with j, and ties go to the earlier slot, so the
-        chosen slots of each node are a prefix: a child count, fixed before looking at draws.
+        The deterministic rerank would keep the ``remaining`` best nodes among this level's
+        slots and everything below them. The deeper nodes do not exist yet, so they are
+        simulated: EAGLE-2's expansion continues from this level's best slots with the mean
+        slot profile seen so far (mean log q^(j) per rank j). This level gets the slots that
+        rank among the ``remaining`` best of the union (at least one). For one node the slot
+        values decrease with j and ties go to the earlier slot, so the chosen slots of each
+        node are a prefix: a child count, fixed from q alone, before any draw is looked at.
         """
-        slots = [(-(tree.score[u] + v), i, j)
-                 for i, (u, e) in enumerate(zip(frontier, exps))
-                 for j, v in enumerate(e.slot_logq[: self.config.top_k])]
-        slots.sort()
+        cfg = self.config
+        slots = sorted((-(tree.score[u] + v), i, j)
+                       for i, (u, e) in enumerate(zip(frontier, exps))
+                       for j, v in enumerate(e.slot_logq[: cfg.top_k]))
+        mean = [sum(vs) / len(vs) for vs in profile if vs]  # -inf stays -inf
+        layer = [-s for s, _, _ in slots]
+        union = list(layer)
+        for _ in range(level + 1, cfg.depth + 1):
+            layer = sorted((v + m for v in layer[: cfg.top_k] for m in mean), reverse=True)
+            union += layer
+        union.sort(reverse=True)
+        theta = union[remaining - 1] if len(union) >= remaining else -math.inf
+        take = min(remaining, max(1, sum(1 for s, _, _ in slots if -s >= theta)))
         counts = [0] * len(frontier)
-        for _, i, _ in slots[:quota]:
+        for _, i, _ in slots[:take]:
             counts[i] += 1
         return counts
-

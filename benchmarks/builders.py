@@ -1,0 +1,242 @@
+"""Builder benchmark: τ and tokens/s of every tree builder at budgets 4..64, T = 0 and T = 1.
+
+Same target (SmolLM2-135M), same drafter, same MT-bench first turns (chat template) for every
+builder; the only thing that changes is the builder and its budget (nodes incl. the root).
+
+    python benchmarks/builders.py --prompts 3 --max-new-tokens 64      # quick check
+    python benchmarks/builders.py                                       # 20 prompts x 128 tokens
+
+Drafter: the best registered one (a trained eagle3 / eagle / mtp / medusa head when its
+checkpoint loads, else "early-exit"); ``--drafter`` overrides. At T = 1 the stochastic builders
+draw children without replacement (``--t1-mode``); the static tree fills ranks
+deterministically (Medusa style). Sequoia's acceptance vector is measured first on 3 other
+MT-bench prompts at each temperature (``measure_acceptance_vector``, width 8).
+
+Builder overhead = time inside ``builder.build`` minus time inside ``drafter.expand`` (measured
+with a timing proxy around the drafter), as a share of the drafter time. Target: <= 15 %.
+
+Writes benchmarks/results/builders.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from treespec import SpeculativeGenerator, load_drafter, load_target, registered_drafters
+from treespec.data import chat_prompt, mtbench_questions
+from treespec.trees import (
+    BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder,
+    measure_acceptance_vector,
+)
+
+RESULTS = Path(__file__).parent / "results"
+TRAINED = ("eagle3", "eagle", "mtp", "medusa")  # preferred drafters when their checkpoint loads
+BUILDERS = ("chain", "static", "dynamic", "best-first", "sequoia")
+
+
+class TimedDrafter:
+    """Drafter proxy: forwards everything, accumulates wall time spent in ``expand``."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.expand_time = 0.0
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def begin(self, prompt_ids, features):
+        self.inner.begin(prompt_ids, features)
+
+    def expand(self, tree, nodes):
+        t0 = time.perf_counter()
+        out = self.inner.expand(tree, nodes)
+        self.expand_time += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+    def commit(self, path, tokens, features):
+        self.inner.commit(path, tokens, features)
+
+
+def pick_drafter(target, name: str | None):
+    if name:
+        return name, load_drafter(name, target)
+    for kind in TRAINED:
+        if kind in registered_drafters():
+            try:
+                return kind, load_drafter(kind, target)
+            except (FileNotFoundError, ValueError) as e:
+                print(f"[skip {kind}: {e}]")
+    return "early-exit", load_drafter("early-exit", target)
+
+
+def make(name: str, budget: int, mode: str, acceptance) -> object:
+    """The builder ``name`` at ``budget`` nodes (root included); settings in the module doc."""
+    depth = min(6, budget - 1)
+    wide = 4 if budget <= 16 else 8
+    if name == "chain":
+        return ChainBuilder(budget - 1, mode=mode)
+    if name == "static":
+        return StaticTreeBuilder.default(budget)
+    if name == "dynamic":
+        return DynamicTreeBuilder(budget, depth=depth, top_k=wide, mode=mode)
+    if name == "best-first":
+        return BestFirstBuilder(budget, max_width=wide, max_rounds=depth + 1, mode=mode)
+    if name == "sequoia":
+        return SequoiaBuilder(budget, depth=depth, acceptance=acceptance, mode=mode)
+    raise ValueError(f"unknown builder {name!r}; choose from {BUILDERS}")
+
+
+def run_config(target, drafter: TimedDrafter, builder, prompts, max_new: int, temperature: float,
+               seed: int) -> dict:
+    gen = SpeculativeGenerator(target, drafter, builder)
+    tokens = steps = emitted = nodes = calls = 0
+    decode = build = expand = 0.0
+    per_prompt_tps = []
+    for i, ids in enumerate(prompts):
+        drafter.expand_time = 0.0
+        r = gen.generate(ids, max_new_tokens=max_new, temperature=temperature, seed=seed + i)
+        s = r.stats
+        tokens += s.new_tokens
+        steps += s.steps
+        emitted += s._emitted
+        nodes += s.tree_nodes
+        calls += s.drafter_calls
+        decode += s.decode_time
+        build += s.draft_time
+        expand += drafter.expand_time
+        per_prompt_tps.append(s.tokens_per_s)
+    return dict(tau=emitted / steps, tokens_per_s=tokens / decode,
+                median_prompt_tokens_per_s=statistics.median(per_prompt_tps),
+                new_tokens=tokens, steps=steps, mean_nodes=nodes / steps, calls_per_step=calls / steps,
+                draft_time_s=expand, builder_time_s=build - expand,
+                builder_overhead=(build - expand) / expand if expand > 0 else 0.0,
+                decode_time_s=decode)
+
+
+def write_table(results: list[dict], meta: dict, path: Path) -> None:
+    lines = [f"# Tree builders: τ and tokens/s by budget\n",
+             f"Target {meta['target']}, drafter **{meta['drafter']}**, {meta['prompts']} MT-bench "
+             f"prompts x {meta['max_new_tokens']} new tokens, {meta['threads']} CPU thread(s) "
+             f"({meta['machine']}); T = 1 drafting mode: {meta['t1_mode']} (static: ranked). "
+             f"Wall time {meta['wall_s'] / 60:.1f} min.\n",
+             "Builder overhead = builder time outside drafter.expand / drafter.expand time.\n"]
+    for temp in meta["temperatures"]:
+        lines.append(f"\n## T = {temp:g}\n")
+        lines.append("| builder | " + " | ".join(f"B={b} τ / tok/s" for b in meta["budgets"]) +
+                     " | max overhead |")
+        lines.append("|---|" + "---|" * (len(meta["budgets"]) + 1))
+        for name in meta["builders"]:
+            rows = {r["budget"]: r for r in results if r["builder"] == name and r["temperature"] == temp}
+            if not rows:
+                continue
+            cells = [f"{rows[b]['tau']:.2f} / {rows[b]['tokens_per_s']:.1f}" if b in rows else "—"
+                     for b in meta["budgets"]]
+            over = max(r["builder_overhead"] for r in rows.values())
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {100 * over:.1f} % |")
+    if meta.get("sequoia_acceptance"):
+        lines.append("\nSequoia acceptance vectors (measured, width 8): " + "; ".join(
+            f"T={t}: " + ", ".join(f"{x:.3f}" for x in a) for t, a in meta["sequoia_acceptance"].items()))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(results: list[dict], meta: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = meta["temperatures"]
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.2), squeeze=False)
+    for ax, temp in zip(axes[0], temps):
+        for name in meta["builders"]:
+            rows = sorted((r for r in results if r["builder"] == name and r["temperature"] == temp),
+                          key=lambda r: r["budget"])
+            if rows:
+                ax.plot([r["budget"] for r in rows], [r["tau"] for r in rows], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(meta["budgets"], [str(b) for b in meta["budgets"]])
+        ax.set_xlabel("budget (tree nodes incl. root)")
+        ax.set_ylabel("τ (tokens per target forward)")
+        ax.set_title(f"T = {temp:g}, drafter {meta['drafter']}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--budgets", default="4,8,16,32,64")
+    ap.add_argument("--builders", default=",".join(BUILDERS))
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--t1-mode", default="without_replacement",
+                    choices=("deterministic", "with_replacement", "without_replacement"))
+    ap.add_argument("--drafter", default=None, help="registered drafter (default: best available)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS / "builders"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    builders = args.builders.split(",")
+    temps = [float(t) for t in args.temperatures.split(",")]
+    start = time.perf_counter()
+
+    target = load_target("smollm2-135m")
+    name, inner = pick_drafter(target, args.drafter)
+    drafter = TimedDrafter(inner)
+    questions = mtbench_questions()
+    prompts = [torch.tensor(chat_prompt(target.tokenizer, q.turns[0])) for q in questions[: args.prompts]]
+    held_out = [q.turns[0] for q in questions[-3:]]  # Sequoia's vector: not the benchmark prompts
+    print(f"drafter {name}; {len(prompts)} prompts x {args.max_new_tokens} tokens", flush=True)
+    SpeculativeGenerator(target, drafter, ChainBuilder(2)).generate(prompts[0], max_new_tokens=4)  # warm-up
+
+    acceptance = {}
+    if "sequoia" in builders:
+        for temp in temps:
+            mode = "deterministic" if temp == 0 else args.t1_mode
+            acceptance[temp] = measure_acceptance_vector(inner, target, held_out, width=8,
+                                                         max_new_tokens=32, temperature=temp, mode=mode)
+            print(f"sequoia acceptance T={temp:g}: {[round(a, 3) for a in acceptance[temp]]}", flush=True)
+    results = []
+    for temp in temps:
+        mode = "deterministic" if temp == 0 else args.t1_mode
+        for budget in budgets:
+            for b in builders:
+                builder = make(b, budget, mode, acceptance.get(temp))
+                t0 = time.perf_counter()
+                row = run_config(target, drafter, builder, prompts, args.max_new_tokens, temp, args.seed)
+                row.update(builder=b, budget=budget, temperature=temp, repr=repr(builder),
+                           wall_s=time.perf_counter() - t0)
+                results.append(row)
+                print(f"T={temp:g} B={budget:>2} {b:<10} tau {row['tau']:.2f}  "
+                      f"{row['tokens_per_s']:6.1f} tok/s  nodes {row['mean_nodes']:.1f}  "
+                      f"overhead {100 * row['builder_overhead']:.1f} %  ({row['wall_s']:.0f} s)", flush=True)
+    meta = dict(target="smollm2-135m", drafter=name, prompts=len(prompts),
+                max_new_tokens=args.max_new_tokens, budgets=budgets, builders=builders,
+                temperatures=temps, t1_mode=args.t1_mode, threads=args.threads, seed=args.seed,
+                machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
+                torch=torch.__version__, wall_s=time.perf_counter() - start,
+                sequoia_acceptance={str(k): v for k, v in acceptance.items()})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    write_table(results, meta, out.with_suffix(".md"))
+    plot(results, meta, out.with_suffix(".png"))
+    print(f"wrote {out}.{{json,md,png}} in {meta['wall_s'] / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
