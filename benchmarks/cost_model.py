@@ -7,8 +7,9 @@ Steps
     1. Calibration run: ``treespec.cost.calibrate`` on SmolLM2-135M (fp32, the real weights from
        ``treespec.models.load_target``) at n = 1 … 128 (``DEFAULT_NS``) with a cached prefix of
        ``--context`` tokens; the fitted JSON is kept as ``results/cost_model_calibration.json``.
-    2. Fresh run: the same verify pass measured again at every n = 1 … 64 (in shuffled order),
-       compared with the fitted curve; and the early-exit drafter at a few n.
+    2. Fresh run: the same verify pass measured again at every n = 1 … 64 (timed round-robin in
+       shuffled order, new random tokens), compared with the fitted curve; and the early-exit
+       drafter at a few n.
     3. Planner: best trees for SmolLM2-135M on the presets and on this machine ('local'), and for
        Llama-3-8B on the presets at batch 1, 8, 64; plots of predicted tokens/s vs budget.
 Outputs ``results/cost_model.{json,md}``, ``results/cost_model.png`` (SmolLM2, batch 1, one line
@@ -43,11 +44,10 @@ from treespec.cost import (
     best_choice,
     calibrate,
     get_hardware,
-    measure,
     model_shape,
     plan_curve,
 )
-from treespec.cost.calibration import DEFAULT_NS, _truncated_model, _verify_fn
+from treespec.cost.calibration import DEFAULT_NS, _truncated_model, measure_interleaved, verify_passes
 from treespec.cost.plot import plot_curves
 from treespec.models import load_target
 
@@ -71,6 +71,8 @@ def main() -> int:
     parser.add_argument("--max-n", type=int, default=64, help="fresh comparison covers n = 1 … max-n")
     parser.add_argument("--early-exit-layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both runs (default: torch's)")
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="wall: perf_counter; thread: this thread's CPU time (needs --threads 1)")
     parser.add_argument("--quiet-load", type=float, default=None)
     parser.add_argument("--quiet-wait", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -78,6 +80,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.clock == "thread" and torch.get_num_threads() != 1:
+        parser.error("--clock thread counts one thread's CPU time: use it with --threads 1")
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
 
     model = load_target("smollm2-135m").model
     loads = {"start": wait_for_quiet(args.quiet_load, args.quiet_wait)}
@@ -85,7 +90,7 @@ def main() -> int:
     # 1. calibration run
     t0 = time.time()
     cal = calibrate(model, "smollm2-135m", ns=DEFAULT_NS, context=args.context,
-                    early_exit_layers=args.early_exit_layers, n_warmup=2, n_rep=args.reps,
+                    early_exit_layers=args.early_exit_layers, n_warmup=2, n_rep=args.reps, clock=clock,
                     progress=lambda m: print(m, flush=True))
     cal_path = cal.save(args.out / "cost_model_calibration.json")
     calibration_s = time.time() - t0
@@ -96,19 +101,18 @@ def main() -> int:
     t0 = time.time()
     order = list(range(1, args.max_n + 1))
     random.Random(0).shuffle(order)
-    measured: dict[int, float] = {}
-    for n in order:
-        measured[n] = measure(_verify_fn(model, n, args.context, seed=1), 1, args.fresh_reps)
-        print(f"fresh n={n}: {measured[n] * 1e3:.2f} ms (predicted {cal.target(n) * 1e3:.2f})", flush=True)
+    seconds = measure_interleaved(verify_passes(model, order, args.context, seed=1), 1, args.fresh_reps, clock)
+    measured = dict(zip(order, seconds))
     rows = []
     for n in range(1, args.max_n + 1):
         predicted = cal.target(n)
         rows.append({"n": n, "predicted_ms": predicted * 1e3, "measured_ms": measured[n] * 1e3,
                      "error": predicted / measured[n] - 1})
     draft = _truncated_model(model, args.early_exit_layers)
+    draft_ns = (1, 2, 4, 8, 16, 32)
+    draft_seconds = measure_interleaved(verify_passes(draft, draft_ns, args.context, seed=1), 1, args.fresh_reps, clock)
     draft_rows = []
-    for n in (1, 2, 4, 8, 16, 32):
-        m = measure(_verify_fn(draft, n, args.context, seed=1), 1, args.fresh_reps)
+    for n, m in zip(draft_ns, draft_seconds):
         p = cal.drafters["early_exit"](n)
         draft_rows.append({"n": n, "predicted_ms": p * 1e3, "measured_ms": m * 1e3, "error": p / m - 1})
     fresh_s = time.time() - t0
@@ -146,6 +150,8 @@ def main() -> int:
     result = {
         "device": cal.device,
         "context": args.context,
+        "threads": torch.get_num_threads(),
+        "clock": args.clock,
         "tolerance": TOLERANCE,
         "within_tolerance": within,
         "points": len(rows),
@@ -170,8 +176,8 @@ def markdown(r: dict, cal) -> str:
     lines = [
         "# Cost model: calibrated prediction vs fresh measurement (SmolLM2-135M, fp32, this CPU)",
         "",
-        f"Device: {r['device']}. Cached prefix: {r['context']} tokens. Batch 1. Both runs in one process, "
-        "calibration first.",
+        f"Device: {r['device']}. Cached prefix: {r['context']} tokens. Batch 1. Threads: {r['threads']}. "
+        f"Clock: {r['clock']}. Both runs in one process, calibration first.",
         f"1-minute load average (shared 2-core machine): {r['load_average_1min']}.",
         f"Calibration run {r['calibration_s']:.0f} s; fresh run {r['fresh_s']:.0f} s.",
         f"Command: `{r['command']}`",

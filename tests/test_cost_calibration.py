@@ -14,6 +14,7 @@ from treespec.cost import (
     best_tree,
     default_calibration_path,
     measure,
+    measure_interleaved,
     model_shape,
 )
 from treespec.cost.cli import main
@@ -37,16 +38,24 @@ def _calibration(drafter_s: float = 0.01) -> Calibration:
     )
 
 
-def test_measure_calls_warmup_plus_reps_and_takes_the_median(monkeypatch):
+def test_measure_calls_warmup_plus_reps_and_takes_the_median():
     calls = []
-    clock = iter([0.0, 1.0, 10.0, 13.0, 20.0, 22.0])  # durations 1, 3, 2 -> median 2
-    monkeypatch.setattr("treespec.cost.calibration.time.perf_counter", lambda: next(clock))
-    assert measure(lambda: calls.append(1), n_warmup=2, n_rep=3) == 2.0
+    ticks = iter([0.0, 1.0, 10.0, 13.0, 20.0, 22.0])  # durations 1, 3, 2 -> median 2
+    assert measure(lambda: calls.append(1), n_warmup=2, n_rep=3, clock=lambda: next(ticks)) == 2.0
     assert len(calls) == 5
+    assert measure(lambda: None, n_warmup=0, n_rep=1) >= 0.0  # the wall clock by default
     with pytest.raises(ValueError, match="n_rep must be an int >= 1"):
         measure(lambda: None, n_rep=0)
     with pytest.raises(ValueError, match="n_warmup must be an int >= 0"):
         measure(lambda: None, n_warmup=-1)
+
+
+def test_measure_interleaved_times_round_robin():
+    order = []
+    ticks = iter(range(100))
+    fns = [lambda: order.append("a"), lambda: order.append("b")]
+    assert measure_interleaved(fns, n_warmup=1, n_rep=2, clock=lambda: next(ticks)) == [1, 1]
+    assert order == ["a", "b", "a", "b", "a", "b"]
 
 
 def test_curve_is_monotone_piecewise_linear():

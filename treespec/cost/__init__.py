@@ -26,6 +26,8 @@ from treespec.cost.calibration import (
     calibrate,
     default_calibration_path,
     measure,
+    measure_interleaved,
+    verify_passes,
 )
 from treespec.cost.hardware import HARDWARE_PRESETS, Hardware, get_hardware
 from treespec.cost.planner import (
@@ -82,6 +84,7 @@ __all__ = [
     "expected_tree_tokens",
     "get_hardware",
     "measure",
+    "measure_interleaved",
     "model_shape",
     "optimal_tree",
     "optimal_trees",
@@ -91,4 +94,5 @@ __all__ = [
     "plan_curve",
     "t_draft",
     "t_target",
+    "verify_passes",
 ]

@@ -5,7 +5,8 @@ Glossary:
     acceptance vector   Sequoia's positional acceptance (Chen et al. 2024, "Sequoia", §3):
                         p[i] = P(the (i+1)-th child of a node is the one accepted | the node was
                         reached), the same at every node. The events are disjoint, so
-                        Σ p[i] <= 1; children are tried in order, so p is non-increasing.
+                        Σ p[i] <= 1. Usually non-increasing (the drafter's best candidates are
+                        tried first), though measured vectors may have noisy tails.
     budget              draft nodes of a tree, root excluded; verification runs on
                         n = budget + 1 tokens. Budget 0 is plain decoding (τ = 1).
     value of a node     P(node accepted) = product of p[rank] over the path from the root.
@@ -15,8 +16,10 @@ Optimal tree: with a non-increasing p every child is worth at most its parent an
 sibling at most the earlier one, so the ``budget`` most valuable nodes of the infinite
 depth-limited tree form a valid tree, and no tree of that size is worth more. Best-first
 growth (a heap on value) therefore yields Sequoia's DP optimum for *every* budget at once,
-in O(budget · log budget); ``treespec.trees.sequoia`` holds the builder that grows such trees
-with a real drafter.
+in O(budget · log budget). For a vector that increases somewhere, best-first growth still
+gives valid trees but only a lower bound of the optimum; ``treespec.trees.sequoia.optimal_tree``
+(the DP, with the builders' convention budget = nodes *including* the root) is exact for any
+vector. The tests cross-check both.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def acceptance_vector(acceptance: float | Sequence[float], siblings: int = DEFAU
     each further candidate is accepted with probability β given the earlier ones were rejected
     (i.i.d. candidates). Measured vectors decay faster (the target's token is usually among the
     drafter's first few candidates or not at all); pass one when you have it.
-    Errors: entries outside [0, 1], a sum above 1, or an increasing vector.
+    Errors: an empty vector, entries outside [0, 1], a sum above 1.
     """
     if isinstance(acceptance, (int, float)):
         beta = float(acceptance)
@@ -88,8 +91,6 @@ def acceptance_vector(acceptance: float | Sequence[float], siblings: int = DEFAU
     if math.fsum(p) > 1.0 + 1e-9:
         raise ValueError(f"acceptance vector sums to {math.fsum(p):.4g} > 1: p[i] is the probability "
                          "that child i is the accepted one, and those events are disjoint")
-    if any(b > a + 1e-12 for a, b in zip(p, p[1:])):
-        raise ValueError(f"acceptance vector must be non-increasing (children are tried in order), got {p}")
     return p
 
 
@@ -145,7 +146,8 @@ class OptimalTree:
 def optimal_trees(acceptance: float | Sequence[float], max_budget: int, max_depth: int) -> list[OptimalTree]:
     """Optimal trees for budgets 0, 1, … (up to ``max_budget``) with depth <= ``max_depth``.
 
-    Best-first growth (see the module docstring). The list is shorter than max_budget + 1 when
+    Best-first growth (see the module docstring): exact for a non-increasing vector, a lower
+    bound otherwise. The list is shorter than max_budget + 1 when
     larger trees gain nothing (all remaining nodes are worth 0 or the depth/sibling limit is
     reached).
     """

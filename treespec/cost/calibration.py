@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +41,8 @@ __all__ = [
     "calibrate",
     "default_calibration_path",
     "measure",
+    "measure_interleaved",
+    "verify_passes",
 ]
 
 CALIBRATION_VERSION = 1
@@ -49,10 +52,18 @@ DEFAULT_NS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 2
                                80, 96, 112, 128)
 
 
-def measure(fn: Callable[[], object], n_warmup: int = 2, n_rep: int = 7) -> float:
-    """Median wall-clock seconds of ``fn()`` over ``n_rep`` calls after ``n_warmup`` calls.
+def measure(
+    fn: Callable[[], object],
+    n_warmup: int = 2,
+    n_rep: int = 7,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Median seconds of ``fn()`` over ``n_rep`` calls after ``n_warmup`` untimed calls.
 
     ``fn`` must finish its work before returning (synchronise accelerators inside it).
+    ``clock``: wall clock by default; ``time.thread_time`` counts only this thread's CPU
+    time, which on a shared machine leaves out time other processes held the core (a
+    single-threaded pass only: it ignores work done by other threads).
     """
     if not isinstance(n_warmup, int) or n_warmup < 0:
         raise ValueError(f"n_warmup must be an int >= 0, got {n_warmup!r}")
@@ -62,10 +73,36 @@ def measure(fn: Callable[[], object], n_warmup: int = 2, n_rep: int = 7) -> floa
         fn()
     times = []
     for _ in range(n_rep):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
+
+
+def measure_interleaved(
+    fns: Sequence[Callable[[], object]],
+    n_warmup: int = 2,
+    n_rep: int = 7,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """Median seconds of each of ``fns``, timed round-robin: rep r times fns[0], fns[1], …
+    once each, so a slow drift of the machine (other processes, clock changes) hits every
+    fn alike instead of distorting the curve between neighbours. Same arguments as ``measure``.
+    """
+    if not isinstance(n_warmup, int) or n_warmup < 0:
+        raise ValueError(f"n_warmup must be an int >= 0, got {n_warmup!r}")
+    if not isinstance(n_rep, int) or n_rep < 1:
+        raise ValueError(f"n_rep must be an int >= 1, got {n_rep!r}")
+    for _ in range(n_warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(n_rep):
+        for fn, bucket in zip(fns, times):
+            start = clock()
+            fn()
+            bucket.append(clock() - start)
+    return [statistics.median(bucket) for bucket in times]
 
 
 def _isotonic(values: Sequence[float]) -> list[float]:
@@ -278,10 +315,14 @@ def _truncated_model(model: Any, layers: int) -> Any:
     return draft.eval().requires_grad_(False)
 
 
-def _verify_fn(model: Any, n_tokens: int, context: int, seed: int = 0) -> Callable[[], None]:
-    """One verify-shaped pass: n tree tokens (a chain; the mask shape, not the tree, sets the
-    cost) over a cached prefix of ``context`` tokens, then the softmax over [n, V] logits and
-    the cache cropped back to the prefix."""
+def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) -> list[Callable[[], None]]:
+    """One callable per n: a verify-shaped pass of ``model`` (a HF causal LM).
+
+    Each call runs n tree tokens (a chain; the mask's shape, not the tree, sets the cost) over a
+    cached prefix of ``context`` random tokens with the verifier's 4-D mask and positions, takes
+    the softmax of the [n, V] logits, and crops the cache back to the prefix (shared by all
+    callables, built once here).
+    """
     import torch
     from transformers import DynamicCache
 
@@ -296,21 +337,25 @@ def _verify_fn(model: Any, n_tokens: int, context: int, seed: int = 0) -> Callab
         if context:
             prefix = torch.randint(vocab, (1, context), generator=gen).to(param.device)
             model(input_ids=prefix, cache=cache, use_cache=True)
-    tokens = torch.randint(vocab, (n_tokens,), generator=gen)
-    tree = DraftTree(tokens, torch.arange(-1, n_tokens - 1))
     attn_impl = attn_implementation_of(model)
 
-    @torch.inference_mode()
-    def fn() -> None:
-        mask = hf_tree_mask(tree, context, attn_impl, param.dtype, param.device)
-        out = model(input_ids=tree.tokens.to(param.device)[None], position_ids=position_ids(tree, context, param.device),
-                    attention_mask=mask, cache=cache, use_cache=True)
-        out.logits[0].float().softmax(-1)
-        cache.crop(-n_tokens)
-        if param.device.type == "cuda":
-            torch.cuda.synchronize(param.device)
+    def make(n_tokens: int) -> Callable[[], None]:
+        tree = DraftTree(torch.randint(vocab, (n_tokens,), generator=gen), torch.arange(-1, n_tokens - 1))
 
-    return fn
+        @torch.inference_mode()
+        def fn() -> None:
+            mask = hf_tree_mask(tree, context, attn_impl, param.dtype, param.device)
+            out = model(input_ids=tree.tokens.to(param.device)[None],
+                        position_ids=position_ids(tree, context, param.device),
+                        attention_mask=mask, cache=cache, use_cache=True)
+            out.logits[0].float().softmax(-1)
+            cache.crop(-n_tokens)
+            if param.device.type == "cuda":
+                torch.cuda.synchronize(param.device)
+
+        return fn
+
+    return [make(n) for n in ns]
 
 
 def _device_description() -> str:
@@ -337,6 +382,7 @@ def calibrate(
     n_warmup: int = 2,
     n_rep: int = 7,
     threads: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
     progress: Callable[[str], None] | None = None,
 ) -> Calibration:
     """Measure ``model`` (a HF causal LM) on its device and return the fitted Calibration.
@@ -344,9 +390,10 @@ def calibrate(
     Measures the verify pass at every n in ``ns``, and two drafters at every n in ``draft_ns``
     (default: ``ns`` up to 64): "early_exit" (the first ``early_exit_layers`` target layers +
     LM head) and "eagle" (one target-width layer + LM head; EAGLE's 2H -> H fusion layer is
-    left out, a small fraction of the pass). Each point is ``measure(fn, n_warmup, n_rep)``.
+    left out, a small fraction of the pass). Each curve is ``measure_interleaved`` over its
+    points (``verify_passes``).
     ``threads``: torch intra-op threads for the measurement (default: leave as set); on a
-    shared machine 1 thread is far less sensitive to other processes.
+    shared machine 1 thread is far less sensitive to other processes. ``clock``: see ``measure``.
     Cost: len(ns) · (n_warmup + n_rep) passes of the model, plus the drafters'.
     """
     import torch
@@ -368,23 +415,25 @@ def calibrate(
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     try:
-        return _calibrate(model, name, shape, ns, draft_ns, context, early_exit_layers, n_warmup, n_rep, say)
+        return _calibrate(model, name, shape, ns, draft_ns, context, early_exit_layers, n_warmup, n_rep, clock, say)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _calibrate(model: Any, name: str, shape: ModelShape, ns: Sequence[int], draft_ns: Sequence[int], context: int,
-               early_exit_layers: int, n_warmup: int, n_rep: int, say: Callable[[str], None]) -> Calibration:
+               early_exit_layers: int, n_warmup: int, n_rep: int, clock: Callable[[], float],
+               say: Callable[[str], None]) -> Calibration:
     import torch
 
     def curve(m: Any, label: str, points: Sequence[int]) -> Curve:
-        seconds = []
-        for n in points:
-            seconds.append(measure(_verify_fn(m, n, context), n_warmup, n_rep))
-            say(f"{label} n={n}: {seconds[-1] * 1e3:.2f} ms")
+        # Shuffled round-robin: neither machine drift nor the previous pass's size (allocator
+        # state) lines up with n.
+        order = sorted(points, key=lambda n: random.Random(n).random())
+        timed = dict(zip(order, measure_interleaved(verify_passes(m, order, context), n_warmup, n_rep, clock)))
+        seconds = [timed[n] for n in points]
+        say(f"{label}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(points, seconds)))
         return Curve.fit(points, seconds)
 
-    _verify_fn(model, max(ns), context)()  # first pass of the process: lazy kernel set-up
     target = curve(model, "target", ns)
     drafter_layers = {"early_exit": early_exit_layers, "eagle": 1}
     drafters = {kind: curve(_truncated_model(model, k), kind, draft_ns) for kind, k in drafter_layers.items()}

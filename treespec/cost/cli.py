@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -90,6 +91,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cal.add_argument("--reps", type=int, default=7, help="timed calls per point (median kept)")
     cal.add_argument("--threads", type=int, default=None,
                      help="torch threads while measuring (default: torch's); use what the engine will use")
+    cal.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                     help="wall: elapsed time (what the engine sees); thread: this thread's CPU time, "
+                          "robust on a shared machine (needs --threads 1)")
     cal.add_argument("--out", type=Path, default=None, help="output JSON (default: the model's default path)")
     cal.set_defaults(func=_calibrate)
 
@@ -173,11 +177,15 @@ def _calibrate(args: argparse.Namespace) -> int:
             raise KeyError(f"unknown model {args.model!r}; known models: {sorted(MODEL_PRESETS)}")
         model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL_PRESETS[args.model]), dtype=torch.float32)
         model.eval().requires_grad_(False)
+    if args.clock == "thread" and args.threads != 1:
+        raise ValueError("--clock thread counts one thread's CPU time: use it with --threads 1")
     ns = tuple(n for n in DEFAULT_NS if n <= args.max_n)
     if not ns:
         raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
     result = calibrate(model, args.model, ns=ns, context=args.context, early_exit_layers=args.early_exit_layers,
-                       n_warmup=args.warmup, n_rep=args.reps, threads=args.threads, progress=lambda m: print(m, flush=True))
+                       n_warmup=args.warmup, n_rep=args.reps, threads=args.threads, clock=clock,
+                       progress=lambda m: print(m, flush=True))
     path = result.save(args.out or default_calibration_path(args.model))
     print(f"saved {path}")
     return 0

@@ -70,7 +70,8 @@ class TreeChoice:
     """A tree size and its predicted performance.
 
     Attributes:
-        budget:       draft nodes, root excluded (0 = no speculation).
+        budget:       draft nodes, root excluded (0 = no speculation). The tree builders count
+                      the root: pass ``n_nodes`` (= budget + 1) as their ``budget``.
         depth:        levels below the root (0 when budget is 0); budget == depth is a chain.
         tau:          predicted tokens per step (accepted + 1).
         tokens_per_s: predicted tokens/s summed over the batch.
@@ -88,6 +89,11 @@ class TreeChoice:
     verify_s: float
     draft_s: float
     level_sizes: tuple[int, ...]
+
+    @property
+    def n_nodes(self) -> int:
+        """Tree nodes including the root: the ``budget`` argument of ``treespec.trees`` builders."""
+        return self.budget + 1
 
     @property
     def step_s(self) -> float:
