@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from treespec.tree import DraftTree
@@ -60,10 +61,15 @@ class Acceptance:
         return int(self.path.numel())
 
 
+def _long_tensor(values: list[int]) -> torch.Tensor:
+    """LongTensor from a short list (via numpy: ~2x cheaper than torch.tensor per call)."""
+    return torch.from_numpy(np.array(values, dtype=np.int64))
+
+
 def _draw(r: torch.Tensor, u: float) -> int:
     """One token from the unnormalised non-negative vector r [V] (mass > 0), uniform u."""
     cdf = torch.cumsum(r, 0, dtype=torch.float64)
-    total = float(cdf[-1])
+    total = cdf[-1].item()
     if not total > 0.0:
         raise ValueError("cannot draw from a distribution with zero mass; target_probs has a "
                          "row that sums to 0")
@@ -200,8 +206,8 @@ def accept(
         path.append(u)
     new_token = _draw(row if residual is None else residual, next(us))
     return Acceptance(
-        path=torch.tensor(path, dtype=torch.long),
-        tokens=torch.tensor([tokens[i] for i in path] + [new_token], dtype=torch.long),
+        path=_long_tensor(path),
+        tokens=_long_tensor([tokens[i] for i in path] + [new_token]),
         depth_attempts=tuple(attempts),
         depth_accepts=tuple(accepts),
         children_tried=tried,
