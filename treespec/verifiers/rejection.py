@@ -96,17 +96,18 @@ def _try_deterministic(row: torch.Tensor, mass: float, xs: list[int], pxs: list[
 
 
 def _try_stochastic(
-    p_row: torch.Tensor, pm: float, draft_probs: torch.Tensor, u: int, qm: float,
+    p_row: torch.Tensor, pm: float, draft_probs: torch.Tensor, u: int,
     xs: list[int], pxs: list[float], qxs: list[float], us, without_replacement: bool,
 ):
     """Children tokens xs of node u, with p(x) = pxs (row p_row of mass pm) and q(x) = qxs
-    (row ``draft_probs[u]`` of mass qm).
+    (row ``draft_probs[u]``).
 
     Returns (index of the accepted child or None, residual to draw from or None, tries).
 
     r, q are kept unnormalised with masses rm, qm (r̂ = r / rm, q̂ = q / qm); float64 copies
     of the rows are made only at the first rejection, and each rejection costs three passes.
     """
+    qm = float(draft_probs[u].sum(dtype=torch.float64))
     r = q = spare = None
     rm = pm
     removed: set[int] = set()
@@ -195,7 +196,7 @@ def accept(
         else:
             q_kid = tree._child_draft_probs
             hit, residual, k = _try_stochastic(
-                row, mass, tree.draft_probs, u, tree._draft_mass[u], xs, pxs,
+                row, mass, tree.draft_probs, u, xs, pxs,
                 [q_kid[c] for c in kids], us, mode == "without_replacement",
             )
         tried += k
