@@ -171,12 +171,21 @@ def test_bad_draft_probs():
         ([0.0, 0.0, 0.0, 0.0], r"draft_probs row 0 sums to 0.000000"),
         ([1.5, -0.5, 0.0, 0.0], "draft_probs must be finite and non-negative"),
         ([float("nan"), 1.0, 0.0, 0.0], "draft_probs must be finite and non-negative"),
+        ([float("inf"), 1.0, 0.0, 0.0], "draft_probs must be finite and non-negative"),
+        ([-float("inf"), 1.0, 0.0, 0.0], "draft_probs must be finite and non-negative"),
     ],
 )
 def test_draft_rows_must_be_distributions(row0, match):
     q = torch.tensor([row0, [0.25] * 4])
     with pytest.raises(ValueError, match=match):
         _t([0, 1], [-1, 0], q, "with_replacement")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_softmax_rows_in_any_float_dtype_validate(dtype):
+    q = torch.randn(3, 5000, generator=torch.Generator().manual_seed(0)).softmax(-1).to(dtype)
+    t = _t([0, 1, 2], [-1, 0, 1], q, "with_replacement")
+    assert t.vocab_size == 5000
 
 
 def test_leaf_draft_rows_may_be_zero_but_not_partial():

@@ -154,8 +154,9 @@ def accept(
 
     ``target_probs[i]`` is p(.|path to i) after the same sampling processing as q. The call
     draws N float64 uniforms from ``generator`` (a CPU torch.Generator) up front and uses each
-    at most once, so seeded runs repeat exactly. Rows are read where the walk goes: a sum per
-    visited node, a cumsum for the new token, full-row float64 work only after rejections.
+    at most once, so seeded runs repeat exactly. Rows are read where the walk goes: a float64
+    sum of p (and q) per visited node, a cumsum for the new token, and full-row float64 work
+    only after rejections.
     """
     n = tree.num_nodes
     if target_probs.dim() != 2 or target_probs.shape[0] != n:
