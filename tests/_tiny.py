@@ -29,10 +29,11 @@ def tiny_llama(attn_implementation: str = "sdpa", seed: int = 0, vocab_size: int
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
+        attn_implementation=attn_implementation,
     )
-    config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    with torch.random.fork_rng():  # seeded weights without touching the global RNG stream
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32).eval()
     return model
 
 
@@ -51,6 +52,7 @@ def random_tree(
 
     Every child's token has draft probability > 0 under its parent's row, so the tree is
     acceptable for every sampling mode (siblings distinct, so also without replacement).
+    Needs ``vocab`` >= the largest number of siblings (at most n - 1).
     """
     parents = random_parents(rng, n)
     kids: dict[int, list[int]] = {}
