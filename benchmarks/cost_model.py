@@ -76,6 +76,7 @@ def main() -> int:
     parser.add_argument("--quiet-load", type=float, default=None)
     parser.add_argument("--quiet-wait", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--name", default="cost_model", help="output file stem (default cost_model)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.threads is not None:
@@ -92,7 +93,7 @@ def main() -> int:
     cal = calibrate(model, "smollm2-135m", ns=DEFAULT_NS, context=args.context,
                     early_exit_layers=args.early_exit_layers, n_warmup=2, n_rep=args.reps, clock=clock,
                     progress=lambda m: print(m, flush=True))
-    cal_path = cal.save(args.out / "cost_model_calibration.json")
+    cal_path = cal.save(args.out / f"{args.name}_calibration.json")
     calibration_s = time.time() - t0
     print(f"calibration: {calibration_s:.0f} s -> {cal_path}")
 
@@ -131,9 +132,9 @@ def main() -> int:
     llama = model_shape("llama-3-8b")
     llama_curves = {b: {hw: plan_curve(RooflineCost(llama, eagle, get_hardware(hw)), beta, b, 2048)
                         for hw in PRESETS} for b in (1, 8, 64)}
-    plot_curves({1: smol_curves}, args.out / "cost_model.png",
+    plot_curves({1: smol_curves}, args.out / f"{args.name}.png",
                 f"smollm2-135m, eagle drafter (β={beta}), context {args.context}")
-    plot_curves(llama_curves, args.out / "cost_model_llama-3-8b.png",
+    plot_curves(llama_curves, args.out / f"{args.name}_llama-3-8b.png",
                 f"llama-3-8b, eagle drafter (β={beta}), context 2048")
 
     def choice_row(c):
@@ -161,13 +162,14 @@ def main() -> int:
         "calibration_s": calibration_s,
         "fresh_s": fresh_s,
         "calibration_file": cal_path.name,
+        "name": args.name,
         "target": rows,
         "early_exit_drafter": draft_rows,
         "plans": plans,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
-    (args.out / "cost_model.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "cost_model.md").write_text(markdown(result, cal) + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"{args.name}.md").write_text(markdown(result, cal) + "\n")
     print(markdown(result, cal))
     return 0 if within == len(rows) else 1
 
@@ -206,8 +208,8 @@ def markdown(r: dict, cal) -> str:
                          f"{c['speedup']:.2f} | {c['verify_ms']:.3f} | {c['draft_ms']:.3f} |")
     lines += ["", "`auto_budget_local` rows: `auto_budget(calibration, DEFAULT_BETA[kind], kind)` "
               "(eagle β 0.75, early_exit β 0.5), batch 1, max budget 64.",
-              "", "Plots: `cost_model.png` (SmolLM2, batch 1, incl. local), "
-              "`cost_model_llama-3-8b.png` (Llama-3-8B, batch 1/8/64, context 2048)."]
+              "", f"Plots: `{r['name']}.png` (SmolLM2, batch 1, incl. local), "
+              f"`{r['name']}_llama-3-8b.png` (Llama-3-8B, batch 1/8/64, context 2048)."]
     return "\n".join(lines)
 
 

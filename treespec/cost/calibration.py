@@ -1,10 +1,10 @@
 """Local calibration: measure this machine's verify and drafter pass times, fit, save JSON.
 
-On a CPU the verification cost is far from a roofline: small-row GEMMs (MKL / oneDNN) cost
-almost linearly in rows up to ~8, then flatten, then grow with FLOPs. So the calibrated model
-is the measurement itself: medians of repeated passes at n = 1 … 128 tokens, made monotone
-(isotonic regression) and interpolated piecewise-linearly in n, extrapolated with the slope of
-the last segment.
+On a CPU the verification cost is far from a roofline: one token runs matrix-vector kernels,
+2-3 tokens a slow small-row GEMM path (a 3-token pass costs more than a 4-token one here),
+then the cost grows with FLOPs. So the calibrated model is the measurement itself: medians of
+repeated passes at n = 1 … 128 tokens, interpolated piecewise-linearly in n (``Curve``) and
+extrapolated with the slope of the last segment.
 
 Calibrated machine, batch and context: the curves are measured at batch 1 with a cached
 prefix of ``context`` tokens. ``CalibratedCost`` reads a batch of B sequences as one pass of
@@ -45,7 +45,7 @@ __all__ = [
     "verify_passes",
 ]
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 
 # Token counts measured by default: every n up to 8 (where CPU cost is steep), then sparser.
 DEFAULT_NS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64,
@@ -105,32 +105,22 @@ def measure_interleaved(
     return [statistics.median(bucket) for bucket in times]
 
 
-def _isotonic(values: Sequence[float]) -> list[float]:
-    """Least-squares non-decreasing fit (pool adjacent violators), equal weights."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([float(v), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            mean, count = blocks.pop()
-            prev = blocks[-1]
-            prev[0] = (prev[0] * prev[1] + mean * count) / (prev[1] + count)
-            prev[1] += count
-    return [mean for mean, count in blocks for _ in range(int(count))]
-
-
 @dataclass(frozen=True)
 class Curve:
-    """A monotone piecewise-linear fit of measured seconds against tokens per pass.
+    """Piecewise-linear interpolation of measured median seconds against tokens per pass.
+
+    The fit goes through every measured point, non-monotone ones included: on this CPU a
+    3-token pass is reproducibly slower than a 4-token one (the GEMM kernels pick a slower path
+    for 2-3 rows), so smoothing toward a monotone curve would mispredict exactly where small
+    trees live.
 
     Attributes:
-        ns:       measured token counts, strictly increasing.
-        measured: median seconds measured at each n.
-        fitted:   the non-decreasing fit at each n (isotonic regression of ``measured``).
+        ns:      measured token counts, strictly increasing.
+        seconds: median seconds measured at each n.
     """
 
     ns: tuple[int, ...]
-    measured: tuple[float, ...]
-    fitted: tuple[float, ...]
+    seconds: tuple[float, ...]
 
     @classmethod
     def fit(cls, ns: Sequence[int], seconds: Sequence[float]) -> Curve:
@@ -140,27 +130,27 @@ class Curve:
             raise ValueError(f"ns must be positive and strictly increasing, got {list(ns)}")
         if any(not s > 0 for s in seconds):
             raise ValueError(f"measured seconds must be > 0, got {list(seconds)}")
-        return cls(tuple(int(n) for n in ns), tuple(float(s) for s in seconds), tuple(_isotonic(seconds)))
+        return cls(tuple(int(n) for n in ns), tuple(float(s) for s in seconds))
 
     def __call__(self, n: float) -> float:
         """Seconds for n tokens: interpolated inside the measured range, flat below it, and
-        extended with the last segment's slope above it."""
-        ns, ts = self.ns, self.fitted
-        if n <= ns[0] or len(ns) == 1:
-            return ts[0] if n <= ns[0] else ts[-1]
+        extended above it with the last segment's slope (never decreasing)."""
+        ns, ts = self.ns, self.seconds
+        if n <= ns[0]:
+            return ts[0]
         if n >= ns[-1]:
-            slope = (ts[-1] - ts[-2]) / (ns[-1] - ns[-2])
+            slope = max(0.0, (ts[-1] - ts[-2]) / (ns[-1] - ns[-2])) if len(ns) > 1 else 0.0
             return ts[-1] + slope * (n - ns[-1])
         i = bisect.bisect_right(ns, n)
         frac = (n - ns[i - 1]) / (ns[i] - ns[i - 1])
         return ts[i - 1] + frac * (ts[i] - ts[i - 1])
 
     def to_json(self) -> dict[str, Any]:
-        return {"ns": list(self.ns), "measured_s": list(self.measured), "fitted_s": list(self.fitted)}
+        return {"ns": list(self.ns), "seconds": list(self.seconds)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Curve:
-        return cls.fit(data["ns"], data["measured_s"])
+        return cls.fit(data["ns"], data["seconds"])
 
 
 @dataclass(frozen=True)
@@ -176,6 +166,7 @@ class Calibration:
         drafter_layers: drafter kind -> layers the measured drafter ran.
         device:   machine description (CPU model, threads, torch version).
         threads:  torch intra-op threads during the measurement (run the engine with the same).
+        clock:    the timer's name: "perf_counter" (wall clock) or "thread_time" (CPU time).
         created:  UTC time of the measurement, ISO 8601.
     """
 
@@ -187,6 +178,7 @@ class Calibration:
     drafter_layers: Mapping[str, int] = field(default_factory=dict)
     device: str = ""
     threads: int = 0
+    clock: str = "perf_counter"
     created: str = ""
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -203,6 +195,7 @@ class Calibration:
             "drafter_layers": dict(self.drafter_layers),
             "device": self.device,
             "threads": self.threads,
+            "clock": self.clock,
             "created": self.created,
         }
         tmp = path.with_name(path.name + ".tmp")
@@ -230,6 +223,7 @@ class Calibration:
             drafter_layers={kind: int(k) for kind, k in data.get("drafter_layers", {}).items()},
             device=data.get("device", ""),
             threads=int(data.get("threads", 0)),
+            clock=data.get("clock", "perf_counter"),
             created=data.get("created", ""),
         )
 
@@ -446,5 +440,6 @@ def _calibrate(model: Any, name: str, shape: ModelShape, ns: Sequence[int], draf
         drafter_layers=drafter_layers,
         device=_device_description(),
         threads=torch.get_num_threads(),
+        clock=getattr(clock, "__name__", str(clock)),
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
