@@ -6,8 +6,9 @@ builder; the only thing that changes is the builder and its budget (nodes incl. 
     python benchmarks/builders.py --prompts 3 --max-new-tokens 64      # quick check
     python benchmarks/builders.py                                       # 20 prompts x 128 tokens
 
-Drafter: the best registered one (a trained eagle3 / eagle / mtp / medusa head when its
-checkpoint loads, else "early-exit"); ``--drafter`` overrides. At T = 1 the stochastic builders
+Drafter: the best registered one: among the trained drafters whose checkpoint loads (eagle3,
+eagle, mtp, medusa, small) the one with the highest top-1 acceptance on a held-out prompt,
+else "early-exit"; ``--drafter`` overrides. At T = 1 the stochastic builders
 draw children without replacement (``--t1-mode``); the static tree fills ranks
 deterministically (Medusa style). Sequoia's acceptance vector is measured first on 3 other
 MT-bench prompts at each temperature (``measure_acceptance_vector``, width 8).
@@ -37,7 +38,7 @@ from treespec.trees import (
 )
 
 RESULTS = Path(__file__).parent / "results"
-TRAINED = ("eagle3", "eagle", "mtp", "medusa")  # preferred drafters when their checkpoint loads
+TRAINED = ("eagle3", "eagle", "mtp", "medusa", "small")  # trained drafters, used when they load
 BUILDERS = ("chain", "static", "dynamic", "best-first", "sequoia")
 
 
@@ -66,16 +67,25 @@ class TimedDrafter:
         self.inner.commit(path, tokens, features)
 
 
-def pick_drafter(target, name: str | None):
+def pick_drafter(target, name: str | None, probe_prompt: str):
+    """``name``, else the trained drafter with the highest measured top-1 acceptance, else
+    "early-exit"."""
     if name:
         return name, load_drafter(name, target)
+    found = {}
     for kind in TRAINED:
         if kind in registered_drafters():
             try:
-                return kind, load_drafter(kind, target)
+                found[kind] = load_drafter(kind, target)
             except (FileNotFoundError, ValueError) as e:
-                print(f"[skip {kind}: {e}]")
-    return "early-exit", load_drafter("early-exit", target)
+                print(f"[skip {kind}: {e}]", flush=True)
+    if not found:
+        return "early-exit", load_drafter("early-exit", target)
+    top1 = {k: measure_acceptance_vector(d, target, [probe_prompt], width=1, max_new_tokens=32)[0]
+            for k, d in found.items()}
+    print(f"[top-1 acceptance of trained drafters: {top1}]", flush=True)
+    best = max(top1, key=top1.get)
+    return best, found[best]
 
 
 def make(name: str, budget: int, mode: str, acceptance) -> object:
@@ -129,8 +139,13 @@ def write_table(results: list[dict], meta: dict, path: Path) -> None:
              f"({meta['machine']}); T = 1 drafting mode: {meta['t1_mode']} (static: ranked). "
              f"Wall time {meta['wall_s'] / 60:.1f} min.\n",
              "Builder overhead = builder time outside drafter.expand / drafter.expand time.\n"]
+    if not meta.get("complete"):
+        lines.append("**Partial run** (stopped before every configuration was measured).\n")
     for temp in meta["temperatures"]:
         lines.append(f"\n## T = {temp:g}\n")
+        base = [r for r in results if r["builder"] == "none" and r["temperature"] == temp]
+        if base:
+            lines.append(f"No drafting (budget 1): {base[0]['tokens_per_s']:.2f} tokens/s.\n")
         lines.append("| builder | " + " | ".join(f"B={b} τ / tok/s" for b in meta["budgets"]) +
                      " | max overhead |")
         lines.append("|---|" + "---|" * (len(meta["budgets"]) + 1))
@@ -174,6 +189,12 @@ def plot(results: list[dict], meta: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def save(out: Path, meta: dict, results: list[dict]) -> None:
+    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    write_table(results, meta, out.with_suffix(".md"))
+    plot(results, meta, out.with_suffix(".png"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=20)
@@ -195,9 +216,9 @@ def main() -> None:
     start = time.perf_counter()
 
     target = load_target("smollm2-135m")
-    name, inner = pick_drafter(target, args.drafter)
-    drafter = TimedDrafter(inner)
     questions = mtbench_questions()
+    name, inner = pick_drafter(target, args.drafter, questions[-4].turns[0])
+    drafter = TimedDrafter(inner)
     prompts = [torch.tensor(chat_prompt(target.tokenizer, q.turns[0])) for q in questions[: args.prompts]]
     held_out = [q.turns[0] for q in questions[-3:]]  # Sequoia's vector: not the benchmark prompts
     print(f"drafter {name}; {len(prompts)} prompts x {args.max_new_tokens} tokens", flush=True)
@@ -210,10 +231,27 @@ def main() -> None:
             acceptance[temp] = measure_acceptance_vector(inner, target, held_out, width=8,
                                                          max_new_tokens=32, temperature=temp, mode=mode)
             print(f"sequoia acceptance T={temp:g}: {[round(a, 3) for a in acceptance[temp]]}", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(target="smollm2-135m", drafter=name, prompts=len(prompts),
+                max_new_tokens=args.max_new_tokens, budgets=budgets, builders=builders,
+                temperatures=temps, t1_mode=args.t1_mode, threads=args.threads, seed=args.seed,
+                machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
+                torch=torch.__version__, wall_s=0.0, complete=False,
+                sequoia_acceptance={str(k): v for k, v in acceptance.items()})
     results = []
-    for temp in temps:
-        mode = "deterministic" if temp == 0 else args.t1_mode
-        for budget in budgets:
+    for temp in temps:  # reference: budget 1 = no draft tokens, i.e. plain decoding in the engine
+        t0 = time.perf_counter()
+        row = run_config(target, drafter, DynamicTreeBuilder(budget=1), prompts, args.max_new_tokens,
+                         temp, args.seed)
+        row.update(builder="none", budget=1, temperature=temp, repr="no drafting",
+                   wall_s=time.perf_counter() - t0)
+        results.append(row)
+        print(f"T={temp:g} no drafting: {row['tokens_per_s']:.2f} tok/s", flush=True)
+    # small budgets first, both temperatures, so a cut-short run still covers them
+    for budget in budgets:
+        for temp in temps:
+            mode = "deterministic" if temp == 0 else args.t1_mode
             for b in builders:
                 builder = make(b, budget, mode, acceptance.get(temp))
                 t0 = time.perf_counter()
@@ -224,17 +262,10 @@ def main() -> None:
                 print(f"T={temp:g} B={budget:>2} {b:<10} tau {row['tau']:.2f}  "
                       f"{row['tokens_per_s']:6.1f} tok/s  nodes {row['mean_nodes']:.1f}  "
                       f"overhead {100 * row['builder_overhead']:.1f} %  ({row['wall_s']:.0f} s)", flush=True)
-    meta = dict(target="smollm2-135m", drafter=name, prompts=len(prompts),
-                max_new_tokens=args.max_new_tokens, budgets=budgets, builders=builders,
-                temperatures=temps, t1_mode=args.t1_mode, threads=args.threads, seed=args.seed,
-                machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
-                torch=torch.__version__, wall_s=time.perf_counter() - start,
-                sequoia_acceptance={str(k): v for k, v in acceptance.items()})
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
-    write_table(results, meta, out.with_suffix(".md"))
-    plot(results, meta, out.with_suffix(".png"))
+                meta["wall_s"] = time.perf_counter() - start
+                save(out, meta, results)  # after every configuration: partial results survive
+    meta["complete"] = True
+    save(out, meta, results)
     print(f"wrote {out}.{{json,md,png}} in {meta['wall_s'] / 60:.1f} min")
 
 
