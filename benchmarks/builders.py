@@ -183,7 +183,8 @@ def plot(results: list[dict], meta: dict, path: Path) -> None:
         ax.set_ylabel("τ (tokens per target forward)")
         ax.set_title(f"T = {temp:g}, drafter {meta['drafter']}")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_lines():
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -460,3 +460,22 @@ def test_stochastic_dynamic_and_best_first_fill_the_budget_in_depth(mode) -> Non
             built = build(builder, d, T1)
             assert built.tree.num_nodes == budget and built.drafted == budget
             assert built.tree.max_depth >= 4, (builder, torch.bincount(built.tree.depth).tolist())
+
+
+def test_measure_acceptance_vector() -> None:
+    from _engine_helpers import NoisyTargetDrafter, peaky_target
+
+    from treespec.trees import measure_acceptance_vector
+
+    target = peaky_target(8, seed=0, num_layers=2, std=0.3)
+    # the target drafting for itself at T = 0: its top candidate is always the accepted one
+    assert measure_acceptance_vector("target", target, [[1, 2, 3]], width=3, max_new_tokens=12) \
+        == (1.0, 0.0, 0.0)
+    drafter = NoisyTargetDrafter(target.model, noise=2.0, seed=0)
+    a = measure_acceptance_vector(drafter, target, [[1, 2, 3], [4, 5]], width=4, max_new_tokens=40,
+                                  temperature=1.0, mode="without_replacement")
+    assert len(a) == 4 and all(x >= 0 for x in a) and 0 < sum(a) <= 1
+    assert a[1] > 0  # a noisy drafter's second draw is sometimes the accepted one
+    assert optimal_tree(a, 8, 3)[0] > 1.0
+    with pytest.raises(ValueError, match="at least one prompt"):
+        measure_acceptance_vector("target", target, [], width=2)
