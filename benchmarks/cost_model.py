@@ -18,8 +18,12 @@ per hardware incl. local), ``results/cost_model_llama-3-8b.png`` (batch 1, 8, 64
 The CPU is shared: the 1-minute load average is recorded before each phase; with
 ``--quiet-load X`` the script waits (up to ``--quiet-wait`` s) for the load to drop below X.
 
-Usage:  python benchmarks/cost_model.py [--context 128] [--reps 7] [--fresh-reps 5] [--out benchmarks/results]
-Runtime: ~5-10 min on 2 cores (calibration ~2/3 of it).
+On a shared machine time one thread's CPU time (``--threads 1 --clock thread``): wall time there
+measures the neighbours' load as much as the model (``results/cost_model_wall.*`` shows it).
+
+Usage:  python benchmarks/cost_model.py --threads 1 --clock thread      # -> results/cost_model.*
+        python benchmarks/cost_model.py --threads 1 --clock wall --name cost_model_wall
+Runtime: ~7 min each on the shared 2-core box (calibration about half of it).
 """
 
 from __future__ import annotations
@@ -66,8 +70,8 @@ def wait_for_quiet(threshold: float | None, max_wait_s: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=7, help="timed calls per calibration point")
-    parser.add_argument("--fresh-reps", type=int, default=5, help="timed calls per fresh point")
+    parser.add_argument("--reps", type=int, default=11, help="timed calls per calibration point")
+    parser.add_argument("--fresh-reps", type=int, default=7, help="timed calls per fresh point")
     parser.add_argument("--max-n", type=int, default=64, help="fresh comparison covers n = 1 … max-n")
     parser.add_argument("--early-exit-layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both runs (default: torch's)")
