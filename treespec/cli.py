@@ -49,13 +49,15 @@ def _build_generator(args):
 
     target = load_target(args.model)
     drafter = load_drafter(args.drafter, target)
-    budget = args.budget
-    if budget == "auto":
-        from treespec.cost import auto_budget_for
-
-        budget = auto_budget_for(target, args.drafter)
-        print(f"[auto budget: {budget}]", file=sys.stderr)
-    builder = make_builder(args.tree, int(budget), args.depth, args.top_k_draft, args.draft_mode)
+    if args.budget == "auto":
+        gen = SpeculativeGenerator(target, drafter, "auto")
+        print(f"[auto tree: {gen.builder.config}]", file=sys.stderr)
+        return target, gen
+    try:
+        budget = int(args.budget)
+    except ValueError:
+        raise SystemExit(f"--budget must be an integer or 'auto', got {args.budget!r}") from None
+    builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode)
     return target, SpeculativeGenerator(target, drafter, builder)
 
 

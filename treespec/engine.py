@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
@@ -26,6 +26,7 @@ from treespec.drafters.base import Drafter, TargetFeatures, drafter_factory
 from treespec.models import Target
 from treespec.sampling import SamplingConfig
 from treespec.trees.base import BuiltTree, TreeBuilder
+from treespec.trees.chain import ChainBuilder
 from treespec.trees.dynamic import DynamicTreeBuilder
 from treespec.verifiers.rejection import Acceptance, accept
 
@@ -119,16 +120,56 @@ class GenerationStream:
         self.result = self._finish()
 
 
+def drafter_cost_kind(drafter: Drafter) -> str:
+    """The cost model's name for a drafter's per-level pass ("eagle", "early_exit", "lookup"...)."""
+    kind = getattr(drafter, "cost_kind", None)
+    if kind is not None:
+        return kind
+    return "eagle" if drafter.needs_target_hidden else "early_exit"
+
+
+def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=None,
+                 max_budget: int = 64) -> TreeBuilder:
+    """The tree the cost model predicts fastest on this machine (``builder="auto"``).
+
+    Uses the local calibration (``treespec calibrate``) and the drafter kind's default β unless
+    ``acceptance`` (β or a positional vector) is given. Budget 0 gives a root-only tree: plain
+    decoding, one token per target forward.
+    """
+    from treespec.cost import DEFAULT_BETA, Calibration, auto_budget, default_calibration_path
+
+    if calibration is None:
+        path = default_calibration_path(target.name)
+        if not path.exists():
+            raise ValueError(f"builder='auto' needs a calibration of {target.name!r} at {path}; "
+                             f"run `treespec calibrate --model {target.name}` first")
+        calibration = Calibration.load(path)
+    kind = drafter_cost_kind(drafter)
+    if kind != "lookup" and kind not in calibration.drafters:
+        kind = "early_exit" if "early_exit" in calibration.drafters else next(iter(calibration.drafters))
+    beta = acceptance if acceptance is not None else DEFAULT_BETA.get(kind, 0.6)
+    choice = auto_budget(calibration, beta, kind, max_budget=max_budget)
+    if choice.budget == 0:
+        return DynamicTreeBuilder(budget=1, depth=1, top_k=1)
+    if choice.is_chain:
+        return ChainBuilder(choice.budget)
+    width = max(choice.level_sizes)
+    return DynamicTreeBuilder(budget=choice.n_nodes, depth=choice.depth, top_k=max(2, min(8, width)))
+
+
 class SpeculativeGenerator:
     """Speculative generation with a target, a drafter and a tree builder.
 
     Args:
         target:  a ``treespec.Target`` (``load_target`` or ``Target.from_hf``).
         drafter: a Drafter, or a registered drafter name (``registered_drafters()``).
-        builder: a TreeBuilder; default ``DynamicTreeBuilder(budget=16, depth=5, top_k=4)``.
+        builder: a TreeBuilder; default ``DynamicTreeBuilder(budget=16, depth=5, top_k=4)``;
+                 "auto" sizes the tree with the cost model and the local calibration
+                 (``auto_builder``).
     """
 
-    def __init__(self, target: Target, drafter: Drafter | str, builder: TreeBuilder | None = None):
+    def __init__(self, target: Target, drafter: Drafter | str,
+                 builder: TreeBuilder | Literal["auto"] | None = None):
         if not isinstance(target, Target):
             raise TypeError(f"target must be a treespec.Target (use Target.from_hf(model, tokenizer)), "
                             f"got {type(target).__name__}")
@@ -137,6 +178,10 @@ class SpeculativeGenerator:
         if drafter.vocab_size != target.vocab_size:
             raise ValueError(f"drafter vocab size {drafter.vocab_size} != target vocab size "
                              f"{target.vocab_size}; they must share one vocabulary")
+        if builder == "auto":
+            builder = auto_builder(target, drafter)
+        elif isinstance(builder, str):
+            raise ValueError(f"builder must be a TreeBuilder or 'auto', got {builder!r}")
         self.target = target
         self.drafter = drafter
         self.builder = builder if builder is not None else DynamicTreeBuilder()

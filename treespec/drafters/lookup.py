@@ -44,6 +44,7 @@ class LookupDrafter:
     needs_target_hidden = False
     target_layers: tuple[int, ...] = ()
     path_independent = False
+    cost_kind = "lookup"
 
     def __init__(self, vocab_size: int, config: LookupConfig = LookupConfig()):
         if vocab_size < 2:

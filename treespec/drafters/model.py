@@ -37,8 +37,10 @@ class ModelDrafter:
     target_layers: tuple[int, ...] = ()
     path_independent = False
 
-    def __init__(self, model: torch.nn.Module, target_vocab_size: int | None = None):
+    def __init__(self, model: torch.nn.Module, target_vocab_size: int | None = None,
+                 cost_kind: str = "early_exit"):
         self.model = model.eval()
+        self.cost_kind = cost_kind    # the cost model's name for one pass of this drafter
         self.vocab_size = output_vocab_size(model)
         if target_vocab_size is not None and target_vocab_size != self.vocab_size:
             raise ValueError(
