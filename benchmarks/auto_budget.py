@@ -1,0 +1,110 @@
+"""Does budget="auto" pick a tree as fast as the best fixed budget of a sweep?
+
+    python benchmarks/auto_budget.py --drafter lookup --prompts 6 --max-new-tokens 64
+
+Steps (one run, side by side):
+  1. calibrate this machine for the target (unless --calibration points at one), same threads;
+  2. estimate the drafter's per-depth acceptance β from a short chain run on held-out prompts;
+  3. build the auto tree (cost model + calibration + β) and a sweep of fixed EAGLE-2 budgets;
+  4. run every configuration on the same MT-bench prompts, interleaved, greedy;
+  5. report tokens/s per configuration and auto / best-fixed.
+Writes benchmarks/results/auto_budget.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import treespec
+from treespec.cost import Calibration, calibrate
+from treespec.data import mtbench_questions
+from treespec.engine import auto_builder
+from treespec.trees import ChainBuilder, DynamicTreeBuilder
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", default="lookup")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--budgets", default="1,2,4,8,16,32")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--calibration", default=None, help="existing calibration JSON (else measure now)")
+    ap.add_argument("--out", default=str(RESULTS / "auto_budget"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target = treespec.load_target("smollm2-135m")
+    drafter = treespec.load_drafter(args.drafter, target)
+    if args.calibration:
+        cal = Calibration.load(Path(args.calibration))
+    else:
+        t0 = time.perf_counter()
+        cal = calibrate(target.model, target.name, context=128, threads=args.threads, n_rep=5)
+        print(f"calibrated in {time.perf_counter() - t0:.0f} s")
+
+    questions = mtbench_questions()
+    held_out, evaluation = questions[-4:], questions[: args.prompts]
+    probe = treespec.SpeculativeGenerator(target, drafter, ChainBuilder(4))
+    attempts = accepts = 0
+    for q in held_out:
+        s = probe.generate(q.turns[0], max_new_tokens=32).stats
+        attempts += sum(s.depth_attempts)
+        accepts += sum(s.depth_accepts)
+    beta = accepts / max(attempts, 1)
+    print(f"estimated beta for {args.drafter}: {beta:.3f}")
+
+    configs = {"auto": auto_builder(target, drafter, cal, acceptance=min(beta, 0.999))}
+    for b in (int(x) for x in args.budgets.split(",")):
+        configs[f"dynamic {b}"] = DynamicTreeBuilder(budget=b, depth=max(1, min(6, b - 1)), top_k=4)
+    gens = {k: treespec.SpeculativeGenerator(target, drafter, b) for k, b in configs.items()}
+    for g in gens.values():
+        g.generate("Hello!", max_new_tokens=4)
+
+    speeds: dict[str, list[float]] = {k: [] for k in gens}
+    taus: dict[str, list[float]] = {k: [] for k in gens}
+    for i, q in enumerate(evaluation):
+        ids = gens["auto"].encode(q.turns[0])
+        for k, g in gens.items():
+            t0 = time.perf_counter()
+            r = g.generate(ids, max_new_tokens=args.max_new_tokens)
+            speeds[k].append(r.stats.new_tokens / (time.perf_counter() - t0))
+            taus[k].append(r.stats.tau)
+        print(f"prompt {i + 1}/{len(evaluation)}", flush=True)
+
+    med = {k: statistics.median(v) for k, v in speeds.items()}
+    best_fixed = max((k for k in med if k != "auto"), key=med.get)
+    ratio = med["auto"] / med[best_fixed]
+    lines = [
+        f"# budget='auto' vs a fixed-budget sweep ({args.drafter} drafter, {len(evaluation)} MT-bench prompts x "
+        f"{args.max_new_tokens} tokens, T=0, {args.threads} thread(s))",
+        "",
+        f"Estimated beta = {beta:.3f}; auto chose `{configs['auto'].config}`.",
+        "",
+        "| configuration | median tokens/s | median tau |",
+        "| --- | ---: | ---: |",
+    ]
+    for k in gens:
+        lines.append(f"| {k} | {med[k]:.2f} | {statistics.median(taus[k]):.2f} |")
+    lines += ["", f"auto / best fixed ({best_fixed}) = **{ratio:.3f}** (goal >= 0.90)"]
+    md = "\n".join(lines) + "\n"
+    print(md)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(md)
+    out.with_suffix(".json").write_text(json.dumps({
+        "args": vars(args), "beta": beta, "auto": str(configs["auto"].config),
+        "tokens_per_s": speeds, "tau": taus, "ratio_auto_to_best": ratio, "best_fixed": best_fixed,
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
