@@ -19,13 +19,13 @@ def make_builder(name: str, budget: int, depth: int, top_k: int, mode: str = "de
         return trees.ChainBuilder(max(budget - 1, 1), mode=mode)
     if name == "dynamic":
         return trees.DynamicTreeBuilder(budget=budget, depth=depth, top_k=top_k, mode=mode)
-    if name == "best-first" and hasattr(trees, "BestFirstBuilder"):
-        return trees.BestFirstBuilder(budget=budget, max_width=top_k, mode=mode)
-    if name == "sequoia" and hasattr(trees, "SequoiaBuilder"):
+    if name == "best-first":
+        return trees.BestFirstBuilder(budget=budget, max_width=top_k, mode=mode, max_depth=depth)
+    if name == "sequoia":
         return trees.SequoiaBuilder(budget=budget, depth=depth, mode=mode)
-    if name == "static" and hasattr(trees, "StaticTreeBuilder"):
-        return trees.StaticTreeBuilder.default(budget)
-    raise ValueError(f"unknown or unavailable tree builder {name!r}; choose from {BUILDERS}")
+    if name == "static":
+        return trees.StaticTreeBuilder.default(budget, mode=mode)
+    raise ValueError(f"unknown tree builder {name!r}; choose from {BUILDERS}")
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
