@@ -237,3 +237,13 @@ def test_sharegpt_exchanges_are_chat_templated():
     for ids, start in rows:
         assert len(ids) <= 128 and len(ids) - start >= cfg.min_response
         assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
+
+
+def test_unroll_curriculum():
+    from treespec.train.recipes import Recipe
+
+    r = Recipe.__new__(Recipe)
+    r.cfg = RecipeConfig(unroll=3, unroll_ramp=0.5)
+    assert [r.unroll_at(p) for p in (0.0, 0.2, 0.3, 0.49, 0.5, 0.9)] == [1, 1, 2, 2, 3, 3]
+    r.cfg = RecipeConfig(unroll=3, unroll_ramp=0.0)
+    assert r.unroll_at(0.0) == 3

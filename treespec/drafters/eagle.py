@@ -62,6 +62,7 @@ class HeadConfig:
     rms_norm_eps: float
     target_layers: tuple[int, ...]    # HF hidden_states indices the head reads
     draft_vocab: int = 0              # EAGLE-3's reduced vocabulary size; 0 = the target's vocab
+    embed_scale: float = 1.0          # EAGLE: constant factor on the token embedding before fc
 
     @classmethod
     def for_target(cls, kind: HeadKind, config, draft_vocab: int = 0) -> "HeadConfig":
@@ -230,7 +231,7 @@ class EagleHead(FeatureHead):
         self.attn_norm = RMSNorm(h, cfg.rms_norm_eps)
 
     def block_inputs(self, emb, feat):
-        x = self.fc(torch.cat((emb, feat), dim=-1))
+        x = self.fc(torch.cat((emb * self.cfg.embed_scale, feat), dim=-1))
         return self.attn_norm(x), x
 
     def logits(self, g):

@@ -8,6 +8,10 @@ Glossary:
             node at depth d gets head d + 1: q at depth d does NOT depend on the path
             (``path_independent``), only on f. Nodes deeper than K reuse the last head.
 
+Cost: the first ``expand`` of a tree runs all K heads and the LM head once on [K, H] (the LM head
+is memory-bound, so K rows cost about what one row costs); later expands of the same tree read
+those K rows.
+
 Caching: only f is kept. ``commit`` replaces it with the feature of the last accepted node (the
 last row of the features the engine passes), so rollback is trivial and the state equals a
 fresh drafter's built from the committed tokens.
@@ -66,6 +70,7 @@ class MedusaDrafter:
         self.target_layers = (heads.cfg.feature_layer,)
         self.f: torch.Tensor | None = None          # [H] feature before the root
         self.root_token: int | None = None
+        self.rows: torch.Tensor | None = None        # [K, V] logits of every head for this tree
         self.calls = 0
 
     def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
@@ -75,6 +80,7 @@ class MedusaDrafter:
         p = next(self.heads.parameters())
         self.f = rows[-1].to(p) if rows is not None and rows.shape[0] else \
             torch.zeros(self.heads.cfg.hidden_size, dtype=p.dtype, device=p.device)
+        self.rows = None
 
     @torch.inference_mode()
     def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
@@ -82,11 +88,14 @@ class MedusaDrafter:
             raise RuntimeError("call begin() before expand()")
         if 0 in nodes and tree.tokens[0] != self.root_token:
             raise ValueError(f"root token {tree.tokens[0]} is not the last committed token {self.root_token}")
-        self.calls += 1
         k_max = self.heads.cfg.num_heads
-        ks = [min(tree.depth[n] + 1, k_max) for n in nodes]
-        out = {k: self.lm_head(self.heads(self.f[None], k))[0].float() for k in set(ks)}
-        return torch.stack([out[k] for k in ks])
+        if self.rows is None:
+            self.calls += 1
+            # [K, H] -> [K, V]
+            z = torch.stack([self.heads(self.f, k) for k in range(1, k_max + 1)])
+            self.rows = self.lm_head(z).float()
+        ks = torch.tensor([min(tree.depth[n] + 1, k_max) - 1 for n in nodes], device=self.rows.device)
+        return self.rows.index_select(0, ks)
 
     def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
         rows = features.hidden[self.target_layers[0]]
@@ -94,6 +103,7 @@ class MedusaDrafter:
             raise ValueError(f"commit needs {tokens.numel()} feature rows, got {rows.shape[0]}")
         self.f = rows[-1].to(next(self.heads.parameters()))
         self.root_token = int(tokens[-1])
+        self.rows = None
 
 
 def random_medusa(target, num_heads: int = 4, seed: int = 0, scale: float = 0.1) -> MedusaDrafter:

@@ -1,1 +1,15 @@
-"""Drafter training on the target's own features (see ``treespec.train.data`` and ``.loop``)."""
+"""Drafter training on the target's own features and distributions.
+
+    data        ShareGPT exchanges -> cached target features + top-k distributions (chunked)
+    objectives  unrolls (TTT, sequential), top-k distillation loss, held-out depth metrics
+    recipes     one recipe per drafter: build / loss / metrics / export (loss choices explained)
+    loop        the seeded, resumable, time-budgeted loop; checkpoint + card
+    cli         ``treespec train {eagle,eagle3,medusa,mtp,small} --minutes N --out DIR``
+"""
+
+from treespec.train.data import DataConfig, build_cache
+from treespec.train.loop import TrainConfig, heldout_of_checkpoint, train_drafter
+from treespec.train.recipes import KINDS, RecipeConfig
+
+__all__ = ["DataConfig", "KINDS", "RecipeConfig", "TrainConfig", "build_cache", "heldout_of_checkpoint",
+           "train_drafter"]

@@ -40,9 +40,9 @@ class TrainConfig:
 
     minutes: float = 15.0        # wall-clock budget of this run (resumed runs add their own)
     steps: int = 0               # fixed step count instead of a time-derived one (0 = from minutes)
-    batch_size: int = 8          # sequences per step
+    batch_size: int = 4          # sequences per step
     max_len: int = 256           # tokens per sequence
-    lr: float = 5e-4
+    lr: float = 1e-3
     warmup: int = 20
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -189,7 +189,7 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         batch = next(batches)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total or 10 ** 9, cfg)
-        loss, parts = recipe.loss(model, batch)
+        loss, parts = recipe.loss(model, batch, step / max(total, 1) if total else 0.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

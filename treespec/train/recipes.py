@@ -11,6 +11,9 @@ Loss choices (recorded in each card's ``loss`` field):
             the reduced draft vocabulary (target probabilities renormalised over it).
     mtp     DeepSeek-V3 MTP: top-k KD at each of 3 sequential depths (weights 1, 0.8, 0.64),
             no regression, each depth causal over the previous depth's outputs.
+    Both unrolls follow a curriculum (``unroll_ramp``): 1 depth, then 2, then 3 over the first
+    half of the steps. On a CPU budget a depth-1 step costs a third of a depth-3 step, so the head
+    first learns the shallow prediction cheaply, then adapts to its own features.
     medusa  Medusa-2 self-distillation: top-k KD of head k against p_{t+k}, weights 0.8^(k-1).
     small   top-k KD of the small model's next-token law against the target's, every position.
 Why distillation rather than cross-entropy on the ShareGPT tokens: acceptance is
@@ -21,6 +24,7 @@ would teach that model's law instead. Forward KL to p bounds the TVD (Pinsker) a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +52,10 @@ class RecipeConfig:
     feature_noise: float = 0.2       # eagle: uniform input-feature noise amplitude
     reg_weight: float = 1.0          # eagle: smooth-L1 weight
     kd_weight: float = 0.5           # eagle: KD weight
-    unroll: int = 3                  # eagle3 TTT depths / mtp sequential depths
+    unroll: int = 3                  # eagle3 TTT depths / mtp sequential depths (at the end)
+    unroll_ramp: float = 0.5         # depths grow 1 -> unroll over this fraction of the steps
     medusa_heads: int = 4
+    embed_rms_match: bool = True     # eagle: scale embeddings to the features' RMS (embed_scale)
 
 
 class Recipe:
@@ -71,8 +77,16 @@ class Recipe:
     def build(self, seed: int) -> nn.Module:
         raise NotImplementedError
 
-    def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict]:
+    def loss(self, model: nn.Module, batch: Batch, progress: float) -> tuple[torch.Tensor, dict]:
+        """(loss, logged parts) of one batch; ``progress`` in [0, 1] is the share of steps done."""
         raise NotImplementedError
+
+    def unroll_at(self, progress: float) -> int:
+        """Depths unrolled at this point of training: 1 at the start, ``unroll`` after the ramp
+        (a curriculum: one depth costs a third of three, so the head first gets many cheap steps)."""
+        if self.cfg.unroll_ramp <= 0:
+            return self.cfg.unroll
+        return min(self.cfg.unroll, 1 + int(progress / self.cfg.unroll_ramp * (self.cfg.unroll - 1)))
 
     def metrics(self, model: nn.Module, batch: Batch, acc: DepthMetrics) -> None:
         raise NotImplementedError
@@ -117,17 +131,26 @@ class FeatureRecipe(Recipe):
         super().__init__(target, cfg, frequency)
         self.kind = kind
         self.head_cfg = HeadConfig.for_target(kind, target.model.config, cfg.draft_vocab)
+        if kind == "eagle" and cfg.embed_rms_match:
+            # fc reads [embed ‖ f]; SmolLM2's embeddings are ~15x smaller than its post-norm
+            # states, so Adam would need thousands of steps to grow the embedding half of fc.
+            # A constant factor bringing the embedding to the feature's RMS fixes that.
+            emb = target.model.model.embed_tokens.weight.float()
+            w = target.model.model.norm.weight.float()     # post-norm RMS ~ RMS of the norm weight
+            scale = float(w.pow(2).mean().sqrt() / emb.pow(2).mean().sqrt())
+            self.head_cfg = dataclasses.replace(self.head_cfg, embed_scale=round(scale, 2))
         self.layers = tuple(sorted(set(self.head_cfg.target_layers) | {self.L}))
         # EAGLE-3's draft vocabulary: the most frequent target top-1 ids, in id order.
         self.d2t = self.order[: cfg.draft_vocab].sort().values if kind == "eagle3" else None
         self.loss_note = {
             "eagle": "smooth-L1(g_t, f_{t+1}) + 0.5 * top-32 KD(lm_head(g_t), p_{t+1}); uniform feature "
                      "noise 0.2; regression gives a dense per-token signal (EAGLE-1/2)",
-            "eagle3": "top-32 KD on the draft vocabulary over a 3-depth training-time-test unroll, "
-                      "depth weights 1/0.8/0.64 (EAGLE-3); no regression: the fused input is not a "
-                      "target state",
-            "mtp": "top-32 KD at 3 sequential DeepSeek-V3 depths (each causal over the previous "
-                   "depth's outputs), depth weights 1/0.8/0.64; no regression",
+            "eagle3": "top-32 KD on the draft vocabulary over a training-time-test unroll, depth "
+                      "weights 1/0.8/0.64 (EAGLE-3); no regression: the fused input is not a target "
+                      "state. Curriculum: 1 depth, then 2, then 3 over the first half of the steps",
+            "mtp": "top-32 KD at sequential DeepSeek-V3 depths (each causal over the previous "
+                   "depth's outputs), depth weights 1/0.8/0.64; no regression. Curriculum: 1, 2, "
+                   "then 3 depths over the first half of the steps",
         }[kind]
 
     def build(self, seed: int) -> nn.Module:
@@ -150,7 +173,7 @@ class FeatureRecipe(Recipe):
     def _feat0(self, head, batch: Batch) -> torch.Tensor:
         return head.fuse({l: batch.hidden[l] for l in self.head_cfg.target_layers})
 
-    def loss(self, head, batch):
+    def loss(self, head, batch, progress):
         logs = {}
         if self.kind == "eagle":
             g = ttt_unroll(head, self._feat0(head, batch), batch, 1, self.cfg.feature_noise)[0]
@@ -160,7 +183,7 @@ class FeatureRecipe(Recipe):
             kd = self.kd_full(g, view, view.mask)
             logs = {"reg": reg.item(), "kd": kd.item()}
             return self.cfg.reg_weight * reg + self.cfg.kd_weight * kd, logs
-        n = self.cfg.unroll
+        n = self.unroll_at(progress)
         feat0 = self._feat0(head, batch)
         outs = ttt_unroll(head, feat0, batch, n) if self.kind == "eagle3" else \
             sequential_unroll(head, feat0, batch, n)
@@ -210,7 +233,7 @@ class MedusaRecipe(Recipe):
             torch.manual_seed(seed)
             return MedusaHeads(self.mcfg).float().train()
 
-    def loss(self, heads, batch):
+    def loss(self, heads, batch, progress):
         f = batch.hidden[self.L]
         total, wsum, logs = 0.0, 0.0, {}
         for k in range(1, self.mcfg.num_heads + 1):
@@ -268,7 +291,7 @@ class SmallRecipe(Recipe):
         # h_t predicts token t + 1; depth_view(0) at slot t is about p_{t+1}: shift by one.
         return _shift(model.model(input_ids=batch.tokens).last_hidden_state, 1)
 
-    def loss(self, model, batch):
+    def loss(self, model, batch, progress):
         z = self._hidden(model, batch)
         view = depth_view(batch, 0)
         length = batch.valid.sum(1, keepdim=True)

@@ -1,0 +1,177 @@
+"""Trained-drafter benchmark: each drafter x {chain k=4, dynamic tree budget 16/32/64} x T in {0, 1}.
+
+MT-bench first turns through the chat template, SmolLM2-135M as the target, the shipped
+checkpoints under checkpoints/smollm2-135m/. For every prompt, vanilla decoding (HF ``generate``,
+greedy at T = 0, sampling at T = 1) runs first, then every drafter x tree configuration on the same
+prompt (interleaved, so machine noise hits all methods alike).
+
+    python benchmarks/drafters.py                                  # full: 80 prompts x 128 tokens
+    python benchmarks/drafters.py --prompts 5 --max-new-tokens 64  # reduced (labelled as such)
+
+Reported per (drafter, tree, T): τ (tokens per target forward), acceptance by depth (accepted /
+attempted drafts at each depth, pooled over prompts), tokens/s (new tokens / (prefill + decode)
+time, pooled), and speedup = tokens/s over vanilla tokens/s at the same T in the same run.
+Writes benchmarks/results/drafters.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import treespec
+import treespec.drafters.eagle  # noqa: F401  (registers eagle, eagle3)
+import treespec.drafters.medusa  # noqa: F401
+import treespec.drafters.mtp  # noqa: F401
+import treespec.drafters.small  # noqa: F401
+from treespec.data import chat_prompt, mtbench_questions
+
+RESULTS = Path(__file__).parent / "results"
+DRAFTERS = ("eagle", "eagle3", "medusa", "mtp", "small")
+# name -> builder factory; dynamic trees follow EAGLE-2's depth / top-k growth with the budget
+TREES = {
+    "chain4": lambda: treespec.ChainBuilder(4),
+    "tree16": lambda: treespec.DynamicTreeBuilder(budget=16, depth=5, top_k=4),
+    "tree32": lambda: treespec.DynamicTreeBuilder(budget=32, depth=6, top_k=6),
+    "tree64": lambda: treespec.DynamicTreeBuilder(budget=64, depth=6, top_k=8),
+}
+
+
+def vanilla(target, ids: torch.Tensor, max_new: int, temperature: float, seed: int) -> tuple[int, float]:
+    """(new tokens, seconds) of HF generate: greedy at T = 0, sampling at T > 0."""
+    eos = list(target.eos_token_ids)
+    torch.manual_seed(seed)
+    kw = dict(do_sample=temperature > 0, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=eos[0],
+              repetition_penalty=None, top_p=None, top_k=None,
+              temperature=temperature if temperature > 0 else None)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = target.model.generate(ids[None], **kw)
+        dt = time.perf_counter() - t0
+    return out.shape[1] - ids.numel(), dt
+
+
+class Pool:
+    """Pooled counters of one (method, T) over prompts."""
+
+    def __init__(self):
+        self.tokens = self.steps = self.emitted = 0
+        self.seconds = 0.0
+        self.attempts: list[int] = []
+        self.accepts: list[int] = []
+
+    def add_stats(self, st) -> None:
+        self.tokens += st.new_tokens
+        self.steps += st.steps
+        self.emitted += round(st.tau * st.steps)
+        self.seconds += st.decode_time + st.prefill_time
+        for d, (t, a) in enumerate(zip(st.depth_attempts, st.depth_accepts)):
+            if d >= len(self.attempts):
+                self.attempts.append(0)
+                self.accepts.append(0)
+            self.attempts[d] += t
+            self.accepts[d] += a
+
+    def row(self, base_tps: float | None) -> dict:
+        tps = self.tokens / self.seconds if self.seconds else 0.0
+        out = {"tokens": self.tokens, "seconds": round(self.seconds, 2), "tokens_per_s": round(tps, 2)}
+        if self.steps:
+            out["tau"] = round(self.emitted / self.steps, 3)
+            out["steps"] = self.steps
+            out["acceptance_by_depth"] = [round(a / t, 3) if t else None
+                                          for a, t in zip(self.accepts, self.attempts)]
+        if base_tps:
+            out["speedup"] = round(tps / base_tps, 3)
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=80, help="MT-bench first turns (of 80)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--drafters", default=",".join(DRAFTERS))
+    ap.add_argument("--trees", default=",".join(TREES))
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS / "drafters"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    drafters = [d for d in args.drafters.split(",") if d]
+    trees = [t for t in args.trees.split(",") if t]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    reduced = args.prompts < 80 or args.max_new_tokens < 128
+    target = treespec.load_target("smollm2-135m")
+    gens = {(d, t): treespec.SpeculativeGenerator(target, treespec.load_drafter(d, target), TREES[t]())
+            for d in drafters for t in trees}
+    questions = mtbench_questions()[: args.prompts]
+    pools: dict[tuple[str, str, float], Pool] = {}
+    # warm-up (allocations, first-call paths) on a short prompt
+    warm = torch.tensor(chat_prompt(target.tokenizer, "Hi"))
+    for gen in gens.values():
+        gen.generate(warm, max_new_tokens=4)
+    start = time.time()
+    for i, q in enumerate(questions):
+        ids = torch.tensor(chat_prompt(target.tokenizer, q.turns[0]))
+        for temp in temps:
+            seed = args.seed * 1000 + i
+            n, dt = vanilla(target, ids, args.max_new_tokens, temp, seed)
+            p = pools.setdefault(("vanilla", "-", temp), Pool())
+            p.tokens += n
+            p.seconds += dt
+            for (d, t), gen in gens.items():
+                res = gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=temp, seed=seed)
+                pools.setdefault((d, t, temp), Pool()).add_stats(res.stats)
+        print(f"[{i + 1}/{len(questions)}] {time.time() - start:.0f} s", flush=True)
+    rows = []
+    for temp in temps:
+        base = pools[("vanilla", "-", temp)]
+        base_tps = base.tokens / base.seconds
+        rows.append({"drafter": "vanilla", "tree": "-", "temperature": temp, **base.row(None)})
+        for d in drafters:
+            for t in trees:
+                rows.append({"drafter": d, "tree": t, "temperature": temp, **pools[(d, t, temp)].row(base_tps)})
+    result = {
+        "config": {"prompts": len(questions), "max_new_tokens": args.max_new_tokens, "drafters": drafters,
+                   "trees": {t: repr(TREES[t]().config) for t in trees}, "temperatures": temps,
+                   "threads": args.threads, "seed": args.seed, "reduced": reduced},
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "torch": torch.__version__, "note": "shared 2-core CPU, other jobs running"},
+        "wall_minutes": round((time.time() - start) / 60, 1),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    c = result["config"]
+    title = "REDUCED configuration" if c["reduced"] else "full configuration"
+    lines = [
+        f"# Trained drafters on SmolLM2-135M ({title})",
+        "",
+        f"{c['prompts']} MT-bench first turns x {c['max_new_tokens']} new tokens, T in {c['temperatures']}, "
+        f"{c['threads']} torch thread(s), {result['machine']['note']}; wall {result['wall_minutes']} min.",
+        "τ = tokens per target forward; acceptance by depth = accepted / attempted drafts at each depth; "
+        "tokens/s includes prefill; speedup is against vanilla HF decoding at the same T in the same run.",
+        "",
+        "| T | drafter | tree | τ | acceptance by depth | tokens/s | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        acc = " ".join("-" if a is None else f"{a:.2f}" for a in r.get("acceptance_by_depth", []))
+        lines.append(f"| {r['temperature']:g} | {r['drafter']} | {r['tree']} | {r.get('tau', 1.0):.2f} | "
+                     f"{acc} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
