@@ -386,6 +386,16 @@ def test_draw_children_follow_q() -> None:
     biased = [max(e.tokens[:2], key=lambda t: float(q[t])) for e in iid]
     counts = np.bincount(biased, minlength=6)
     assert chisquare(counts, qd * counts.sum()).pvalue < 1e-3
+    # a peaked q: the i.i.d. stream repeats the top token, so the draws continue from q with the
+    # drawn tokens masked out; the order law must not change
+    peaked = torch.tensor([0.96, 0.02, 0.01, 0.006, 0.004, 0.0])
+    pk = peaked.double().numpy() / peaked.double().sum().item()
+    wor = draw_children(peaked.expand(3000, -1).contiguous(), 5, "without_replacement", gen)
+    assert all(sorted(e.tokens) == [0, 1, 2, 3, 4] for e in wor)  # capped by the support
+    second = np.bincount([e.tokens[1] for e in wor], minlength=6)
+    law2 = np.array([sum(pk[x] * pk[y] / (1 - pk[x]) for x in range(5) if x != y) for y in range(6)])
+    assert second[5] == 0 and (law2[:5] * len(wor) > 5).all()
+    assert chisquare(second[:5], law2[:5] / law2[:5].sum() * len(wor)).pvalue > 1e-3
     det = draw_children(torch.tensor([[0.1, 0.0, 0.6, 0.3]]), 4, "deterministic", gen)[0]
     assert det.tokens == [2, 3, 0]  # top-k, capped by the support
 

@@ -147,8 +147,8 @@ def draw_children(
 
     deterministic:        the k most likely tokens with q > 0, most likely first.
     with_replacement:     k i.i.d. draws from q (repeats possible).
-    without_replacement:  k sequential draws without replacement (exponential race, i.e.
-                          Gumbel-top-k), capped by the support of q.
+    without_replacement:  k sequential draws without replacement (``_distinct_draws``),
+                          capped by the support of q.
     """
     if q.dim() != 2:
         raise ValueError(f"q must be [F, V], got shape {tuple(q.shape)}")
@@ -158,7 +158,8 @@ def draw_children(
     top = min(k, vocab)
     # [F, top]
     ranked_q, ranked = torch.topk(q, top, dim=-1)
-    support = (q > 0).sum(-1).tolist()
+    # min(support of q, top) from the ranked values: no extra pass over V
+    support = (ranked_q > 0).sum(-1).tolist()
     slot = ranked_q.double().clamp_min(0).log().tolist()
     if mode == "deterministic":
         tokens, logq = ranked.tolist(), slot
@@ -168,19 +169,14 @@ def draw_children(
         tokens = drawn.tolist()
         logq = q.gather(1, drawn).double().log().tolist()
     elif mode == "without_replacement":
-        # Exponential race (= Gumbel-top-k): the order of q(x) / E_x, E_x ~ Exp(1) i.i.d., is
-        # the order of sequential draws without replacement from q. Tokens with q = 0 come last.
-        race = torch.empty(q.shape, dtype=torch.float64).exponential_(generator=generator)
-        # [F, top]
-        drawn = torch.topk(q.double() / race, top, dim=-1).indices
-        tokens = drawn.tolist()
-        logq = q.gather(1, drawn).double().log().tolist()
+        tokens = _distinct_draws(q, support, generator)
+        logq = [q[r, row].double().log().tolist() for r, row in enumerate(tokens)]
     else:
         check_mode(mode)
         raise AssertionError  # pragma: no cover
     out = []
     for r in range(rows):
-        s = min(support[r], top)
+        s = support[r]
         if mode == "with_replacement":
             # every draw has q > 0; slot j is planned with the j-th largest q (the last one with
             # q > 0 once j exceeds the support)
@@ -188,6 +184,41 @@ def draw_children(
             out.append(Expansion(tokens[r], logq[r], plan))
         else:
             out.append(Expansion(tokens[r][:s], logq[r][:s], slot[r][:s]))
+    return out
+
+
+def _distinct_draws(
+    # [F, V]
+    q: torch.Tensor,
+    want: list[int],
+    generator: torch.Generator | None,
+) -> list[list[int]]:
+    """Row r: ``want[r]`` sequential draws without replacement from q[r], in draw order.
+
+    The first m distinct values of an i.i.d. stream from q ARE m sequential draws without
+    replacement (the first value outside the set drawn so far follows q restricted to its
+    complement). Streams are drawn in batched chunks; a row still short after a chunk continues
+    from q with its drawn tokens masked out, which is the same law. O(V) per chunk, no per-token
+    random numbers (the exponential race / Gumbel-top-k needs V of them per row).
+    """
+    out: list[list[int]] = [[] for _ in want]
+    pending = [r for r, w in enumerate(want) if w > 0]
+    source = q
+    chunk = 2 * max(want, default=0)
+    while pending:
+        draws = torch.multinomial(source[pending].float(), chunk, replacement=True, generator=generator)
+        for r, row in zip(pending, draws.tolist()):
+            got = out[r]
+            for t in row:
+                if t not in got:
+                    got.append(t)
+                    if len(got) == want[r]:
+                        break
+        pending = [r for r in pending if len(out[r]) < want[r]]
+        if pending:
+            source = source.clone() if source is q else source
+            for r in pending:
+                source[r, out[r]] = 0.0
     return out
 
 
