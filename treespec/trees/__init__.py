@@ -1,8 +1,19 @@
 """Tree builders: turn a drafter's distributions into a draft tree within a budget.
 
-Every builder drives every drafter (``build(drafter, root_token, sampling, generator)``) and has
-a ``budget`` (max tree nodes, root included) and a ``max_depth``. All but the deterministic-only
-settings take ``mode`` = "deterministic" | "with_replacement" | "without_replacement".
+Every builder drives every drafter through ``build(drafter, root_token, sampling, generator)``,
+has a ``budget`` (max tree nodes, root included) and a ``max_depth``, and makes one batched
+drafter call per depth level (per round for best-first), never one per node.
+
+    ChainBuilder(k)                             one path of k tokens
+    StaticTreeBuilder(choices) / .default(n)    fixed Medusa-style topology (rank-path tuples)
+    DynamicTreeBuilder(budget, depth, top_k)    EAGLE-2: expand the best frontier, rerank
+    BestFirstBuilder(budget, max_width, max_rounds)   SpecExec: best-first rounds, early stop
+    SequoiaBuilder(budget, depth, acceptance)   Sequoia's DP-optimal static topology
+
+``mode`` = "deterministic" (ranked candidates) | "with_replacement" (i.i.d. draws from q) |
+"without_replacement" (sequential draws); each mode is verified with its exact rule. A greedy
+target always gets deterministic candidates. ``min_confidence`` (dynamic, best-first) stops
+growth once the best frontier's path probability is below it.
 """
 
 from treespec.trees.base import BuiltTree, TreeBuilder, draw_children
