@@ -1,0 +1,118 @@
+"""Greedy equivalence on the real model: at temperature 0, speculative decoding with SmolLM2-135M
+(fp32) and its early-exit drafter emits exactly ``model.generate(do_sample=False)``'s tokens.
+
+Five MT-bench first turns (writing, roleplay, reasoning, math, coding), through the chat template
+(``SpeculativeGenerator.encode``), 64 new tokens, two configurations: a chain with the default
+early-exit drafter (7 of 30 layers: it agrees with the target on ~2% of tokens, so this checks
+the all-rejected path) and the EAGLE-2 dynamic tree with a 20-layer early exit (drafts accepted
+up to depth 3 or more, so KV compaction of real accepted paths is checked). The HF
+reference runs with an explicit, neutral generation config and checks that its processed scores
+equal its raw logits, i.e. no hidden logits processor applied; it stops at EOS and includes it,
+as the engine does.
+
+A divergence is tolerated only at a genuine near-tie: the top-2 logit gap of a plain forward over
+the common prefix must be < 1e-4 there (batched tree attention and sequential decoding round
+differently in the last bits); the test then says so with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, load_drafter, load_target
+from treespec.data import mtbench_questions
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 64
+QUESTIONS = (0, 10, 20, 30, 40)  # first question of five categories, file order
+NEAR_TIE = 1e-4
+# name -> (builder, early-exit layers; None = the registered default)
+CONFIGS = {
+    "chain-early-exit": (lambda: ChainBuilder(k=2), None),
+    "dynamic-early-exit-20": (lambda: DynamicTreeBuilder(budget=16, depth=5, top_k=4), 20),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on the shared 2-core box a 2-thread forward of this model is up to
+    ~18x slower when the other core is busy (OpenMP workers spin waiting for each other)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target(one_thread):
+    return load_target("smollm2-135m", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(target) -> list[torch.Tensor]:
+    encoder = SpeculativeGenerator(target, "target")
+    questions = mtbench_questions()
+    return [encoder.encode(questions[i].turns[0]) for i in QUESTIONS]
+
+
+def hf_greedy(model, ids: torch.Tensor, eos: tuple[int, ...]) -> list[int]:
+    """model.generate with every processor neutral; asserts that none changed the logits."""
+    config = GenerationConfig(
+        do_sample=False, num_beams=1, max_new_tokens=NEW_TOKENS, min_new_tokens=None,
+        temperature=None, top_p=None, top_k=None, min_p=None, repetition_penalty=1.0,
+        no_repeat_ngram_size=None, bad_words_ids=None, suppress_tokens=None,
+        begin_suppress_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None,
+        eos_token_id=list(eos), pad_token_id=eos[0], bos_token_id=None,
+        return_dict_in_generate=True, output_scores=True, output_logits=True,
+    )
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None],
+                             generation_config=config)
+    for step, (score, logit) in enumerate(zip(out.scores, out.logits)):
+        assert torch.equal(score, logit), f"a logits processor changed step {step}"
+    return out.sequences[0, ids.numel():].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(target, prompts) -> list[list[int]]:
+    return [hf_greedy(target.model, ids, target.eos_token_ids) for ids in prompts]
+
+
+def top2_gap(model, tokens: list[int]) -> tuple[float, list[int]]:
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0, -1]
+    top = logits.topk(2)
+    return float(top.values[0] - top.values[1]), top.indices.tolist()
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_equals_hf_generate(target, prompts, references, config) -> None:
+    make_builder, layers = CONFIGS[config]
+    drafter = "early-exit" if layers is None else load_drafter("early-exit", target, num_layers=layers)
+    gen = SpeculativeGenerator(target, drafter, make_builder())
+    accepted = 0
+    for q, ids, ref in zip(QUESTIONS, prompts, references):
+        res = gen.generate(ids, NEW_TOKENS, temperature=0.0)
+        out = res.token_ids.tolist()
+        accepted += sum(res.stats.depth_accepts)
+        print(f"question {q} {config}: tau {res.stats.tau:.2f}, acceptance by depth "
+              f"{[round(a, 2) for a in res.stats.depth_acceptance]}")
+        if out == ref:
+            continue
+        j = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
+        assert j is not None, (f"question {q}: outputs agree on {min(len(out), len(ref))} tokens "
+                               f"but have lengths {len(out)} (engine) and {len(ref)} (HF)")
+        gap, top = top2_gap(target.model, ids.tolist() + ref[:j])
+        assert gap < NEAR_TIE and {out[j], ref[j]} == set(top), (
+            f"question {q}: {config} diverges from HF greedy at new token {j} "
+            f"(engine {out[j]}, HF {ref[j]}), not a near-tie: top-2 logit gap {gap:.3g}, top-2 {top}"
+        )
+        warnings.warn(f"question {q}: {config} diverged at token {j} at a near-tie "
+                      f"(top-2 logit gap {gap:.2e}); the rest of that output was not compared")
+    if layers is not None:  # the deep early exit gets drafts accepted: that path was exercised
+        assert accepted > 20, accepted
