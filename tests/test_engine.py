@@ -179,9 +179,10 @@ def test_target_drafter_accepts_every_draft_at_t0(target) -> None:
         assert res.token_ids.tolist() == greedy_reference(target.model, [5, 9, 1], 3 * (k + 1) + 1)
 
 
+@pytest.mark.parametrize("prompt", [[4], [4, 4, 2]], ids=["P1", "P3"])
 @pytest.mark.parametrize("builder", [ChainBuilder(k=3), DynamicTreeBuilder(10, 4, 3)],
                          ids=["chain", "dynamic"])
-def test_greedy_output_equals_plain_greedy_with_a_poor_drafter(target, builder) -> None:
+def test_greedy_output_equals_plain_greedy_with_a_poor_drafter(target, builder, prompt) -> None:
     """A drafter that is often wrong (the target with noisy weights): rejections everywhere,
     same tokens as plain greedy."""
     draft = copy.deepcopy(target.model)
@@ -190,8 +191,8 @@ def test_greedy_output_equals_plain_greedy_with_a_poor_drafter(target, builder) 
         for p in draft.parameters():
             p.add_(0.15 * torch.randn(p.shape, generator=gen_noise))
     gen = SpeculativeGenerator(target, ModelDrafter(draft, V), builder)
-    res = gen.generate([4, 4, 2], 40)
-    assert res.token_ids.tolist() == greedy_reference(target.model, [4, 4, 2], 40)
+    res = gen.generate(prompt, 40)
+    assert res.token_ids.tolist() == greedy_reference(target.model, prompt, 40)
     assert sum(res.stats.depth_accepts) < sum(res.stats.depth_attempts)  # rejections happened
     assert res.stats.steps < 40  # and acceptances too
 

@@ -58,11 +58,12 @@ def tree_with_path(rng: random.Random, root: int, size: int, path: list[int]):
     return as_draft_tree(tree, None, "deterministic")
 
 
-def reference_probs(model, tokens: list[int], sampling: SamplingConfig) -> torch.Tensor:
-    """[V]: processed p(. | tokens) from a plain forward."""
+def reference(model, tokens: list[int], sampling: SamplingConfig, layer: int):
+    """(processed p(. | tokens) [V], hidden state of layer ``layer`` at the last token [H])
+    from a plain forward."""
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([tokens])).logits[0, -1]
-    return process(logits.float(), sampling)
+        out = model(input_ids=torch.tensor([tokens]), output_hidden_states=True)
+    return process(out.logits[0, -1].float(), sampling), out.hidden_states[layer][0, -1]
 
 
 # (dtype, weight std, atol): float32 with O(1) activations meets 1e-5; float64 with large
@@ -99,13 +100,15 @@ def test_cache_equals_sequential_decoding(attn: str, precision: str, prompt_len:
         path = greedy_continuation(model, committed, rng.randint(1, 4))
         tree = tree_with_path(rng, committed[-1], rng.randint(1, 12), path)
         out = verifier.score(tree)
-        # Every row is p(. | committed prefix, path to the node), as a plain forward gives it.
+        # Every row is p(. | committed prefix, path to the node), as a plain forward gives it,
+        # and so are the node's target features.
+        assert out.features.length == tree.num_nodes
         for i in range(tree.num_nodes):
             toks = committed[:-1] + [int(tree.tokens[j]) for j in tree.path_to(i)]
-            want = reference_probs(model, toks, sampling)
+            want, hidden = reference(model, toks, sampling, layer=1)
             torch.testing.assert_close(out.probs[i], want, atol=1e-5, rtol=0,
                                        msg=lambda m: f"step {step} node {i}: {m}")
-        assert out.features.length == tree.num_nodes
+            torch.testing.assert_close(out.features.hidden[1][i], hidden, atol=atol, rtol=0)
         acc = accept(tree, out.probs, gen)
         keep = torch.cat([torch.zeros(1, dtype=torch.long), acc.path])
         verifier.compact(keep)
