@@ -27,6 +27,7 @@ a from real runs.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
@@ -127,6 +128,22 @@ def expected_tokens(acceptance: Sequence[float] | torch.Tensor, shape: Sequence[
     return math.fsum(value.values())
 
 
+@dataclass(frozen=True)
+class SequoiaConfig:
+    """Sequoia settings (the built topology lives in the StaticConfig ``builder.config``)."""
+
+    budget: int = 16                  # tree nodes incl. the root
+    depth: int = 5                    # max draft depth
+    acceptance: tuple[float, ...] = DEFAULT_ACCEPTANCE   # positional acceptance vector
+    mode: DraftMode = "deterministic"  # how children are chosen (see trees.base)
+
+    def __post_init__(self) -> None:
+        check_int("budget", self.budget)
+        check_int("depth", self.depth)
+        object.__setattr__(self, "acceptance", validate_acceptance(self.acceptance))
+        check_mode(self.mode)
+
+
 class SequoiaBuilder(StaticTreeBuilder):
     """Static tree with Sequoia's optimal shape for ``acceptance`` (default DEFAULT_ACCEPTANCE).
 
@@ -137,19 +154,21 @@ class SequoiaBuilder(StaticTreeBuilder):
     def __init__(self, budget: int = 16, depth: int = 5,
                  acceptance: Sequence[float] | torch.Tensor | None = None,
                  mode: DraftMode = "deterministic"):
-        check_mode(mode)
-        a = validate_acceptance(DEFAULT_ACCEPTANCE if acceptance is None else acceptance)
-        self.acceptance = a
-        self.expected_tokens, shape = optimal_tree(a, budget, depth)
-        self._budget = budget
+        self.sequoia = SequoiaConfig(budget, depth,
+                                     DEFAULT_ACCEPTANCE if acceptance is None else acceptance, mode)
+        self.expected_tokens, shape = optimal_tree(self.sequoia.acceptance, budget, depth)
         super().__init__(shape, mode)
 
     @property
+    def acceptance(self) -> tuple[float, ...]:
+        return self.sequoia.acceptance
+
+    @property
     def budget(self) -> int:
-        return self._budget
+        return self.sequoia.budget
 
     def __repr__(self) -> str:
-        return (f"SequoiaBuilder(budget={self._budget}, depth={self.max_depth}, "
+        return (f"SequoiaBuilder(budget={self.budget}, depth={self.max_depth}, "
                 f"mode={self.config.mode!r}, expected_tokens={self.expected_tokens:.3f})")
 
 
