@@ -176,3 +176,35 @@ def test_registered_model_drafters() -> None:
     assert isinstance(mine, ModelDrafter) and mine.model is target.model
     early = load_drafter("early-exit", target)
     assert len(early.model.model.layers) == 1 and early.vocab_size == V
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafter_state_in_the_engine_loop(temperature: float) -> None:
+    """Inside SpeculativeGenerator, after every step the drafter holds exactly the committed
+    tokens (cache + pending), also when EAGLE-2's rerank drops drafted nodes, so that tree ids
+    and drafter ids differ (``BuiltTree.source``). A wrong mapping would not change the output
+    (it only costs acceptance), so it is checked here directly."""
+    import copy
+
+    from treespec import DynamicTreeBuilder, SpeculativeGenerator
+
+    target = Target.from_hf(peaky_llama(V, seed=12, num_layers=2, std=0.3), None, "t")
+    draft = copy.deepcopy(target.model)  # the target with noisy weights: a fair drafter
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=noise))
+    drafter = ModelDrafter(draft, V)
+    gen = SpeculativeGenerator(target, drafter, DynamicTreeBuilder(budget=6, depth=4, top_k=3))
+    prompt = [3, 8, 1]
+    committed = list(prompt)
+    seen = {"remapped": 0, "accepted": 0}
+
+    def on_step(built, acc, step) -> None:
+        committed.extend(acc.tokens.tolist())
+        check_state(drafter, committed)
+        seen["remapped"] += not torch.equal(built.source, torch.arange(built.source.numel()))
+        seen["accepted"] += acc.num_accepted
+
+    gen.generate(prompt, 40, temperature=temperature, seed=0, on_step=on_step)
+    assert seen["remapped"] > 0 and seen["accepted"] > 0, seen
