@@ -22,10 +22,10 @@ demo: $(STAMP)
 	$(VPY) -m treespec.cli demo
 
 test: $(STAMP)
-	$(VPY) -m pytest -q -n 2 tests
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 tests
 
 test-fast: $(STAMP)
-	$(VPY) -m pytest -q -n 2 -m "not slow" tests
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 -m "not slow" tests
 
 bench: $(STAMP)
 	$(VPY) benchmarks/accept.py

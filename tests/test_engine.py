@@ -236,3 +236,17 @@ def test_seeded_sampling_repeats_and_seeds_differ(target) -> None:
                 for _ in range(2)] for s in (11, 12)}
     assert runs[11][0] == runs[11][1] and runs[12][0] == runs[12][1]
     assert runs[11][0] != runs[12][0]
+
+
+def test_float_prompt_ids_are_refused():
+    import pytest as _pytest
+    import torch as _torch
+
+    from treespec.engine import SpeculativeGenerator as _Gen
+    from treespec.drafters import LookupDrafter as _Lookup
+    from treespec.models import tiny_target as _tiny
+
+    target = _tiny(vocab_size=16)
+    gen = _Gen(target, _Lookup(16))
+    with _pytest.raises(TypeError, match="integers"):
+        gen.generate(_torch.tensor([1.7, 2.0]), max_new_tokens=2)

@@ -203,10 +203,13 @@ class SpeculativeGenerator:
             else:
                 ids = tok(prompt, add_special_tokens=True)["input_ids"]
             return torch.tensor(ids, dtype=torch.long)
-        ids = torch.as_tensor(prompt, dtype=torch.long).flatten() if not isinstance(prompt, torch.Tensor) \
-            else prompt.flatten().long()
+        ids = prompt if isinstance(prompt, torch.Tensor) else torch.as_tensor(prompt)
         if ids.numel() == 0:
             raise ValueError("prompt is empty; pass at least one token id")
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"prompt token ids must be integers, got dtype {ids.dtype}; pass a "
+                            "LongTensor or a list of ints")
+        ids = ids.flatten().long()
         if bool((ids < 0).any()) or bool((ids >= self.target.vocab_size).any()):
             raise ValueError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
         return ids.cpu()
