@@ -52,11 +52,13 @@ class ForwardTimer:
             h.remove()
 
 
-def hf_generate(model, ids, max_new, eos, assistant=None):
+def hf_generate(model, ids, max_new, eos, assistant=None, lookup=0):
     kwargs = dict(do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=eos[0],
                   repetition_penalty=None, temperature=None, top_p=None, top_k=None)
     if assistant is not None:
         kwargs["assistant_model"] = assistant
+    if lookup:
+        kwargs["prompt_lookup_num_tokens"] = lookup
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = model.generate(ids[None], **kwargs)
@@ -88,6 +90,9 @@ def main() -> None:
         "treespec tree": make_builder("dynamic", args.budget, args.depth, args.top_k),
     }
     gens = {name: treespec.SpeculativeGenerator(target, drafter, b) for name, b in methods.items()}
+    lookup = treespec.load_drafter("lookup", target)
+    gens["treespec chain + lookup"] = treespec.SpeculativeGenerator(
+        target, lookup, make_builder("chain", args.chain_k + 1, args.depth, args.top_k))
     questions = mtbench_questions()[: args.prompts]
     encode = gens["treespec tree"].encode
 
@@ -95,10 +100,11 @@ def main() -> None:
     warm = encode("Hello!")
     hf_generate(model, warm, 8, eos)
     hf_generate(model, warm, 8, eos, draft_model)
+    hf_generate(model, warm, 8, eos, lookup=args.chain_k)
     for g in gens.values():
         g.generate(warm, max_new_tokens=8)
 
-    rows: dict[str, list[dict]] = {k: [] for k in ["vanilla", "HF assisted", *gens]}
+    rows: dict[str, list[dict]] = {k: [] for k in ["vanilla", "HF assisted", "HF prompt lookup", *gens]}
     for qi, q in enumerate(questions):
         ids = encode(q.turns[0])
         ref, dt = hf_generate(model, ids, args.max_new_tokens, eos)
@@ -106,6 +112,9 @@ def main() -> None:
         out, dt = hf_generate(model, ids, args.max_new_tokens, eos, draft_model)
         rows["HF assisted"].append({"tokens": out.numel(), "time": dt,
                                     "matches_vanilla": bool(torch.equal(out, ref))})
+        out, dt = hf_generate(model, ids, args.max_new_tokens, eos, lookup=args.chain_k)
+        rows["HF prompt lookup"].append({"tokens": out.numel(), "time": dt,
+                                         "matches_vanilla": bool(torch.equal(out, ref))})
         for name, g in gens.items():
             timer = ForwardTimer(model, draft_model)
             t0 = time.perf_counter()
@@ -147,7 +156,8 @@ def main() -> None:
         "",
         f"Target SmolLM2-135M-Instruct fp32; draft = early-exit, first {args.draft_layers} layers "
         f"(shared weights); chain k={args.chain_k}; tree = EAGLE-2 dynamic budget={args.budget}, "
-        f"depth={args.depth}, top_k={args.top_k}. torch threads {torch.get_num_threads()}, "
+        f"depth={args.depth}, top_k={args.top_k}; lookup rows use prompt n-gram lookup (no model), "
+        f"{args.chain_k} tokens per step. torch threads {torch.get_num_threads()}, "
         f"{platform.processor() or platform.machine()}. Medians over prompts, measured side by side.",
         "",
         "| method | tokens/s | speedup | tau | prefill / draft / verify / accept / other | overhead outside forwards | same tokens as vanilla |",
