@@ -247,3 +247,15 @@ def test_unroll_curriculum():
     assert [r.unroll_at(p) for p in (0.0, 0.2, 0.3, 0.49, 0.5, 0.9)] == [1, 1, 2, 2, 3, 3]
     r.cfg = RecipeConfig(unroll=3, unroll_ramp=0.0)
     assert r.unroll_at(0.0) == 3
+
+
+@pytest.mark.parametrize("kind", ["eagle", "small"])
+def test_warm_start_from_a_checkpoint(kind, tiny_setup, tmp_path):
+    import dataclasses
+
+    target, data, held, root = tiny_setup
+    first = train_drafter(kind, target, tmp_path / "a", _cfg(2), data, root, progress=False, heldout=held)
+    cfg = dataclasses.replace(_cfg(2), init_from=str(tmp_path / "a" / f"{kind}.safetensors"))
+    card = train_drafter(kind, target, tmp_path / "b", cfg, data, root, progress=False, heldout=held)
+    assert card["train"]["warm_start"]["steps_done"] == 2
+    assert card["train"]["total_train_minutes"] >= first["train"]["train_minutes"]

@@ -27,7 +27,7 @@ def cmd_train(args) -> int:
     torch.set_num_threads(args.threads)
     target = load_target(args.model)
     cfg = TrainConfig(minutes=args.minutes, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                      seed=args.seed, threads=args.threads,
+                      seed=args.seed, threads=args.threads, init_from=args.init_from or "",
                       recipe=RecipeConfig(draft_vocab=args.draft_vocab))
     data = DataConfig(sequences=args.sequences, max_len=args.max_len)
     card = train_drafter(args.kind, target, args.out, cfg, data)
@@ -51,6 +51,8 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=4096, help="eagle3 reduced vocabulary size")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="warm start from a checkpoint of the same kind (new optimizer and schedule)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.set_defaults(func=cmd_train)
 

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from treespec.drafters.checkpoint import card_path, load_checkpoint, save_checkpoint, target_identity
 from treespec.train.data import (
@@ -49,6 +50,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1             # torch intra-op threads
     save_every_s: float = 120.0
+    init_from: str = ""          # warm start: a checkpoint of the same kind (fresh optimizer/schedule)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
 
 
@@ -153,6 +155,18 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
     held = load_chunks(held_dir, recipe.layers, chunk_count(heldout))
 
     model = recipe.build(cfg.seed)
+    prior = None
+    if cfg.init_from:
+        init_state, init_header = load_checkpoint(cfg.init_from, target, kind)
+        if init_header["arch"] != recipe.export(model)[1]:
+            raise ValueError(f"{cfg.init_from} has another architecture than this recipe builds: "
+                             f"{init_header['arch']} vs {recipe.export(model)[1]}")
+        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init_state.items()},
+                              strict=not isinstance(model, PreTrainedModel))  # small: tied head
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        if card_path(cfg.init_from).exists():
+            prior = json.loads(card_path(cfg.init_from).read_text()).get("train")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -234,7 +248,10 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
                  "feature_cache_minutes_this_run": round(data_minutes, 1)},
         "train": {**{k: v for k, v in asdict(cfg).items() if k != "recipe"}, "steps_done": step,
                   "train_minutes": round(elapsed / 60, 2),
-                  "tokens_seen_approx": int(step * cfg.batch_size * data.max_len * 0.92)},
+                  "tokens_seen_approx": int(step * cfg.batch_size * data.max_len * 0.92),
+                  "warm_start": prior,
+                  "total_train_minutes": round(elapsed / 60 + (prior or {}).get("total_train_minutes",
+                                                 (prior or {}).get("train_minutes", 0.0)), 2)},
         "recipe": asdict(cfg.recipe),
         "loss": recipe.loss_note,
         "losses": {"first": log[0] if log else None,
