@@ -7,8 +7,8 @@ builder; the only thing that changes is the builder and its budget (nodes incl. 
     python benchmarks/builders.py                                       # 20 prompts x 128 tokens
 
 Drafter: the best registered one: among the trained drafters whose checkpoint loads (eagle3,
-eagle, mtp, medusa, small) the one with the highest top-1 acceptance on a held-out prompt,
-else "early-exit"; ``--drafter`` overrides. At T = 1 the stochastic builders
+eagle, mtp, medusa, small) the one with the highest τ on a held-out prompt (EAGLE-2 default
+tree, T = 0), else "early-exit"; ``--drafter`` overrides. At T = 1 the stochastic builders
 draw children without replacement (``--t1-mode``); the static tree fills ranks
 deterministically (Medusa style). Sequoia's acceptance vector is measured first on 3 other
 MT-bench prompts at each temperature (``measure_acceptance_vector``, width 8).
@@ -68,8 +68,8 @@ class TimedDrafter:
 
 
 def pick_drafter(target, name: str | None, probe_prompt: str):
-    """``name``, else the trained drafter with the highest measured top-1 acceptance, else
-    "early-exit"."""
+    """``name``, else the trained drafter with the highest τ on a held-out prompt (EAGLE-2
+    default tree, T = 0), else "early-exit"."""
     if name:
         return name, load_drafter(name, target)
     found = {}
@@ -81,10 +81,11 @@ def pick_drafter(target, name: str | None, probe_prompt: str):
                 print(f"[skip {kind}: {e}]", flush=True)
     if not found:
         return "early-exit", load_drafter("early-exit", target)
-    top1 = {k: measure_acceptance_vector(d, target, [probe_prompt], width=1, max_new_tokens=32)[0]
-            for k, d in found.items()}
-    print(f"[top-1 acceptance of trained drafters: {top1}]", flush=True)
-    best = max(top1, key=top1.get)
+    tau = {k: SpeculativeGenerator(target, d, DynamicTreeBuilder()).generate(
+        probe_prompt, max_new_tokens=48).stats.tau for k, d in found.items()}
+    print(f"[tau of the trained drafters on a held-out prompt: "
+          f"{ {k: round(v, 2) for k, v in tau.items()} }]", flush=True)
+    best = max(tau, key=tau.get)
     return best, found[best]
 
 
