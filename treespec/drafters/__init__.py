@@ -8,9 +8,12 @@ from treespec.drafters.base import (
 )
 from treespec.drafters.lookup import LookupConfig, LookupDrafter
 from treespec.drafters.model import ModelDrafter, early_exit_model
+# Trained drafters (checkpoints under checkpoints/<target>/); importing registers their names.
+from treespec.drafters.eagle import EagleDrafter  # noqa: E402  "eagle", "eagle3"
+from treespec.drafters import medusa, mtp, small  # noqa: E402,F401  "medusa", "mtp", "small"
 
 __all__ = [
-    "Drafter", "LookupConfig", "LookupDrafter", "ModelDrafter", "PartialTree", "TargetFeatures", "drafter_factory",
+    "Drafter", "EagleDrafter", "LookupConfig", "LookupDrafter", "ModelDrafter", "PartialTree", "TargetFeatures", "drafter_factory",
     "early_exit_model", "load_drafter", "register_drafter", "registered_drafters",
 ]
 
