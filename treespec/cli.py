@@ -30,7 +30,7 @@ def make_builder(name: str, budget: int, depth: int, top_k: int, mode: str = "de
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="target name (default smollm2-135m)")
-    p.add_argument("--drafter", default="early-exit", help="registered drafter name")
+    p.add_argument("--drafter", default="eagle3", help="registered drafter name (see treespec.registered_drafters())")
     p.add_argument("--tree", default="dynamic", choices=BUILDERS, help="tree builder")
     p.add_argument("--budget", default="16", help="tree nodes incl. root, or 'auto' (cost model)")
     p.add_argument("--depth", type=int, default=5, help="max draft depth (dynamic/sequoia)")
