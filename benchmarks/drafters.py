@@ -61,7 +61,7 @@ class Pool:
 
     def __init__(self):
         self.tokens = self.steps = self.emitted = 0
-        self.seconds = 0.0
+        self.seconds = self.draft = self.verify = 0.0
         self.attempts: list[int] = []
         self.accepts: list[int] = []
 
@@ -70,6 +70,8 @@ class Pool:
         self.steps += st.steps
         self.emitted += round(st.tau * st.steps)
         self.seconds += st.decode_time + st.prefill_time
+        self.draft += st.draft_time
+        self.verify += st.verify_time
         for d, (t, a) in enumerate(zip(st.depth_attempts, st.depth_accepts)):
             if d >= len(self.attempts):
                 self.attempts.append(0)
@@ -85,6 +87,10 @@ class Pool:
             out["steps"] = self.steps
             out["acceptance_by_depth"] = [round(a / t, 3) if t else None
                                           for a, t in zip(self.accepts, self.attempts)]
+            out["draft_ms_per_step"] = round(self.draft / self.steps * 1e3, 1)
+            out["verify_ms_per_step"] = round(self.verify / self.steps * 1e3, 1)
+        elif self.tokens:
+            out["ms_per_token"] = round(self.seconds / self.tokens * 1e3, 1)
         if base_tps:
             out["speedup"] = round(tps / base_tps, 3)
         return out
@@ -143,6 +149,9 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "torch": torch.__version__, "note": "shared 2-core CPU, other jobs running"},
         "wall_minutes": round((time.time() - start) / 60, 1),
+        # time the full configuration (80 prompts x 128 tokens) would take at this run's pace
+        "estimated_full_hours": round((time.time() - start) / 3600 * (80 / len(questions))
+                                      * (128 / args.max_new_tokens), 1),
         "rows": rows,
     }
     out = Path(args.out)
@@ -159,17 +168,20 @@ def markdown(result: dict) -> str:
         f"# Trained drafters on SmolLM2-135M ({title})",
         "",
         f"{c['prompts']} MT-bench first turns x {c['max_new_tokens']} new tokens, T in {c['temperatures']}, "
-        f"{c['threads']} torch thread(s), {result['machine']['note']}; wall {result['wall_minutes']} min.",
+        f"{c['threads']} torch thread(s), {result['machine']['note']}; wall {result['wall_minutes']} min "
+        f"(the full 80 x 128 configuration would take ~{result['estimated_full_hours']} h at this pace).",
         "τ = tokens per target forward; acceptance by depth = accepted / attempted drafts at each depth; "
         "tokens/s includes prefill; speedup is against vanilla HF decoding at the same T in the same run.",
         "",
-        "| T | drafter | tree | τ | acceptance by depth | tokens/s | speedup |",
-        "|---|---|---|---|---|---|---|",
+        "| T | drafter | tree | τ | acceptance by depth | draft / verify ms per step | tokens/s | speedup |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         acc = " ".join("-" if a is None else f"{a:.2f}" for a in r.get("acceptance_by_depth", []))
+        cost = (f"{r['draft_ms_per_step']:.0f} / {r['verify_ms_per_step']:.0f}" if "steps" in r
+                else f"{r.get('ms_per_token', 0):.0f} ms per token")
         lines.append(f"| {r['temperature']:g} | {r['drafter']} | {r['tree']} | {r.get('tau', 1.0):.2f} | "
-                     f"{acc} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f} |")
+                     f"{acc} | {cost} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -28,7 +28,9 @@ def cmd_train(args) -> int:
     target = load_target(args.model)
     cfg = TrainConfig(minutes=args.minutes, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       seed=args.seed, threads=args.threads, init_from=args.init_from or "",
-                      recipe=RecipeConfig(draft_vocab=args.draft_vocab))
+                      recipe=RecipeConfig(draft_vocab=args.draft_vocab, unroll_ramp=args.unroll_ramp,
+                                          negatives=args.negatives if args.negatives is not None
+                                          else (4096 if args.kind == "small" else 0)))
     data = DataConfig(sequences=args.sequences, max_len=args.max_len)
     card = train_drafter(args.kind, target, args.out, cfg, data)
     print(json.dumps({"checkpoint": f"{args.out}/{args.kind}.safetensors", "heldout": card["heldout"],
@@ -50,6 +52,10 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=4096, help="eagle3 reduced vocabulary size")
+    p.add_argument("--unroll-ramp", type=float, default=0.5,
+                   help="eagle3/mtp: share of steps over which unroll depths grow 1 -> 3 (0 = 3 from the start)")
+    p.add_argument("--negatives", type=int, default=None,
+                   help="uniform negative ids per step in the KD softmax (default 4096 for small, else 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="warm start from a checkpoint of the same kind (new optimizer and schedule)")

@@ -105,18 +105,22 @@ def sequential_unroll(head, feat0: torch.Tensor, batch: Batch, depths: int) -> l
 
 # ---------------------------------------------------------------------------------- losses
 class VocabSubset:
-    """The candidate set S of a step: frequent ids ∪ the batch's target top-k ids.
+    """The candidate set S of a step: frequent ids ∪ the batch's target top-k ids ∪ ``negatives``
+    ids drawn uniformly from the whole vocabulary (a sampled softmax: without them, ids never in
+    S keep whatever logits they drift to, and a model with its own head ends up proposing them).
 
     ``frequent``: LongTensor[F] of target ids. ``ids(batch)`` -> LongTensor[|S|];
     ``lookup(ids)`` -> LongTensor[V] with the position of each id in S, or -1.
     """
 
-    def __init__(self, frequent: torch.Tensor, vocab_size: int):
+    def __init__(self, frequent: torch.Tensor, vocab_size: int, negatives: int = 0):
         self.frequent = frequent.long()
         self.vocab_size = vocab_size
+        self.negatives = negatives
 
     def ids(self, *tops: torch.Tensor) -> torch.Tensor:
-        return torch.unique(torch.cat([self.frequent] + [t.reshape(-1) for t in tops]))
+        extra = [torch.randint(0, self.vocab_size, (self.negatives,))] if self.negatives else []
+        return torch.unique(torch.cat([self.frequent] + [t.reshape(-1) for t in tops] + extra))
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         table = torch.full((self.vocab_size,), -1, dtype=torch.long)

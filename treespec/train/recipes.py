@@ -49,6 +49,7 @@ class RecipeConfig:
     draft_vocab: int = 4096          # eagle3's reduced vocabulary
     frequent: int = 2048             # always-present ids of the KD candidate set S
     subset_top: int = 8              # + the target's top-n ids at the batch's positions
+    negatives: int = 0               # + this many uniformly drawn ids (sampled softmax)
     feature_noise: float = 0.2       # eagle: uniform input-feature noise amplitude
     reg_weight: float = 1.0          # eagle: smooth-L1 weight
     kd_weight: float = 0.5           # eagle: KD weight
@@ -70,7 +71,7 @@ class Recipe:
         self.L = target.model.config.num_hidden_layers
         self.lm_w = target.model.get_output_embeddings().weight      # [V, H], frozen
         self.order = torch.sort(frequency, descending=True, stable=True).indices   # most frequent first
-        self.subset = VocabSubset(self.order[: cfg.frequent], target.vocab_size)
+        self.subset = VocabSubset(self.order[: cfg.frequent], target.vocab_size, cfg.negatives)
 
     layers: tuple[int, ...] = ()
 
@@ -262,8 +263,9 @@ class MedusaRecipe(Recipe):
 class SmallRecipe(Recipe):
     kind = "small"
     loss_note = ("top-32 KD of the small model's next-token law against the target's at every "
-                 "position (prompt and reply); embedding initialised from the target embedding's "
-                 "top principal directions")
+                 "position (prompt and reply), sampled softmax over frequent + batch top-8 + uniformly "
+                 "drawn negative ids (its own head must learn to push every id down); embedding "
+                 "initialised from the target embedding's top principal directions")
 
     def __init__(self, target, cfg, frequency):
         super().__init__(target, cfg, frequency)
