@@ -169,9 +169,10 @@ class DepthMetrics:
         self.beta[j] += float(torch.minimum(tp, q.gather(-1, ti)).sum())
 
     def summary(self) -> dict:
-        n = [max(c, 1.0) for c in self.count]
+        """Rates per measured depth (depths with no positions, e.g. a model drafter's j >= 1, are left out)."""
+        d = [j for j, c in enumerate(self.count) if c > 0]
         return {
-            "top1_by_depth": [round(a / c, 4) for a, c in zip(self.top1, n)],
-            "beta_top32_by_depth": [round(a / c, 4) for a, c in zip(self.beta, n)],
+            "top1_by_depth": [round(self.top1[j] / self.count[j], 4) for j in d],
+            "beta_top32_by_depth": [round(self.beta[j] / self.count[j], 4) for j in d],
             "positions": int(self.count[0]),
         }
