@@ -259,3 +259,15 @@ def test_warm_start_from_a_checkpoint(kind, tiny_setup, tmp_path):
     card = train_drafter(kind, target, tmp_path / "b", cfg, data, root, progress=False, heldout=held)
     assert card["train"]["warm_start"]["steps_done"] == 2
     assert card["train"]["total_train_minutes"] >= first["train"]["train_minutes"]
+
+
+def test_vocab_subset_with_negatives():
+    from treespec.train.objectives import VocabSubset
+
+    torch.manual_seed(0)
+    sub = VocabSubset(torch.tensor([1, 2]), 1000, negatives=50)
+    ids = sub.ids(torch.tensor([[7, 2]]))
+    assert {1, 2, 7} <= set(ids.tolist()) and len(ids) > 40
+    assert torch.equal(ids, ids.sort().values)
+    lookup = sub.lookup(ids)
+    assert lookup[ids].tolist() == list(range(len(ids))) and int((lookup >= 0).sum()) == len(ids)
