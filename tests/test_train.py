@@ -60,10 +60,11 @@ def test_runtime_equals_training_unroll(kind):
         outs = ttt_unroll(head, head.fuse({l: batch.hidden[l] for l in head.target_layers}), batch, 3)
 
     def want(j: int, slot: int) -> torch.Tensor:
-        logits = head.logits(outs[j][0, slot]).float()
-        return logits if drafter.d2t is None else logits  # compared on the draft ids below
+        """Draft-vocabulary logits of the training unroll at depth j, slot ``slot``."""
+        return head.logits(outs[j][0, slot]).float()
 
     def got(x: torch.Tensor) -> torch.Tensor:
+        """Runtime logits [V] restricted to the draft vocabulary (eagle3), else as they are."""
         return x if drafter.d2t is None else x[drafter.d2t]
 
     k = 10
