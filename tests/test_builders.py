@@ -396,6 +396,15 @@ def test_draw_children_follow_q() -> None:
     law2 = np.array([sum(pk[x] * pk[y] / (1 - pk[x]) for x in range(5) if x != y) for y in range(6)])
     assert second[5] == 0 and (law2[:5] * len(wor) > 5).all()
     assert chisquare(second[:5], law2[:5] / law2[:5].sum() * len(wor)).pvalue > 1e-3
+    # drawing 1 up front and extending by 1 continues the same sequential law
+    ext = [e.extended(q, 1, "without_replacement", gen)
+           for e in draw_children(rows[:3000], 6, "without_replacement", gen, draws=1)]
+    assert all(len(e.tokens) == 2 and len(e.slot_logq) == 6 and e.tokens[0] != e.tokens[1] for e in ext)
+    pairs = np.zeros((6, 6))
+    for e in ext:
+        pairs[e.tokens[0], e.tokens[1]] += 1
+    assert chisquare(pairs[mask], law[mask] / law[mask].sum() * len(ext)).pvalue > 1e-3
+    assert e.logq == pytest.approx([math.log(float(q[t])) for t in e.tokens])
     det = draw_children(torch.tensor([[0.1, 0.0, 0.6, 0.3]]), 4, "deterministic", gen)[0]
     assert det.tokens == [2, 3, 0]  # top-k, capped by the support
 

@@ -45,6 +45,8 @@ BUILDERS = {
     "static": lambda mode: StaticTreeBuilder([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)], mode=mode),
     "dynamic": lambda mode: DynamicTreeBuilder(budget=8, depth=3, top_k=3, mode=mode),
     "best_first": lambda mode: BestFirstBuilder(budget=8, max_width=2, max_rounds=3, mode=mode),
+    # one round, width 1: the root gets all 7 children, most drawn on demand (Expansion.extended)
+    "best_first_star": lambda mode: BestFirstBuilder(budget=8, max_width=1, max_rounds=1, mode=mode),
     "sequoia": lambda mode: SequoiaBuilder(budget=8, depth=3, acceptance=(0.5, 0.2, 0.1), mode=mode),
 }
 

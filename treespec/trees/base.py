@@ -125,7 +125,8 @@ class Expansion:
 
     Attributes:
         tokens:    tokens[j] is the node's j-th child if it gets more than j children: the j-th
-                   ranked token (deterministic) or the j-th draw from q (stochastic).
+                   ranked token (deterministic) or the j-th draw from q (stochastic). Stochastic
+                   expansions may hold fewer draws than slots; ``extended`` draws more.
         logq:      log q(tokens[j]).
         slot_logq: planning value of slot j, log of the j-th largest q (see module docstring);
                    independent of the draws. Equal to ``logq`` in deterministic mode.
@@ -135,6 +136,28 @@ class Expansion:
     logq: list[float]
     slot_logq: list[float]
 
+    def extended(
+        self,
+        # [V]
+        q: torch.Tensor,
+        n: int,
+        mode: DraftMode,
+        generator: torch.Generator | None,
+    ) -> "Expansion":
+        """The same expansion with up to n more draws, continuing the draw sequence (the next
+        i.i.d. draws, or the next draws without replacement given those so far)."""
+        if mode == "deterministic" or n <= 0:
+            return self
+        if mode == "with_replacement":
+            more = torch.multinomial(q.float(), n, replacement=True, generator=generator).tolist()
+        else:
+            rest = q.clone()
+            rest[self.tokens] = 0.0
+            want = min(n, int((rest > 0).sum()))
+            more = _distinct_draws(rest[None], [want], generator)[0] if want else []
+        logq = q[more].double().log().tolist() if more else []
+        return Expansion(self.tokens + more, self.logq + logq, self.slot_logq)
+
 
 def draw_children(
     # [F, V]
@@ -142,13 +165,16 @@ def draw_children(
     k: int,
     mode: DraftMode,
     generator: torch.Generator | None,
+    draws: int | None = None,
 ) -> list[Expansion]:
     """Up to k children per row of q, in trial order (see ``Expansion``).
 
     deterministic:        the k most likely tokens with q > 0, most likely first.
-    with_replacement:     k i.i.d. draws from q (repeats possible).
-    without_replacement:  k sequential draws without replacement (``_distinct_draws``),
-                          capped by the support of q.
+    with_replacement:     i.i.d. draws from q (repeats possible).
+    without_replacement:  sequential draws without replacement (``_distinct_draws``), capped
+                          by the support of q.
+    Stochastic modes plan k slots but draw only ``draws`` (default k) children up front; a
+    builder that needs more calls ``Expansion.extended``.
     """
     if q.dim() != 2:
         raise ValueError(f"q must be [F, V], got shape {tuple(q.shape)}")
@@ -156,6 +182,7 @@ def draw_children(
     if k <= 0 or rows == 0:
         return [Expansion([], [], []) for _ in range(rows)]
     top = min(k, vocab)
+    now = k if draws is None else min(draws, k)
     # [F, top]
     ranked_q, ranked = torch.topk(q, top, dim=-1)
     # min(support of q, top) from the ranked values: no extra pass over V
@@ -164,12 +191,12 @@ def draw_children(
     if mode == "deterministic":
         tokens, logq = ranked.tolist(), slot
     elif mode == "with_replacement":
-        # [F, k]
-        drawn = torch.multinomial(q.float(), k, replacement=True, generator=generator)
+        # [F, now]
+        drawn = torch.multinomial(q.float(), now, replacement=True, generator=generator)
         tokens = drawn.tolist()
         logq = q.gather(1, drawn).double().log().tolist()
     elif mode == "without_replacement":
-        tokens = _distinct_draws(q, support, generator)
+        tokens = _distinct_draws(q, [min(now, s) for s in support], generator)
         logq = [q[r, row].double().log().tolist() for r, row in enumerate(tokens)]
     else:
         check_mode(mode)
@@ -230,14 +257,16 @@ def expand_nodes(
     mode: DraftMode,
     k: int,
     generator: torch.Generator | None,
+    draws: int | None = None,
 ) -> tuple[torch.Tensor, list[Expansion]]:
-    """ONE batched drafter call for ``nodes``; returns q [F, V] and each node's Expansion."""
+    """ONE batched drafter call for ``nodes``; returns q [F, V] and each node's Expansion
+    (k planned slots; ``draws`` of them drawn up front in stochastic modes, default all)."""
     logits = drafter.expand(tree, nodes)
     if logits.dim() != 2 or logits.shape[0] != len(nodes):
         raise ValueError(f"drafter.expand must return logits [F={len(nodes)}, V], got shape "
                          f"{tuple(logits.shape)} from {type(drafter).__name__}")
     q = draft_distribution(logits, sampling)
-    return q, draw_children(q, k, mode, generator)
+    return q, draw_children(q, k, mode, generator, draws)
 
 
 def finish(

@@ -40,6 +40,11 @@ from treespec.trees.base import (
 )
 
 
+# Stochastic mode: children drawn up front per expanded node, in units of max_width (more are
+# drawn on demand, continuing the same draw sequence).
+DRAWS_AHEAD = 2
+
+
 @dataclass(frozen=True)
 class BestFirstConfig:
     """SpecExec settings."""
@@ -137,11 +142,13 @@ class BestFirstBuilder:
         top1: list[float] = []     # top-1 draft probability of every expanded node
 
         def expand(batch: list[int]) -> None:
-            q, new = expand_nodes(drafter, tree, batch, sampling, mode, cfg.budget - 1, generator)
+            # plan budget - 1 slots per node but draw only a few: most nodes get few children
+            q, new = expand_nodes(drafter, tree, batch, sampling, mode, cfg.budget - 1, generator,
+                                  draws=min(cfg.budget - 1, DRAWS_AHEAD * cfg.max_width))
             for node, row, exp in zip(batch, q, new):
                 rows[node], exps[node] = row, exp
                 leaves.discard(node)
-                if exp.tokens:
+                if exp.slot_logq:
                     top1.append(math.exp(exp.slot_logq[0]))
                     push(node, 0)
 
@@ -160,10 +167,14 @@ class BestFirstBuilder:
                     return
                 heapq.heappop(slots)
                 exp = exps[node]
+                if j >= len(exp.tokens):  # the next draws of this node, decided before seen
+                    exp = exps[node] = exp.extended(rows[node], len(exp.tokens), mode, generator)
+                    if j >= len(exp.tokens):  # no draw left (support exhausted)
+                        continue
                 child = tree.add(node, exp.tokens[j], tree.score[node] + exp.logq[j])
                 if tree.depth[child] < self.max_depth and tree.score[child] >= floor:
                     leaves.add(child)
-                if j + 1 < len(exp.tokens):
+                if j + 1 < len(exp.slot_logq):
                     push(node, j + 1)
 
         expand([0])
