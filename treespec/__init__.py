@@ -6,11 +6,17 @@ from treespec.engine import GenerationResult, GenerationStats, SpeculativeGenera
 from treespec.models import Target, load_target
 from treespec.sampling import SamplingConfig, logits_to_probs
 from treespec.tree import DraftTree
-from treespec.trees import ChainBuilder, DynamicTreeBuilder
+from treespec.trees import (
+    BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder, optimal_tree,
+)
 from treespec.verifiers import Acceptance, accept
 
 __all__ = [
     "Acceptance",
+    "BestFirstBuilder",
+    "SequoiaBuilder",
+    "StaticTreeBuilder",
+    "optimal_tree",
     "ChainBuilder",
     "DraftTree",
     "DynamicTreeBuilder",
