@@ -6,6 +6,12 @@ builder; the only thing that changes is the builder and its budget (nodes incl. 
     python benchmarks/builders.py --prompts 3 --max-new-tokens 64      # quick check
     python benchmarks/builders.py                                       # 20 prompts x 128 tokens
 
+On two cores, one process per temperature, then merge:
+
+    python benchmarks/builders.py --temperatures 0 --out benchmarks/results/builders_t0 &
+    python benchmarks/builders.py --temperatures 1 --out benchmarks/results/builders_t1 &
+    wait; python benchmarks/builders.py --merge benchmarks/results/builders_t{0,1}.json
+
 Drafter: the best registered one: among the trained drafters whose checkpoint loads (eagle3,
 eagle, mtp, medusa, small) the one with the highest τ on a held-out prompt (EAGLE-2 default
 tree, T = 0), else "early-exit"; ``--drafter`` overrides. At T = 1 the stochastic builders
@@ -51,7 +57,17 @@ class TimedDrafter:
         self.calls = 0
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        attr = getattr(self.inner, name)  # AttributeError if the inner drafter lacks it
+        if name != "expand_compact":
+            return attr
+
+        def timed(tree, nodes):  # the reduced-vocabulary fast path, timed like expand
+            t0 = time.perf_counter()
+            out = attr(tree, nodes)
+            self.expand_time += time.perf_counter() - t0
+            self.calls += 1
+            return out
+        return timed
 
     def begin(self, prompt_ids, features):
         self.inner.begin(prompt_ids, features)
@@ -106,31 +122,41 @@ def make(name: str, budget: int, mode: str, acceptance) -> object:
     raise ValueError(f"unknown builder {name!r}; choose from {BUILDERS}")
 
 
-def run_config(target, drafter: TimedDrafter, builder, prompts, max_new: int, temperature: float,
-               seed: int) -> dict:
-    gen = SpeculativeGenerator(target, drafter, builder)
-    tokens = steps = emitted = nodes = calls = 0
-    decode = build = expand = 0.0
-    per_prompt_tps = []
-    for i, ids in enumerate(prompts):
-        drafter.expand_time = 0.0
-        r = gen.generate(ids, max_new_tokens=max_new, temperature=temperature, seed=seed + i)
-        s = r.stats
-        tokens += s.new_tokens
-        steps += s.steps
-        emitted += s._emitted
-        nodes += s.tree_nodes
-        calls += s.drafter_calls
-        decode += s.decode_time
-        build += s.draft_time
-        expand += drafter.expand_time
-        per_prompt_tps.append(s.tokens_per_s)
-    return dict(tau=emitted / steps, tokens_per_s=tokens / decode,
-                median_prompt_tokens_per_s=statistics.median(per_prompt_tps),
-                new_tokens=tokens, steps=steps, mean_nodes=nodes / steps, calls_per_step=calls / steps,
-                draft_time_s=expand, builder_time_s=build - expand,
-                builder_overhead=(build - expand) / expand if expand > 0 else 0.0,
-                decode_time_s=decode)
+class Tally:
+    """Running totals of one configuration over the prompts measured so far."""
+
+    def __init__(self):
+        self.tokens = self.steps = self.emitted = self.nodes = self.calls = 0
+        self.decode = self.build = self.expand = 0.0
+        self.per_prompt_tps: list[float] = []
+
+    def add(self, stats, expand_time: float) -> None:
+        self.tokens += stats.new_tokens
+        self.steps += stats.steps
+        self.emitted += stats._emitted
+        self.nodes += stats.tree_nodes
+        self.calls += stats.drafter_calls
+        self.decode += stats.decode_time
+        self.build += stats.draft_time
+        self.expand += expand_time
+        self.per_prompt_tps.append(stats.tokens_per_s)
+
+    def row(self) -> dict:
+        over = self.build - self.expand
+        return dict(tau=self.emitted / self.steps, tokens_per_s=self.tokens / self.decode,
+                    median_prompt_tokens_per_s=statistics.median(self.per_prompt_tps),
+                    prompts=len(self.per_prompt_tps), new_tokens=self.tokens, steps=self.steps,
+                    mean_nodes=self.nodes / self.steps, calls_per_step=self.calls / self.steps,
+                    draft_time_s=self.expand, builder_time_s=over,
+                    builder_overhead=over / self.expand if self.expand > 0 else 0.0,
+                    builder_share_of_drafting=over / self.build if self.build > 0 else 0.0,
+                    decode_time_s=self.decode)
+
+
+def run_one(gen, drafter: TimedDrafter, ids, max_new: int, temperature: float, seed: int, tally: Tally):
+    drafter.expand_time = 0.0
+    r = gen.generate(ids, max_new_tokens=max_new, temperature=temperature, seed=seed)
+    tally.add(r.stats, drafter.expand_time)
 
 
 def write_table(results: list[dict], meta: dict, path: Path) -> None:
@@ -139,9 +165,12 @@ def write_table(results: list[dict], meta: dict, path: Path) -> None:
              f"prompts x {meta['max_new_tokens']} new tokens, {meta['threads']} CPU thread(s) "
              f"({meta['machine']}); T = 1 drafting mode: {meta['t1_mode']} (static: ranked). "
              f"Wall time {meta['wall_s'] / 60:.1f} min.\n",
-             "Builder overhead = builder time outside drafter.expand / drafter.expand time.\n"]
+             "Builder overhead = builder time outside drafter.expand / drafter.expand time "
+             "(JSON `builder_overhead`; `builder_share_of_drafting` divides by the whole drafting "
+             "phase instead).\n"]
     if not meta.get("complete"):
-        lines.append("**Partial run** (stopped before every configuration was measured).\n")
+        lines.append(f"**Partial run**: {meta.get('prompts_done', '?')} of {meta['prompts']} prompts measured "
+                     "(every configuration on the same prompts).\n")
     for temp in meta["temperatures"]:
         lines.append(f"\n## T = {temp:g}\n")
         base = [r for r in results if r["builder"] == "none" and r["temperature"] == temp]
@@ -197,6 +226,21 @@ def save(out: Path, meta: dict, results: list[dict]) -> None:
     plot(results, meta, out.with_suffix(".png"))
 
 
+def merge(paths: list[str], out: Path) -> None:
+    """One table from runs split by temperature (e.g. two processes, one per CPU core)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    meta = dict(runs[0]["meta"])
+    meta["temperatures"] = [t for r in runs for t in r["meta"]["temperatures"]]
+    meta["sequoia_acceptance"] = {k: v for r in runs for k, v in r["meta"]["sequoia_acceptance"].items()}
+    meta["wall_s"] = max(r["meta"]["wall_s"] for r in runs)
+    meta["complete"] = all(r["meta"]["complete"] for r in runs)
+    meta["prompts_done"] = min(r["meta"].get("prompts_done", r["meta"]["prompts"]) for r in runs)
+    meta["merged_from"] = paths
+    results = [row for r in runs for row in r["results"]]
+    save(out, meta, results)
+    print(f"merged {len(paths)} runs into {out}.{{json,md,png}}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=20)
@@ -210,7 +254,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "builders"))
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier runs' JSON into --out")
     args = ap.parse_args()
+    if args.merge:
+        merge(args.merge, Path(args.out))
+        return
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
     builders = args.builders.split(",")
@@ -241,31 +289,35 @@ def main() -> None:
                 machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
                 torch=torch.__version__, wall_s=0.0, complete=False,
                 sequoia_acceptance={str(k): v for k, v in acceptance.items()})
-    results = []
-    for temp in temps:  # reference: budget 1 = no draft tokens, i.e. plain decoding in the engine
+    # Every configuration runs on prompt i before any runs on prompt i + 1 (interleaved), so a
+    # shared machine's load drifts hit all configurations alike, and a cut-short run still
+    # holds every configuration on the same prompts. Budget 1 = plain decoding in the engine.
+    configs = []  # (builder name, budget, temperature, builder)
+    for temp in temps:
+        mode = "deterministic" if temp == 0 else args.t1_mode
+        configs.append(("none", 1, temp, DynamicTreeBuilder(budget=1)))
+        configs += [(b, budget, temp, make(b, budget, mode, acceptance.get(temp)))
+                    for budget in budgets for b in builders]
+    gens = [SpeculativeGenerator(target, drafter, c[3]) for c in configs]
+    tallies = [Tally() for _ in configs]
+    results: list[dict] = []
+    for i, ids in enumerate(prompts):
         t0 = time.perf_counter()
-        row = run_config(target, drafter, DynamicTreeBuilder(budget=1), prompts, args.max_new_tokens,
-                         temp, args.seed)
-        row.update(builder="none", budget=1, temperature=temp, repr="no drafting",
-                   wall_s=time.perf_counter() - t0)
-        results.append(row)
-        print(f"T={temp:g} no drafting: {row['tokens_per_s']:.2f} tok/s", flush=True)
-    # small budgets first, both temperatures, so a cut-short run still covers them
-    for budget in budgets:
-        for temp in temps:
-            mode = "deterministic" if temp == 0 else args.t1_mode
-            for b in builders:
-                builder = make(b, budget, mode, acceptance.get(temp))
-                t0 = time.perf_counter()
-                row = run_config(target, drafter, builder, prompts, args.max_new_tokens, temp, args.seed)
-                row.update(builder=b, budget=budget, temperature=temp, repr=repr(builder),
-                           wall_s=time.perf_counter() - t0)
-                results.append(row)
-                print(f"T={temp:g} B={budget:>2} {b:<10} tau {row['tau']:.2f}  "
-                      f"{row['tokens_per_s']:6.1f} tok/s  nodes {row['mean_nodes']:.1f}  "
-                      f"overhead {100 * row['builder_overhead']:.1f} %  ({row['wall_s']:.0f} s)", flush=True)
-                meta["wall_s"] = time.perf_counter() - start
-                save(out, meta, results)  # after every configuration: partial results survive
+        for (b, budget, temp, builder), gen, tally in zip(configs, gens, tallies):
+            run_one(gen, drafter, ids, args.max_new_tokens, temp, args.seed + i, tally)
+        results = []
+        for (b, budget, temp, builder), tally in zip(configs, tallies):
+            row = tally.row()
+            row.update(builder=b, budget=budget, temperature=temp,
+                       repr="no drafting" if b == "none" else repr(builder))
+            results.append(row)
+        meta.update(wall_s=time.perf_counter() - start, prompts_done=i + 1)
+        save(out, meta, results)  # after every prompt: partial results survive
+        print(f"prompt {i + 1}/{len(prompts)} in {time.perf_counter() - t0:.0f} s", flush=True)
+    for row in results:
+        print(f"T={row['temperature']:g} B={row['budget']:>2} {row['builder']:<10} tau {row['tau']:.2f}  "
+              f"{row['tokens_per_s']:6.1f} tok/s  nodes {row['mean_nodes']:.1f}  "
+              f"overhead {100 * row['builder_overhead']:.1f} %")
     meta["complete"] = True
     save(out, meta, results)
     print(f"wrote {out}.{{json,md,png}} in {meta['wall_s'] / 60:.1f} min")

@@ -116,7 +116,13 @@ class Drafter(Protocol):
         """Start a request. prompt_ids: LongTensor[P]; features cover prompt_ids[:-1]."""
 
     def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
-        """FloatTensor[len(nodes), V]: draft logits of the next token after each node."""
+        """FloatTensor[len(nodes), V]: draft logits of the next token after each node.
+
+        Optional fast path: a drafter whose q is always zero outside a fixed set of Vd target
+        ids (a reduced draft vocabulary) may also define ``expand_compact(tree, nodes) ->
+        (logits [F, Vd], ids LongTensor[Vd] | None)``, the same call restricted to those ids
+        (None: all V). Builders prefer it; it must agree with ``expand`` (-inf elsewhere).
+        """
 
     def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
         """Accept ``path`` (LongTensor[A]) of the last tree; tokens: LongTensor[A + 1]."""

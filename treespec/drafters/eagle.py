@@ -346,7 +346,8 @@ class FeatureDrafter:
         self._queue(ids[1:], features)
 
     @torch.inference_mode()
-    def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
+    def _expand_draft(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
+        """Draft-vocabulary logits [F, Vd] (Vd = V without a reduced vocabulary)."""
         if self.root_token is None:
             raise RuntimeError("call begin() before expand()")
         if 0 in nodes:
@@ -356,7 +357,7 @@ class FeatureDrafter:
                 raise ValueError(f"root token {tree.tokens[0]} is not the last committed token {self.root_token}")
             if 0 in self.g:
                 raise ValueError("the root was already expanded for this tree")
-            return self._full_logits(self._expand_root())
+            return self._expand_root()
         bad = [n for n in nodes if tree.parents[n] not in self.g or n in self.g]
         if bad:
             raise ValueError(f"nodes {bad} cannot be expanded: each node is expanded once, after its parent")
@@ -378,7 +379,16 @@ class FeatureDrafter:
         for row, n in enumerate(nodes):
             self.g[n] = g[row]
             self.slot[n] = base + row
-        return self._full_logits(self.head.logits(g))
+        return self.head.logits(g)
+
+    def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
+        return self._full_logits(self._expand_draft(tree, nodes))
+
+    def expand_compact(self, tree: PartialTree, nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``expand`` over the draft vocabulary only: (logits [F, Vd] float32, target ids [Vd]),
+        ids None when the head scores the whole vocabulary. Builders use it to keep their
+        O(V) passes (softmax, top-k, draws) on Vd columns instead of V."""
+        return self._expand_draft(tree, nodes).float(), self.d2t
 
     def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
         toks = [int(t) for t in tokens.tolist()]

@@ -112,10 +112,63 @@ def draft_distribution(logits: torch.Tensor, sampling: SamplingConfig) -> torch.
     """q [F, V] from draft logits [F, V]: the target's processing, or T = 1 softmax when greedy.
 
     Under a greedy target q only ranks candidates, so the drafter's own confidence is used.
+    The same holds over a drafter's reduced support (columns = its ids): the processing
+    (temperature, top-k/top-p/min-p) never gives mass to a -inf logit, so processing the
+    support's columns equals processing the full row and reading those columns.
     """
     if sampling.greedy:
         return logits.float().softmax(-1)
     return process(logits, sampling)
+
+
+@dataclass(frozen=True)
+class DraftQ:
+    """Draft distribution(s) q stored over the drafter's support.
+
+    Attributes:
+        values: [F, S] (or [S] for one node): q of target ids ``ids``.
+        ids:    LongTensor[S] of target ids, or None when S = V and column j is token j.
+        vocab:  the target vocabulary size V.
+    """
+
+    values: torch.Tensor
+    ids: torch.Tensor | None
+    vocab: int
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
+
+    def __getitem__(self, i: int) -> "DraftQ":
+        return DraftQ(self.values[i], self.ids, self.vocab)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def dense(self) -> torch.Tensor:
+        """float32 [..., V] with zeros outside the support."""
+        if self.ids is None:
+            return self.values.float()
+        out = self.values.new_zeros((*self.values.shape[:-1], self.vocab), dtype=torch.float32)
+        return out.index_copy_(-1, self.ids.to(out.device), self.values.float())
+
+
+def _split_q(q: "torch.Tensor | DraftQ") -> tuple[torch.Tensor, torch.Tensor | None]:
+    return (q.values, q.ids) if isinstance(q, DraftQ) else (q, None)
+
+
+def _to_ids(cols: list[list[int]], ids: torch.Tensor | None) -> list[list[int]]:
+    """Column indices -> target token ids (identity without a reduced support)."""
+    if ids is None:
+        return cols
+    flat = [c for row in cols for c in row]
+    if not flat:
+        return [[] for _ in cols]
+    mapped = ids[torch.tensor(flat, device=ids.device)].tolist()
+    out, i = [], 0
+    for row in cols:
+        out.append(mapped[i: i + len(row)])
+        i += len(row)
+    return out
 
 
 # ---------------------------------------------------------------- child choice
@@ -130,16 +183,19 @@ class Expansion:
         logq:      log q(tokens[j]).
         slot_logq: planning value of slot j, log of the j-th largest q (see module docstring);
                    independent of the draws. Equal to ``logq`` in deterministic mode.
+        cols:      the columns of q holding ``tokens`` when q is stored over a reduced support
+                   (``DraftQ.ids``); None when columns are token ids.
     """
 
     tokens: list[int]
     logq: list[float]
     slot_logq: list[float]
+    cols: list[int] | None = None
 
     def extended(
         self,
-        # [V]
-        q: torch.Tensor,
+        # [V] or DraftQ over the node's support
+        q: "torch.Tensor | DraftQ",
         n: int,
         mode: DraftMode,
         generator: torch.Generator | None,
@@ -148,15 +204,18 @@ class Expansion:
         i.i.d. draws, or the next draws without replacement given those so far)."""
         if mode == "deterministic" or n <= 0:
             return self
+        q, ids = _split_q(q)
+        have = self.cols if self.cols is not None else self.tokens
         if mode == "with_replacement":
             more = torch.multinomial(q.float(), n, replacement=True, generator=generator).tolist()
         else:
             rest = q.clone()
-            rest[self.tokens] = 0.0
+            rest[have] = 0.0
             want = min(n, int((rest > 0).sum()))
             more = _distinct_draws(rest[None], [want], generator)[0] if want else []
         logq = q[more].double().log().tolist() if more else []
-        return Expansion(self.tokens + more, self.logq + logq, self.slot_logq)
+        cols = None if ids is None else have + more
+        return Expansion(self.tokens + _to_ids([more], ids)[0], self.logq + logq, self.slot_logq, cols)
 
 
 def draw_children(
@@ -166,8 +225,12 @@ def draw_children(
     mode: DraftMode,
     generator: torch.Generator | None,
     draws: int | None = None,
+    ids: torch.Tensor | None = None,
 ) -> list[Expansion]:
     """Up to k children per row of q, in trial order (see ``Expansion``).
+
+    ``ids``: the target id of each column of q when q is stored over a reduced support
+    (``DraftQ``); tokens are mapped through it and the columns kept in ``Expansion.cols``.
 
     deterministic:        the k most likely tokens with q > 0, most likely first.
     with_replacement:     i.i.d. draws from q (repeats possible).
@@ -197,20 +260,30 @@ def draw_children(
         logq = q.gather(1, drawn).double().log().tolist()
     elif mode == "without_replacement":
         tokens = _distinct_draws(q, [min(now, s) for s in support], generator)
-        logq = [q[r, row].double().log().tolist() for r, row in enumerate(tokens)]
+        # one gather for every row's draws
+        r_idx = [r for r, row in enumerate(tokens) for _ in row]
+        flat = q[r_idx, [t for row in tokens for t in row]].double().log().tolist()
+        logq, i = [], 0
+        for row in tokens:
+            logq.append(flat[i: i + len(row)])
+            i += len(row)
     else:
         check_mode(mode)
         raise AssertionError  # pragma: no cover
+    if mode != "with_replacement":
+        tokens = [row[:s] for row, s in zip(tokens, support)]
+    mapped = _to_ids(tokens, ids)
     out = []
     for r in range(rows):
         s = support[r]
+        cols = None if ids is None else tokens[r]
         if mode == "with_replacement":
             # every draw has q > 0; slot j is planned with the j-th largest q (the last one with
             # q > 0 once j exceeds the support)
             plan = [slot[r][min(j, s - 1)] for j in range(k)]
-            out.append(Expansion(tokens[r], logq[r], plan))
+            out.append(Expansion(mapped[r], logq[r], plan, cols))
         else:
-            out.append(Expansion(tokens[r][:s], logq[r][:s], slot[r][:s]))
+            out.append(Expansion(mapped[r], logq[r][:s], slot[r][:s], cols))
     return out
 
 
@@ -258,20 +331,26 @@ def expand_nodes(
     k: int,
     generator: torch.Generator | None,
     draws: int | None = None,
-) -> tuple[torch.Tensor, list[Expansion]]:
-    """ONE batched drafter call for ``nodes``; returns q [F, V] and each node's Expansion
-    (k planned slots; ``draws`` of them drawn up front in stochastic modes, default all)."""
-    logits = drafter.expand(tree, nodes)
-    if logits.dim() != 2 or logits.shape[0] != len(nodes):
-        raise ValueError(f"drafter.expand must return logits [F={len(nodes)}, V], got shape "
+) -> tuple[DraftQ, list[Expansion]]:
+    """ONE batched drafter call for ``nodes``; returns q (``DraftQ``, rows [F, ...]) and each
+    node's Expansion (k planned slots; ``draws`` of them drawn up front in stochastic modes,
+    default all). Uses the drafter's ``expand_compact`` when it has one."""
+    compact = getattr(drafter, "expand_compact", None)
+    if compact is not None:
+        logits, ids = compact(tree, nodes)
+    else:
+        logits, ids = drafter.expand(tree, nodes), None
+    width = drafter.vocab_size if ids is None else ids.numel()
+    if logits.dim() != 2 or logits.shape[0] != len(nodes) or logits.shape[1] != width:
+        raise ValueError(f"drafter.expand must return logits [F={len(nodes)}, V={width}], got shape "
                          f"{tuple(logits.shape)} from {type(drafter).__name__}")
     q = draft_distribution(logits, sampling)
-    return q, draw_children(q, k, mode, generator, draws)
+    return DraftQ(q, ids, drafter.vocab_size), draw_children(q, k, mode, generator, draws, ids)
 
 
 def finish(
     partial: PartialTree,
-    rows: dict[int, torch.Tensor],
+    rows: "dict[int, DraftQ | torch.Tensor]",
     mode: DraftMode,
     keep: list[int] | None = None,
     calls: int = 0,
@@ -291,11 +370,18 @@ def finish(
         raise ValueError("the kept node set must contain every kept node's parent") from None
     probs = None
     if mode != "deterministic":
-        vocab = next(iter(rows.values())).shape[-1]
+        first = next(iter(rows.values()))
+        vocab = first.vocab if isinstance(first, DraftQ) else first.shape[-1]
         probs = torch.zeros(len(keep), vocab, dtype=torch.float32)
-        for i, o in enumerate(keep):
-            if o in rows:
-                probs[i] = rows[o].float().cpu()
-    tree = DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                     probs, mode)
+        at = [i for i, o in enumerate(keep) if o in rows]
+        if at:
+            split = [_split_q(rows[keep[i]]) for i in at]
+            ids = split[0][1]
+            values = torch.stack([q for q, _ in split]).float().cpu()
+            if ids is None:
+                probs[at] = values
+            else:  # one scatter of every kept row's support
+                probs[torch.tensor(at)[:, None], ids.cpu()[None, :]] = values
+    tree = DraftTree.from_builder(torch.tensor(tokens, dtype=torch.long),
+                                  torch.tensor(parents, dtype=torch.long), probs, mode)
     return BuiltTree(tree, torch.tensor(keep, dtype=torch.long), calls, len(partial))

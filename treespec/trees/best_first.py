@@ -35,14 +35,14 @@ import torch
 from treespec.drafters.base import Drafter, PartialTree
 from treespec.sampling import SamplingConfig
 from treespec.trees.base import (
-    BuiltTree, DraftMode, Expansion, check_confidence, check_int, check_mode, effective_mode,
+    BuiltTree, DraftMode, DraftQ, Expansion, check_confidence, check_int, check_mode, effective_mode,
     expand_nodes, finish, log_confidence,
 )
 
 
 # Stochastic mode: children drawn up front per expanded node, in units of max_width (more are
 # drawn on demand, continuing the same draw sequence).
-DRAWS_AHEAD = 2
+DRAWS_AHEAD = 1
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class BestFirstBuilder:
                     mode: DraftMode, generator: torch.Generator | None) -> BuiltTree:
         cfg = self.config
         floor = log_confidence(cfg.min_confidence)
-        rows: dict[int, torch.Tensor] = {}
+        rows: dict[int, DraftQ] = {}
         exps: dict[int, Expansion] = {}
         slots: list[tuple[float, int, int, int]] = []  # (-value, depth, node, j): a heap
         leaves: set[int] = set()   # drafted, unexpanded, expandable nodes

@@ -9,7 +9,7 @@ import torch
 from treespec.drafters.base import Drafter, PartialTree
 from treespec.sampling import SamplingConfig
 from treespec.trees.base import (
-    BuiltTree, DraftMode, check_int, check_mode, effective_mode, expand_nodes, finish,
+    BuiltTree, DraftMode, DraftQ, check_int, check_mode, effective_mode, expand_nodes, finish,
 )
 
 
@@ -50,7 +50,7 @@ class ChainBuilder:
               generator: torch.Generator | None) -> BuiltTree:
         mode = effective_mode(self.config.mode, sampling)
         tree = PartialTree.rooted(root_token)
-        rows: dict[int, torch.Tensor] = {}
+        rows: dict[int, DraftQ] = {}
         node = 0
         for _ in range(self.config.k):
             q, (exp,) = expand_nodes(drafter, tree, [node], sampling, mode, 1, generator)

@@ -33,7 +33,7 @@ import torch
 from treespec.drafters.base import Drafter, PartialTree
 from treespec.sampling import SamplingConfig
 from treespec.trees.base import (
-    BuiltTree, DraftMode, Expansion, check_confidence, check_int, check_mode, check_width,
+    BuiltTree, DraftMode, DraftQ, Expansion, check_confidence, check_int, check_mode, check_width,
     effective_mode, expand_nodes, finish, log_confidence,
 )
 
@@ -81,7 +81,7 @@ class DynamicTreeBuilder:
         check_width("top_k", cfg.top_k, drafter)
         mode = effective_mode(cfg.mode, sampling)
         tree = PartialTree.rooted(root_token)
-        rows: dict[int, torch.Tensor] = {}
+        rows: dict[int, DraftQ] = {}
         if cfg.budget == 1:
             return finish(tree, rows, mode)
         floor = log_confidence(cfg.min_confidence)

@@ -29,7 +29,7 @@ import torch
 from treespec.drafters.base import Drafter, PartialTree
 from treespec.sampling import SamplingConfig
 from treespec.trees.base import (
-    BuiltTree, DraftMode, check_int, check_mode, check_width, effective_mode, expand_nodes, finish,
+    BuiltTree, DraftMode, DraftQ, check_int, check_mode, check_width, effective_mode, expand_nodes, finish,
 )
 
 Choice = tuple[int, ...]
@@ -144,7 +144,7 @@ class StaticTreeBuilder:
         check_width("the largest child rank + 1" if mode == "deterministic"
                     else "children per node", width, drafter)
         tree = PartialTree.rooted(root_token)
-        rows: dict[int, torch.Tensor] = {}
+        rows: dict[int, DraftQ] = {}
         level: dict[Choice, int] = {(): 0}  # rank path -> partial id, one depth at a time
         calls = 0
         while level:
