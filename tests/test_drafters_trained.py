@@ -23,7 +23,7 @@ import treespec.drafters.eagle  # noqa: F401  (registers eagle, eagle3)
 import treespec.drafters.medusa  # noqa: F401
 import treespec.drafters.mtp  # noqa: F401
 import treespec.drafters.small  # noqa: F401
-from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator
+from treespec import BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator
 from treespec.drafters import ModelDrafter, load_drafter
 from treespec.drafters.base import PartialTree, TargetFeatures
 from treespec.drafters.checkpoint import CheckpointMismatch, save_checkpoint
@@ -31,6 +31,7 @@ from treespec.drafters.eagle import FeatureDrafter, random_feature_drafter
 from treespec.drafters.medusa import MedusaDrafter, random_medusa
 from treespec.drafters.small import export_state, small_model
 from treespec.models import tiny_target
+from treespec.sampling import SamplingConfig
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
@@ -143,6 +144,7 @@ def _exact_law(target, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind,builder", [
     ("eagle", DynamicTreeBuilder(budget=8, depth=3, top_k=2)),
     ("eagle3", ChainBuilder(3, mode="with_replacement")),
+    ("eagle3", BestFirstBuilder(budget=8, max_width=2, max_rounds=3, mode="without_replacement")),
     ("mtp", ChainBuilder(2, mode="without_replacement")),
     ("medusa", DynamicTreeBuilder(budget=8, depth=3, top_k=2)),
     ("small", ChainBuilder(3, mode="with_replacement")),
@@ -282,3 +284,65 @@ def test_shipped_checkpoints_fit_the_budget():
     if not files:
         pytest.skip("no shipped checkpoints")
     assert sum(f.stat().st_size for f in files) <= 60 * 2 ** 20
+
+
+# ---------------------------------------------------------------------------------- reduced vocab
+SCATTERED = torch.tensor([29, 3, 17, 8, 0, 22, 11, 5, 30, 14, 26, 19])  # eagle3 draft ids, unsorted
+
+
+def _hide_compact(drafter):
+    """The same drafter seen through ``expand`` only (no reduced-vocabulary fast path)."""
+
+    class Plain:
+        def __getattr__(self, name):
+            if name == "expand_compact":
+                raise AttributeError(name)
+            return getattr(drafter, name)
+
+    return Plain()
+
+
+def test_eagle3_expand_compact_is_expand_restricted_to_its_ids():
+    target = no_eos(tiny_target(vocab_size=32, seed=0))
+    ids = torch.tensor([3, 8, 1, 9])
+    a, b = (random_feature_drafter(target, "eagle3", seed=4, draft_ids=SCATTERED) for _ in range(2))
+    for d in (a, b):
+        d.begin(ids, features_of(target, ids[:-1], d.target_layers))
+    full = a.expand(PartialTree.rooted(9), [0])
+    compact, cols = b.expand_compact(PartialTree.rooted(9), [0])
+    assert cols.tolist() == SCATTERED.tolist()
+    torch.testing.assert_close(full[:, SCATTERED], compact)
+    outside = torch.ones(32, dtype=torch.bool)
+    outside[SCATTERED] = False
+    assert torch.isneginf(full[:, outside]).all()
+
+
+@pytest.mark.parametrize("builder", [
+    DynamicTreeBuilder(budget=12, depth=4, top_k=3),
+    BestFirstBuilder(budget=12, max_width=3, max_rounds=4),
+    ChainBuilder(4),
+])
+def test_reduced_vocab_fast_path_builds_the_same_trees(builder):
+    """Greedy: identical trees with and without ``expand_compact``; T = 1: identical q rows
+    (scattered back to V) and every drawn child inside the draft vocabulary."""
+    target = no_eos(tiny_target(vocab_size=32, seed=0))
+    prompt = torch.tensor([3, 8, 1, 9, 4])
+    trees = {}
+    for fast in (True, False):
+        d = random_feature_drafter(target, "eagle3", seed=4, draft_ids=SCATTERED)
+        gen = SpeculativeGenerator(target, d if fast else _hide_compact(d), builder)
+        seen = []
+        gen.generate(prompt, max_new_tokens=12, temperature=0.0,
+                     on_step=lambda built, acc, step: seen.append(built.tree))
+        trees[fast] = [(t.tokens.tolist(), t.parents.tolist()) for t in seen]
+    assert trees[True] == trees[False]
+
+    stochastic = type(builder)(**{**vars(builder.config), "mode": "without_replacement"})
+    for fast in (True, False):
+        d = random_feature_drafter(target, "eagle3", seed=4, draft_ids=SCATTERED)
+        d.begin(prompt, features_of(target, prompt[:-1], d.target_layers))
+        tree = stochastic.build(d if fast else _hide_compact(d), 4, SamplingConfig(temperature=1.0),
+                                torch.Generator().manual_seed(0)).tree
+        assert tree.num_nodes > 2 and set(tree.tokens[1:].tolist()) <= set(SCATTERED.tolist())
+        trees[fast] = tree.draft_probs[0]
+    torch.testing.assert_close(trees[True], trees[False])

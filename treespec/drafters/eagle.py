@@ -471,13 +471,18 @@ def shipped_checkpoint(target, name: str) -> Path:
 
 
 def random_feature_drafter(target, kind: HeadKind, seed: int = 0, draft_vocab: int = 0,
-                           scale: float = 1.0) -> FeatureDrafter:
-    """An untrained head for ``target`` (tests): seeded init; eagle3 uses the first Vd token ids."""
+                           scale: float = 1.0, draft_ids: torch.Tensor | None = None) -> FeatureDrafter:
+    """An untrained head for ``target`` (tests): seeded init; eagle3 uses ``draft_ids`` as its
+    draft vocabulary (default: the first Vd token ids)."""
+    if draft_ids is not None:
+        draft_vocab = draft_ids.numel()
     cfg = HeadConfig.for_target(kind, target.model.config, draft_vocab or (target.vocab_size // 2))
     trunk = Trunk.of(target.model)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        d2t = torch.arange(cfg.draft_vocab) if kind == "eagle3" else None
+        d2t = None
+        if kind == "eagle3":
+            d2t = torch.arange(cfg.draft_vocab) if draft_ids is None else draft_ids
         head = build_head(cfg, trunk, d2t)
         if scale != 1.0:
             with torch.no_grad():
