@@ -1,11 +1,13 @@
 """Does budget="auto" pick a tree as fast as the best fixed budget of a sweep?
 
-    python benchmarks/auto_budget.py --drafter lookup --prompts 6 --max-new-tokens 64
+    python benchmarks/auto_budget.py --drafter eagle3 --prompts 10 --max-new-tokens 64
 
-Steps (one run, side by side):
-  1. calibrate this machine for the target (unless --calibration points at one), same threads;
-  2. estimate the drafter's per-depth acceptance β from a short chain run on held-out prompts;
-  3. build the auto tree (cost model + calibration + β) and a sweep of fixed EAGLE-2 budgets;
+Steps (one run, side by side, same threads):
+  1. calibrate this machine for the target (unless --calibration points at one);
+  2. calibrate the drafter itself on 4 held-out MT-bench prompts (``calibrate_drafter``: its
+     expand time by width and its positional acceptance vector);
+  3. build the auto tree (``auto_builder``: cost model + both calibrations) and a sweep of
+     fixed EAGLE-2 budgets;
   4. run every configuration on the same MT-bench prompts, interleaved, greedy;
   5. report tokens/s per configuration and auto / best-fixed.
 Writes benchmarks/results/auto_budget.{json,md}.
@@ -22,18 +24,19 @@ from pathlib import Path
 import torch
 
 import treespec
-from treespec.cost import Calibration, calibrate
+from treespec.cost import Calibration, calibrate, calibrate_drafter
+from treespec.cost.calibration import DEFAULT_NS
 from treespec.data import mtbench_questions
 from treespec.engine import auto_builder
-from treespec.trees import ChainBuilder, DynamicTreeBuilder
+from treespec.trees import DynamicTreeBuilder
 
 RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--drafter", default="lookup")
-    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--drafter", default="eagle3")
+    ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--budgets", default="1,2,4,8,16,32")
     ap.add_argument("--threads", type=int, default=1)
@@ -48,21 +51,17 @@ def main() -> None:
         cal = Calibration.load(Path(args.calibration))
     else:
         t0 = time.perf_counter()
-        cal = calibrate(target.model, target.name, context=128, threads=args.threads, n_rep=5)
-        print(f"calibrated in {time.perf_counter() - t0:.0f} s")
-
+        cal = calibrate(target.model, target.name, context=128, threads=args.threads, n_rep=5,
+                        ns=tuple(n for n in DEFAULT_NS if n <= 64))
+        print(f"calibrated the target in {time.perf_counter() - t0:.0f} s", flush=True)
     questions = mtbench_questions()
     held_out, evaluation = questions[-4:], questions[: args.prompts]
-    probe = treespec.SpeculativeGenerator(target, drafter, ChainBuilder(4))
-    attempts = accepts = 0
-    for q in held_out:
-        s = probe.generate(q.turns[0], max_new_tokens=32).stats
-        attempts += sum(s.depth_attempts)
-        accepts += sum(s.depth_accepts)
-    beta = accepts / max(attempts, 1)
-    print(f"estimated beta for {args.drafter}: {beta:.3f}")
+    if args.drafter not in cal.drafters:
+        cal = calibrate_drafter(cal, args.drafter, target, [q.turns[0] for q in held_out],
+                                progress=lambda m: print(m, flush=True))
+    vector = cal.acceptance.get(args.drafter)
 
-    configs = {"auto": auto_builder(target, drafter, cal, acceptance=min(beta, 0.999))}
+    configs = {"auto": auto_builder(target, drafter, cal)}
     for b in (int(x) for x in args.budgets.split(",")):
         configs[f"dynamic {b}"] = DynamicTreeBuilder(budget=b, depth=max(1, min(6, b - 1)), top_k=4)
     gens = {k: treespec.SpeculativeGenerator(target, drafter, b) for k, b in configs.items()}
@@ -87,7 +86,8 @@ def main() -> None:
         f"# budget='auto' vs a fixed-budget sweep ({args.drafter} drafter, {len(evaluation)} MT-bench prompts x "
         f"{args.max_new_tokens} tokens, T=0, {args.threads} thread(s))",
         "",
-        f"Estimated beta = {beta:.3f}; auto chose `{configs['auto'].config}`.",
+        f"Measured acceptance vector of {args.drafter}: {[round(a, 3) for a in vector or ()]}; "
+        f"auto chose `{configs['auto'].config}`.",
         "",
         "| configuration | median tokens/s | median tau |",
         "| --- | ---: | ---: |",
@@ -100,8 +100,9 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(md)
+    cal.save(out.with_suffix(".calibration.json"))
     out.with_suffix(".json").write_text(json.dumps({
-        "args": vars(args), "beta": beta, "auto": str(configs["auto"].config),
+        "args": vars(args), "acceptance": vector, "calibration": str(out.with_suffix(".calibration.json")), "auto": str(configs["auto"].config),
         "tokens_per_s": speeds, "tau": taus, "ratio_auto_to_best": ratio, "best_fixed": best_fixed,
     }, indent=1))
 

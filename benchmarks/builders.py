@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from treespec import SpeculativeGenerator, load_drafter, load_target, registered_drafters
+from treespec.drafters.base import TimedDrafter
 from treespec.data import chat_prompt, mtbench_questions
 from treespec.trees import (
     BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder,
@@ -46,41 +47,6 @@ from treespec.trees import (
 RESULTS = Path(__file__).parent / "results"
 TRAINED = ("eagle3", "eagle", "mtp", "medusa", "small")  # trained drafters, used when they load
 BUILDERS = ("chain", "static", "dynamic", "best-first", "sequoia")
-
-
-class TimedDrafter:
-    """Drafter proxy: forwards everything, accumulates wall time spent in ``expand``."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.expand_time = 0.0
-        self.calls = 0
-
-    def __getattr__(self, name):
-        attr = getattr(self.inner, name)  # AttributeError if the inner drafter lacks it
-        if name != "expand_compact":
-            return attr
-
-        def timed(tree, nodes):  # the reduced-vocabulary fast path, timed like expand
-            t0 = time.perf_counter()
-            out = attr(tree, nodes)
-            self.expand_time += time.perf_counter() - t0
-            self.calls += 1
-            return out
-        return timed
-
-    def begin(self, prompt_ids, features):
-        self.inner.begin(prompt_ids, features)
-
-    def expand(self, tree, nodes):
-        t0 = time.perf_counter()
-        out = self.inner.expand(tree, nodes)
-        self.expand_time += time.perf_counter() - t0
-        self.calls += 1
-        return out
-
-    def commit(self, path, tokens, features):
-        self.inner.commit(path, tokens, features)
 
 
 def pick_drafter(target, name: str | None, probe_prompt: str):
@@ -154,7 +120,7 @@ class Tally:
 
 
 def run_one(gen, drafter: TimedDrafter, ids, max_new: int, temperature: float, seed: int, tally: Tally):
-    drafter.expand_time = 0.0
+    drafter.reset()
     r = gen.generate(ids, max_new_tokens=max_new, temperature=temperature, seed=seed)
     tally.add(r.stats, drafter.expand_time)
 

@@ -46,3 +46,42 @@ def test_auto_builder_runs_in_the_engine(tmp_path, monkeypatch):
     assert gen.generate([1, 2, 3], max_new_tokens=5).token_ids.numel() <= 5
     with pytest.raises(ValueError, match="'auto'"):
         SpeculativeGenerator(target, LookupDrafter(16), "big")
+
+
+def test_a_calibrated_drafter_brings_its_own_pass_times_and_acceptance():
+    """Keyed by the registered name: the measured vector replaces the kind's default β, and the
+    measured pass times replace the generic early-exit pass."""
+    from treespec.drafters import load_drafter
+
+    target = tiny_target(vocab_size=16)
+    drafter = load_drafter("early-exit", target)
+    assert drafter.registry_name == "early-exit"
+    ns = (1, 2, 4, 8, 16, 32, 64)
+    flat = _calibration(lambda n: 1.0, drafter_s=5.0)       # generic early-exit pass: costly
+    cheap = Curve.fit(ns, [1e-6] * len(ns))
+    sure = Calibration(**{**vars(flat), "drafters": {**flat.drafters, "early-exit": cheap},
+                          "acceptance": {"early-exit": (0.9, 0.05)}})
+    unsure = Calibration(**{**vars(sure), "acceptance": {"early-exit": (0.05,)}})
+    assert auto_builder(target, drafter, flat).budget == 1          # generic pass: no speculation
+    big, small = auto_builder(target, drafter, sure), auto_builder(target, drafter, unsure)
+    assert big.budget > 16 and big.budget > small.budget
+    assert auto_builder(target, drafter, sure, acceptance=(0.05,)).budget == small.budget
+
+
+def test_calibrate_drafter_measures_pass_times_and_acceptance(tmp_path):
+    from treespec.cost import calibrate, calibrate_drafter
+
+    target = tiny_target(vocab_size=16, seed=1)
+    cal = calibrate(target.model, "tiny", ns=(1, 4), context=4, early_exit_layers=1, n_warmup=0, n_rep=1)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    out = calibrate_drafter(cal, "target", target, prompts, widths=(2, 4), acceptance_width=3,
+                            max_new_tokens=6)
+    assert out.drafters["target"].ns == (1, 2, 4)         # the root call, then each width
+    assert all(t > 0 for t in out.drafters["target"].seconds)
+    assert out.acceptance["target"] == (1.0, 0.0, 0.0)     # the target drafts its own greedy token
+    assert "target" not in cal.drafters                    # a new Calibration; the input is kept
+    assert Calibration.load(out.save(tmp_path / "c.json")) == out
+    with pytest.raises(ValueError, match="at least one prompt"):
+        calibrate_drafter(cal, "target", target, [])
+    with pytest.raises(ValueError, match="widths must be positive ints"):
+        calibrate_drafter(cal, "target", target, prompts, widths=(0,))

@@ -177,3 +177,15 @@ def test_calibrate_smollm2(tmp_path):
                     n_warmup=1, n_rep=3)
     assert cal.target(64) > 2 * cal.target(1)
     assert Calibration.load(cal.save(tmp_path / "c.json")) == cal
+
+
+@pytest.mark.slow
+def test_cli_calibrate_with_a_real_drafter(tmp_path, capsys):
+    """`treespec calibrate --drafter`: the drafter's own curve and acceptance land in the file."""
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--drafter", "lookup", "--max-n", "4", "--reps", "1", "--warmup", "0",
+                 "--threads", "1", "--out", str(out)]) == 0
+    cal = Calibration.load(out)
+    assert "lookup" in cal.drafters and len(cal.acceptance["lookup"]) == 8
+    assert 0.0 <= sum(cal.acceptance["lookup"]) <= 1.0
+    assert "lookup acceptance:" in capsys.readouterr().out

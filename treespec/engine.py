@@ -22,7 +22,8 @@ from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
-from treespec.drafters.base import Drafter, TargetFeatures, drafter_factory
+from treespec.drafters import load_drafter
+from treespec.drafters.base import Drafter, TargetFeatures
 from treespec.models import Target
 from treespec.sampling import SamplingConfig
 from treespec.trees.base import BuiltTree, TreeBuilder
@@ -132,9 +133,12 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
                  max_budget: int = 64) -> TreeBuilder:
     """The tree the cost model predicts fastest on this machine (``builder="auto"``).
 
-    Uses the local calibration (``treespec calibrate``) and the drafter kind's default β unless
-    ``acceptance`` (β or a positional vector) is given. Budget 0 gives a root-only tree: plain
-    decoding, one token per target forward.
+    Uses the local calibration (``treespec calibrate``). When the calibration measured this
+    very drafter (``treespec calibrate --drafter NAME``, keyed by its registered name), its
+    pass times and its measured positional acceptance vector are used; otherwise the generic
+    pass of its cost kind and the kind's default β. ``acceptance`` (β or a positional vector)
+    overrides the acceptance. Budget 0 gives a root-only tree: plain decoding, one token per
+    target forward.
     """
     from treespec.cost import DEFAULT_BETA, Calibration, auto_budget, default_calibration_path
 
@@ -144,11 +148,18 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
             raise ValueError(f"builder='auto' needs a calibration of {target.name!r} at {path}; "
                              f"run `treespec calibrate --model {target.name}` first")
         calibration = Calibration.load(path)
-    kind = drafter_cost_kind(drafter)
-    if kind != "lookup" and kind not in calibration.drafters:
-        kind = "early_exit" if "early_exit" in calibration.drafters else next(iter(calibration.drafters))
-    beta = acceptance if acceptance is not None else DEFAULT_BETA.get(kind, 0.6)
-    choice = auto_budget(calibration, beta, kind, max_budget=max_budget)
+    name = getattr(drafter, "registry_name", None)
+    if name is not None and name in calibration.drafters:
+        kind = name
+    else:
+        kind = drafter_cost_kind(drafter)
+        if kind != "lookup" and kind not in calibration.drafters:
+            kind = "early_exit" if "early_exit" in calibration.drafters else next(iter(calibration.drafters))
+    if acceptance is None:
+        acceptance = calibration.acceptance.get(name) if name is not None else None
+    if acceptance is None:
+        acceptance = DEFAULT_BETA.get(drafter_cost_kind(drafter), 0.6)
+    choice = auto_budget(calibration, acceptance, kind, max_budget=max_budget)
     if choice.budget == 0:
         return DynamicTreeBuilder(budget=1, depth=1, top_k=1)
     if choice.is_chain:
@@ -174,7 +185,7 @@ class SpeculativeGenerator:
             raise TypeError(f"target must be a treespec.Target (use Target.from_hf(model, tokenizer)), "
                             f"got {type(target).__name__}")
         if isinstance(drafter, str):
-            drafter = drafter_factory(drafter)(target)
+            drafter = load_drafter(drafter, target)
         if drafter.vocab_size != target.vocab_size:
             raise ValueError(f"drafter vocab size {drafter.vocab_size} != target vocab size "
                              f"{target.vocab_size}; they must share one vocabulary")

@@ -39,6 +39,7 @@ __all__ = [
     "Calibration",
     "Curve",
     "calibrate",
+    "calibrate_drafter",
     "default_calibration_path",
     "measure",
     "measure_interleaved",
@@ -162,8 +163,12 @@ class Calibration:
         shape:    the measured model's shape (bytes per weight as run: fp32 = 4).
         context:  cached prefix tokens during the measurement (P).
         target:   seconds of a target verify pass (forward over n tree tokens + softmax), batch 1.
-        drafters: drafter kind -> seconds of one drafting pass over n tokens, batch 1.
+        drafters: drafter kind -> seconds of one drafting pass over n tokens, batch 1. Besides
+                  the generic "early_exit" / "eagle" passes, ``calibrate_drafter`` adds real
+                  drafters under their registered names (one expand call over n nodes).
         drafter_layers: drafter kind -> layers the measured drafter ran.
+        acceptance: registered drafter name -> its measured positional acceptance vector
+                  (``calibrate_drafter``); the engine's builder="auto" uses it.
         device:   machine description (CPU model, threads, torch version).
         threads:  torch intra-op threads during the measurement (run the engine with the same).
         clock:    the timer's name: "perf_counter" (wall clock) or "thread_time" (CPU time).
@@ -176,6 +181,7 @@ class Calibration:
     target: Curve
     drafters: Mapping[str, Curve] = field(default_factory=dict)
     drafter_layers: Mapping[str, int] = field(default_factory=dict)
+    acceptance: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     device: str = ""
     threads: int = 0
     clock: str = "perf_counter"
@@ -193,6 +199,7 @@ class Calibration:
             "target": self.target.to_json(),
             "drafters": {kind: curve.to_json() for kind, curve in self.drafters.items()},
             "drafter_layers": dict(self.drafter_layers),
+            "acceptance": {name: list(a) for name, a in self.acceptance.items()},
             "device": self.device,
             "threads": self.threads,
             "clock": self.clock,
@@ -221,6 +228,7 @@ class Calibration:
             target=Curve.from_json(data["target"]),
             drafters={kind: Curve.from_json(c) for kind, c in data["drafters"].items()},
             drafter_layers={kind: int(k) for kind, k in data.get("drafter_layers", {}).items()},
+            acceptance={name: tuple(float(x) for x in a) for name, a in data.get("acceptance", {}).items()},
             device=data.get("device", ""),
             threads=int(data.get("threads", 0)),
             clock=data.get("clock", "perf_counter"),
@@ -442,4 +450,61 @@ def _calibrate(model: Any, name: str, shape: ModelShape, ns: Sequence[int], draf
         threads=torch.get_num_threads(),
         clock=getattr(clock, "__name__", str(clock)),
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+
+
+# Widths (nodes per expand call) measured for a real drafter by default.
+DRAFT_WIDTHS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+
+
+def calibrate_drafter(
+    calibration: Calibration,
+    name: str,
+    target: Any,
+    prompts: Sequence[str | Sequence[int]],
+    widths: Sequence[int] = DRAFT_WIDTHS,
+    acceptance_width: int = 8,
+    max_new_tokens: int = 32,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: Callable[[str], None] | None = None,
+) -> Calibration:
+    """``calibration`` plus the registered drafter ``name`` measured for real on ``target``.
+
+    Pass times: greedy generations on ``prompts[0]`` with a static tree of ``w`` root children,
+    each with one child, so every step makes one expand call over 1 node (the root, including
+    the drafter's commit work) and one over ``w`` nodes; the median call time per width gives
+    ``drafters[name]``. Acceptance: ``measure_acceptance_vector`` (width ``acceptance_width``,
+    greedy) over ``prompts``, stored in ``acceptance[name]``. Held-out prompts, please: the
+    numbers are meant for other text. Run it with the threads the engine will use.
+    """
+    from treespec.drafters import load_drafter
+    from treespec.drafters.base import TimedDrafter
+    from treespec.engine import SpeculativeGenerator
+    from treespec.trees import StaticTreeBuilder, measure_acceptance_vector
+
+    if not prompts:
+        raise ValueError("calibrate_drafter needs at least one prompt (held-out text)")
+    if not widths or any(not isinstance(w, int) or w < 1 for w in widths):
+        raise ValueError(f"widths must be positive ints, got {list(widths)}")
+    say = progress or (lambda message: None)
+    drafter = TimedDrafter(load_drafter(name, target), clock)
+    samples: dict[int, list[float]] = {}
+    for w in sorted(set(widths)):
+        builder = StaticTreeBuilder([(i,) for i in range(w)] + [(i, 0) for i in range(w)])
+        gen = SpeculativeGenerator(target, drafter, builder)
+        gen.generate(prompts[0], max_new_tokens=4)  # warm-up
+        drafter.reset()
+        gen.generate(prompts[0], max_new_tokens=max_new_tokens)
+        for nodes, seconds in drafter.calls:
+            samples.setdefault(nodes, []).append(seconds)
+    ns = sorted(samples)
+    curve = Curve.fit(ns, [statistics.median(samples[n]) for n in ns])
+    say(f"{name}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(curve.ns, curve.seconds)))
+    vector = measure_acceptance_vector(drafter.inner, target, list(prompts), width=acceptance_width,
+                                       max_new_tokens=max_new_tokens)
+    say(f"{name} acceptance: " + ", ".join(f"{a:.3f}" for a in vector))
+    return dataclasses.replace(
+        calibration,
+        drafters={**calibration.drafters, name: curve},
+        acceptance={**calibration.acceptance, name: tuple(vector)},
     )

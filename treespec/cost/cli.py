@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from treespec.cost.acceptance import DEFAULT_BETA, acceptance_vector
-from treespec.cost.calibration import DEFAULT_NS, CalibratedCost, Calibration, calibrate, default_calibration_path
+from treespec.cost.calibration import (
+    DEFAULT_NS, CalibratedCost, Calibration, calibrate, calibrate_drafter, default_calibration_path,
+)
 from treespec.cost.hardware import get_hardware
 from treespec.cost.planner import RooflineCost, StepCost, TreeChoice, batch_limits, best_choice, plan_curve
 from treespec.cost.roofline import DRAFTER_KINDS, DrafterSpec
@@ -94,6 +96,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cal.add_argument("--clock", choices=("wall", "thread"), default="wall",
                      help="wall: elapsed time (what the engine sees); thread: this thread's CPU time, "
                           "robust on a shared machine (needs --threads 1)")
+    cal.add_argument("--drafter", default=None,
+                     help="comma-separated registered drafters to measure for real (pass times by width and "
+                          "positional acceptance on 4 held-out MT-bench prompts); implies --weights pretrained. "
+                          "builder='auto' then uses them")
     cal.add_argument("--out", type=Path, default=None, help="output JSON (default: the model's default path)")
     cal.set_defaults(func=_calibrate)
 
@@ -166,10 +172,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     them as JSON for `plan --hardware local` and the engine's budget="auto"."""
     import torch
 
-    if args.weights == "pretrained":
+    drafters = [d for d in (args.drafter or "").split(",") if d]
+    target = None
+    if drafters or args.weights == "pretrained":
         from treespec.models import load_target
 
-        model = load_target(args.model).model
+        target = load_target(args.model)
+        model = target.model
     else:
         from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -186,6 +195,19 @@ def _calibrate(args: argparse.Namespace) -> int:
     result = calibrate(model, args.model, ns=ns, context=args.context, early_exit_layers=args.early_exit_layers,
                        n_warmup=args.warmup, n_rep=args.reps, threads=args.threads, clock=clock,
                        progress=lambda m: print(m, flush=True))
+    if drafters:
+        from treespec.data import mtbench_questions
+
+        held_out = [q.turns[0] for q in mtbench_questions()[-4:]]  # benchmarks use the first ones
+        previous = torch.get_num_threads()
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        try:
+            for name in drafters:
+                result = calibrate_drafter(result, name, target, held_out, clock=clock,
+                                           progress=lambda m: print(m, flush=True))
+        finally:
+            torch.set_num_threads(previous)
     path = result.save(args.out or default_calibration_path(args.model))
     print(f"saved {path}")
     return 0

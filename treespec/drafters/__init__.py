@@ -19,5 +19,11 @@ __all__ = [
 
 
 def load_drafter(name: str, target, **options) -> Drafter:
-    """Build the registered drafter ``name`` for ``target`` (a treespec.Target)."""
-    return drafter_factory(name)(target, **options)
+    """Build the registered drafter ``name`` for ``target`` (a treespec.Target). The drafter
+    remembers ``name`` as ``registry_name`` (calibrations are keyed by it)."""
+    drafter = drafter_factory(name)(target, **options)
+    try:
+        drafter.registry_name = name
+    except AttributeError:  # a drafter with __slots__ or a read-only name: keyed by cost kind
+        pass
+    return drafter

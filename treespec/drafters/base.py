@@ -166,3 +166,47 @@ def as_draft_tree(partial: PartialTree, draft_probs: torch.Tensor | None, sampli
         draft_probs,
         sampling,  # type: ignore[arg-type]
     )
+
+
+class TimedDrafter:
+    """Drafter proxy that times every ``expand`` / ``expand_compact`` call (benchmarks and
+    drafter calibration); everything else is forwarded to ``inner``.
+
+    Attributes:
+        expand_time: seconds inside the drafter's expand calls since the last reset.
+        calls:       (nodes expanded, seconds) of every call since the last reset.
+    """
+
+    def __init__(self, inner: Drafter, clock=None):
+        import time
+
+        self.inner = inner
+        self.clock = clock or time.perf_counter
+        self.expand_time = 0.0
+        self.calls: list[tuple[int, float]] = []
+
+    def reset(self) -> None:
+        self.expand_time, self.calls = 0.0, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)  # AttributeError when the inner drafter lacks it
+        return self._timed(attr) if name == "expand_compact" else attr
+
+    def _timed(self, fn):
+        def timed(tree, nodes):
+            start = self.clock()
+            out = fn(tree, nodes)
+            seconds = self.clock() - start
+            self.expand_time += seconds
+            self.calls.append((len(nodes), seconds))
+            return out
+        return timed
+
+    def begin(self, prompt_ids, features) -> None:
+        self.inner.begin(prompt_ids, features)
+
+    def expand(self, tree, nodes):
+        return self._timed(self.inner.expand)(tree, nodes)
+
+    def commit(self, path, tokens, features) -> None:
+        self.inner.commit(path, tokens, features)
