@@ -182,6 +182,10 @@ def markdown(result: dict) -> str:
                 else f"{r.get('ms_per_token', 0):.0f} ms per token")
         lines.append(f"| {r['temperature']:g} | {r['drafter']} | {r['tree']} | {r.get('tau', 1.0):.2f} | "
                      f"{acc} | {cost} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f} |")
+    below = sorted({f"{r['drafter']} {r['tree']}" for r in result["rows"]
+                    if r["drafter"] != "vanilla" and r.get("tau", 1.0) < 1.5})
+    if below:
+        lines += ["", f"Below τ = 1.5: {', '.join(below)}. Causes and fixes: `drafters_analysis.md`."]
     return "\n".join(lines) + "\n"
 
 
