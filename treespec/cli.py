@@ -11,8 +11,10 @@ import torch
 BUILDERS = ("dynamic", "chain", "static", "best-first", "sequoia")
 
 
-def make_builder(name: str, budget: int, depth: int, top_k: int, mode: str = "deterministic"):
-    """A tree builder from CLI-style arguments (budget counts nodes incl. the root)."""
+def make_builder(name: str, budget: int, depth: int, top_k: int, mode: str = "deterministic",
+                 acceptance=None):
+    """A tree builder from CLI-style arguments (budget counts nodes incl. the root).
+    ``acceptance``: Sequoia's positional acceptance vector (None: its default)."""
     from treespec import trees
 
     if name == "chain":
@@ -22,7 +24,7 @@ def make_builder(name: str, budget: int, depth: int, top_k: int, mode: str = "de
     if name == "best-first":
         return trees.BestFirstBuilder(budget=budget, max_width=top_k, mode=mode, max_depth=depth)
     if name == "sequoia":
-        return trees.SequoiaBuilder(budget=budget, depth=depth, mode=mode)
+        return trees.SequoiaBuilder(budget=budget, depth=depth, mode=mode, acceptance=acceptance)
     if name == "static":
         return trees.StaticTreeBuilder.default(budget, mode=mode)
     raise ValueError(f"unknown tree builder {name!r}; choose from {BUILDERS}")
@@ -35,6 +37,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", default="16", help="tree nodes incl. root, or 'auto' (cost model)")
     p.add_argument("--depth", type=int, default=5, help="max draft depth (dynamic/sequoia)")
     p.add_argument("--top-k-draft", type=int, default=4, help="children per expanded node")
+    p.add_argument("--acceptance", default=None,
+                   help="sequoia: positional acceptance vector a0,a1,... (default: the drafter's vector "
+                        "measured by `treespec calibrate --drafter NAME`, else Sequoia's default)")
     p.add_argument("--draft-mode", default="deterministic",
                    choices=("deterministic", "with_replacement", "without_replacement"))
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -57,8 +62,25 @@ def _build_generator(args):
         budget = int(args.budget)
     except ValueError:
         raise SystemExit(f"--budget must be an integer or 'auto', got {args.budget!r}") from None
-    builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode)
+    acceptance = _sequoia_acceptance(args) if args.tree == "sequoia" else None
+    builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode, acceptance)
     return target, SpeculativeGenerator(target, drafter, builder)
+
+
+def _sequoia_acceptance(args) -> tuple[float, ...] | None:
+    """--acceptance, else the calibrated vector of --drafter, else None (Sequoia's default)."""
+    if args.acceptance:
+        try:
+            return tuple(float(x) for x in args.acceptance.split(","))
+        except ValueError:
+            raise SystemExit(f"--acceptance must be comma-separated probabilities, got {args.acceptance!r}") from None
+    from treespec.cost import Calibration, default_calibration_path
+
+    path = default_calibration_path(args.model)
+    vector = Calibration.load(path).acceptance.get(args.drafter) if path.exists() else None
+    if vector is not None:
+        print(f"[sequoia acceptance of {args.drafter} from {path}: {list(vector)}]", file=sys.stderr)
+    return vector
 
 
 def cmd_generate(args) -> int:

@@ -1,0 +1,42 @@
+"""treespec.cli helpers that need no model: builders from arguments, Sequoia's vector."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from treespec import trees
+from treespec.cli import BUILDERS, _sequoia_acceptance, make_builder
+from treespec.cost import Calibration, Curve, default_calibration_path, model_shape
+
+
+def test_make_builder_gives_every_builder_its_arguments():
+    built = {name: make_builder(name, 8, 3, 2) for name in BUILDERS}
+    assert isinstance(built["chain"], trees.ChainBuilder) and built["chain"].config.k == 7
+    assert isinstance(built["dynamic"], trees.DynamicTreeBuilder) and built["dynamic"].config.top_k == 2
+    assert isinstance(built["best-first"], trees.BestFirstBuilder) and built["best-first"].max_depth <= 3
+    assert isinstance(built["static"], trees.StaticTreeBuilder)
+    seq = make_builder("sequoia", 8, 3, 2, acceptance=(0.6, 0.2))
+    assert isinstance(seq, trees.SequoiaBuilder) and seq.acceptance == (0.6, 0.2)
+    with pytest.raises(ValueError, match="unknown tree builder 'bush'"):
+        make_builder("bush", 8, 3, 2)
+
+
+def _args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"acceptance": None, "model": "toy", "drafter": "eagle3", **kw})
+
+
+def test_sequoia_vector_from_the_flag_then_the_calibration(tmp_path, monkeypatch):
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    assert _sequoia_acceptance(_args()) is None                       # nothing measured: default
+    assert _sequoia_acceptance(_args(acceptance="0.5,0.25")) == (0.5, 0.25)
+    with pytest.raises(SystemExit, match="comma-separated probabilities"):
+        _sequoia_acceptance(_args(acceptance="0.5;x"))
+    ns = (1, 2)
+    Calibration(model="toy", shape=model_shape("smollm2-135m"), context=8, target=Curve.fit(ns, [1.0, 1.0]),
+                acceptance={"eagle3": (0.4, 0.1)}).save(default_calibration_path("toy"))
+    assert _sequoia_acceptance(_args()) == (0.4, 0.1)
+    assert _sequoia_acceptance(_args(drafter="medusa")) is None
+    with pytest.raises(ValueError, match="sums to"):
+        make_builder("sequoia", 8, 3, 2, acceptance=(0.9, 0.5))
