@@ -25,7 +25,8 @@ import torch
 
 import treespec
 from treespec.cost import Calibration, calibrate, calibrate_drafter
-from treespec.cost.calibration import DEFAULT_NS
+from treespec.cost.calibration import DEFAULT_NS, CalibratedCost
+from treespec.cost.planner import plan_curve
 from treespec.data import mtbench_questions
 from treespec.engine import auto_builder
 from treespec.trees import DynamicTreeBuilder
@@ -41,8 +42,19 @@ def main() -> None:
     ap.add_argument("--budgets", default="1,2,4,8,16,32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--calibration", default=None, help="existing calibration JSON (else measure now)")
+    ap.add_argument("--note", default="", help="a line about the machine's state, written into the table")
     ap.add_argument("--out", default=str(RESULTS / "auto_budget"))
+    ap.add_argument("--render", metavar="JSON", help="rewrite the table of an earlier run from its JSON")
     args = ap.parse_args()
+    if args.render:
+        path = Path(args.render)
+        result = json.loads(path.read_text())
+        result["args"]["note"] = args.note or result["args"].get("note", "")
+        md = render(result, Calibration.load(result["calibration"]))
+        path.with_suffix(".md").write_text(md)
+        path.write_text(json.dumps(result, indent=1))
+        print(md)
+        return
     torch.set_num_threads(args.threads)
 
     target = treespec.load_target("smollm2-135m")
@@ -79,32 +91,47 @@ def main() -> None:
             taus[k].append(r.stats.tau)
         print(f"prompt {i + 1}/{len(evaluation)}", flush=True)
 
-    med = {k: statistics.median(v) for k, v in speeds.items()}
-    best_fixed = max((k for k in med if k != "auto"), key=med.get)
-    ratio = med["auto"] / med[best_fixed]
-    lines = [
-        f"# budget='auto' vs a fixed-budget sweep ({args.drafter} drafter, {len(evaluation)} MT-bench prompts x "
-        f"{args.max_new_tokens} tokens, T=0, {args.threads} thread(s))",
-        "",
-        f"Measured acceptance vector of {args.drafter}: {[round(a, 3) for a in vector or ()]}; "
-        f"auto chose `{configs['auto'].config}`.",
-        "",
-        "| configuration | median tokens/s | median tau |",
-        "| --- | ---: | ---: |",
-    ]
-    for k in gens:
-        lines.append(f"| {k} | {med[k]:.2f} | {statistics.median(taus[k]):.2f} |")
-    lines += ["", f"auto / best fixed ({best_fixed}) = **{ratio:.3f}** (goal >= 0.90)"]
-    md = "\n".join(lines) + "\n"
-    print(md)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(md)
     cal.save(out.with_suffix(".calibration.json"))
-    out.with_suffix(".json").write_text(json.dumps({
-        "args": vars(args), "acceptance": vector, "calibration": str(out.with_suffix(".calibration.json")), "auto": str(configs["auto"].config),
-        "tokens_per_s": speeds, "tau": taus, "ratio_auto_to_best": ratio, "best_fixed": best_fixed,
-    }, indent=1))
+    result = {"args": vars(args), "acceptance": vector, "calibration": str(out.with_suffix(".calibration.json")),
+              "auto": str(configs["auto"].config), "tokens_per_s": speeds, "tau": taus}
+    md = render(result, cal)
+    print(md)
+    out.with_suffix(".md").write_text(md)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+
+
+def render(result: dict, cal: Calibration) -> str:
+    """The Markdown table; fills result's ratio_auto_to_best and best_fixed. Next to each
+    measurement: the cost model's prediction for the best tree of that many nodes (its
+    tokens/s relative to no speculation, from the same calibration)."""
+    args = argparse.Namespace(**result["args"])
+    speeds, taus = result["tokens_per_s"], result["tau"]
+    med = {k: statistics.median(v) for k, v in speeds.items()}
+    best_fixed = max((k for k in med if k != "auto"), key=med.get)
+    result.update(ratio_auto_to_best=med["auto"] / med[best_fixed], best_fixed=best_fixed)
+    curve = plan_curve(CalibratedCost(cal, args.drafter), result["acceptance"], 1, cal.context, 64, 16)
+    predicted = {c.budget + 1: c.speedup for c in curve}  # keyed by nodes incl. the root
+    base = med.get("dynamic 1")
+    lines = [
+        f"# budget='auto' vs a fixed-budget sweep ({args.drafter} drafter, {args.prompts} MT-bench prompts x "
+        f"{args.max_new_tokens} tokens, T=0, {args.threads} thread(s))",
+        "",
+        *([args.note, ""] if args.note else []),
+        f"Measured acceptance vector of {args.drafter}: {[round(a, 3) for a in result['acceptance'] or ()]}; "
+        f"auto chose `{result['auto']}`.",
+        "",
+        "| configuration | median tokens/s | median tau | measured / no speculation | predicted (best tree of that size) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for k in speeds:
+        nodes = int(k.split()[1]) if k.startswith("dynamic") else None
+        pred = f"{predicted[nodes]:.2f}" if nodes in predicted else ""
+        rel = f"{med[k] / base:.2f}" if base else ""
+        lines.append(f"| {k} | {med[k]:.2f} | {statistics.median(taus[k]):.2f} | {rel} | {pred} |")
+    lines += ["", f"auto / best fixed ({best_fixed}) = **{result['ratio_auto_to_best']:.3f}** (goal >= 0.90)"]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
