@@ -12,6 +12,9 @@ On two cores, one process per temperature, then merge:
     python benchmarks/builders.py --temperatures 1 --out benchmarks/results/builders_t1 &
     wait; python benchmarks/builders.py --merge benchmarks/results/builders_t{0,1}.json
 
+A run cut short keeps every configuration on the same first prompts; continue it later with
+``--resume benchmarks/results/builders_t0.json`` (same drafter, settings and Sequoia vectors).
+
 Drafter: the best registered one: among the trained drafters whose checkpoint loads (eagle3,
 eagle, mtp, medusa, small) the one with the highest τ on a held-out prompt (EAGLE-2 default
 tree, T = 0), else "early-exit"; ``--drafter`` overrides. At T = 1 the stochastic builders
@@ -31,6 +34,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -89,14 +93,16 @@ def make(name: str, budget: int, mode: str, acceptance) -> object:
 
 
 class Tally:
-    """Running totals of one configuration over the prompts measured so far."""
+    """Running totals of one configuration over the prompts measured so far (all additive, so
+    a cut-short run can be resumed from its saved rows)."""
 
     def __init__(self):
-        self.tokens = self.steps = self.emitted = self.nodes = self.calls = 0
+        self.prompts = self.tokens = self.steps = self.emitted = self.nodes = self.calls = 0
         self.decode = self.build = self.expand = 0.0
         self.per_prompt_tps: list[float] = []
 
     def add(self, stats, expand_time: float) -> None:
+        self.prompts += 1
         self.tokens += stats.new_tokens
         self.steps += stats.steps
         self.emitted += stats._emitted
@@ -107,11 +113,27 @@ class Tally:
         self.expand += expand_time
         self.per_prompt_tps.append(stats.tokens_per_s)
 
+    @classmethod
+    def from_row(cls, row: dict) -> "Tally":
+        """The totals behind a saved row (``--resume``)."""
+        t = cls()
+        t.prompts, t.tokens, t.steps = row["prompts"], row["new_tokens"], row["steps"]
+        t.emitted = round(row["tau"] * row["steps"])
+        t.nodes = round(row["mean_nodes"] * row["steps"])
+        t.calls = round(row["calls_per_step"] * row["steps"])
+        t.decode, t.expand = row["decode_time_s"], row["draft_time_s"]
+        t.build = row["draft_time_s"] + row["builder_time_s"]
+        # rows saved before per-prompt speeds were kept: the median covers later prompts only
+        t.per_prompt_tps = list(row.get("per_prompt_tokens_per_s", []))
+        return t
+
     def row(self) -> dict:
         over = self.build - self.expand
         return dict(tau=self.emitted / self.steps, tokens_per_s=self.tokens / self.decode,
-                    median_prompt_tokens_per_s=statistics.median(self.per_prompt_tps),
-                    prompts=len(self.per_prompt_tps), new_tokens=self.tokens, steps=self.steps,
+                    median_prompt_tokens_per_s=(statistics.median(self.per_prompt_tps)
+                                                if self.per_prompt_tps else None),
+                    per_prompt_tokens_per_s=self.per_prompt_tps,
+                    prompts=self.prompts, new_tokens=self.tokens, steps=self.steps,
                     mean_nodes=self.nodes / self.steps, calls_per_step=self.calls / self.steps,
                     draft_time_s=self.expand, builder_time_s=over,
                     builder_overhead=over / self.expand if self.expand > 0 else 0.0,
@@ -221,10 +243,24 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "builders"))
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier runs' JSON into --out")
+    ap.add_argument("--resume", metavar="JSON",
+                    help="continue a cut-short run from its JSON (same drafter, settings and Sequoia "
+                         "vectors; --prompts may raise the total); writes back to it")
     args = ap.parse_args()
     if args.merge:
         merge(args.merge, Path(args.out))
         return
+    earlier = None
+    if args.resume:
+        earlier = json.loads(Path(args.resume).read_text())
+        m = earlier["meta"]
+        args.out = str(Path(args.resume).with_suffix(""))
+        args.drafter, args.max_new_tokens, args.t1_mode, args.seed = (
+            m["drafter"], m["max_new_tokens"], m["t1_mode"], m["seed"])
+        args.budgets = ",".join(map(str, m["budgets"]))
+        args.builders = ",".join(m["builders"])
+        args.temperatures = ",".join(f"{t:g}" for t in m["temperatures"])
+        args.prompts = max(args.prompts, m["prompts"]) if "--prompts" in sys.argv else m["prompts"]
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
     builders = args.builders.split(",")
@@ -241,7 +277,9 @@ def main() -> None:
     SpeculativeGenerator(target, drafter, ChainBuilder(2)).generate(prompts[0], max_new_tokens=4)  # warm-up
 
     acceptance = {}
-    if "sequoia" in builders:
+    if earlier is not None:
+        acceptance = {float(t): tuple(v) for t, v in earlier["meta"]["sequoia_acceptance"].items()}
+    elif "sequoia" in builders:
         for temp in temps:
             mode = "deterministic" if temp == 0 else args.t1_mode
             acceptance[temp] = measure_acceptance_vector(inner, target, held_out, width=8,
@@ -254,7 +292,11 @@ def main() -> None:
                 temperatures=temps, t1_mode=args.t1_mode, threads=args.threads, seed=args.seed,
                 machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
                 torch=torch.__version__, wall_s=0.0, complete=False,
-                sequoia_acceptance={str(k): v for k, v in acceptance.items()})
+                sequoia_acceptance={str(k): list(v) for k, v in acceptance.items()})
+    done = 0
+    if earlier is not None:
+        done = earlier["meta"]["prompts_done"]
+        meta["wall_s_before_resume"] = earlier["meta"]["wall_s"] + earlier["meta"].get("wall_s_before_resume", 0.0)
     # Every configuration runs on prompt i before any runs on prompt i + 1 (interleaved), so a
     # shared machine's load drifts hit all configurations alike, and a cut-short run still
     # holds every configuration on the same prompts. Budget 1 = plain decoding in the engine.
@@ -266,25 +308,35 @@ def main() -> None:
                     for budget in budgets for b in builders]
     gens = [SpeculativeGenerator(target, drafter, c[3]) for c in configs]
     tallies = [Tally() for _ in configs]
-    results: list[dict] = []
-    for i, ids in enumerate(prompts):
-        t0 = time.perf_counter()
-        for (b, budget, temp, builder), gen, tally in zip(configs, gens, tallies):
-            run_one(gen, drafter, ids, args.max_new_tokens, temp, args.seed + i, tally)
-        results = []
+    if earlier is not None:
+        saved = {(r["builder"], r["budget"], r["temperature"]): r for r in earlier["results"]}
+        tallies = [Tally.from_row(saved[c[:3]]) for c in configs]
+
+    def rows() -> list[dict]:
+        out = []
         for (b, budget, temp, builder), tally in zip(configs, tallies):
             row = tally.row()
             row.update(builder=b, budget=budget, temperature=temp,
                        repr="no drafting" if b == "none" else repr(builder))
-            results.append(row)
-        meta.update(wall_s=time.perf_counter() - start, prompts_done=i + 1)
-        save(out, meta, results)  # after every prompt: partial results survive
+            out.append(row)
+        return out
+
+    for i, ids in enumerate(prompts):
+        if i < done:
+            continue
+        t0 = time.perf_counter()
+        for (b, budget, temp, builder), gen, tally in zip(configs, gens, tallies):
+            run_one(gen, drafter, ids, args.max_new_tokens, temp, args.seed + i, tally)
+        meta.update(wall_s=time.perf_counter() - start + meta.get("wall_s_before_resume", 0.0),
+                    prompts_done=i + 1)
+        save(out, meta, rows())  # after every prompt: partial results survive
         print(f"prompt {i + 1}/{len(prompts)} in {time.perf_counter() - t0:.0f} s", flush=True)
+    results = rows()
     for row in results:
         print(f"T={row['temperature']:g} B={row['budget']:>2} {row['builder']:<10} tau {row['tau']:.2f}  "
               f"{row['tokens_per_s']:6.1f} tok/s  nodes {row['mean_nodes']:.1f}  "
               f"overhead {100 * row['builder_overhead']:.1f} %")
-    meta["complete"] = True
+    meta.update(complete=True, prompts_done=len(prompts))
     save(out, meta, results)
     print(f"wrote {out}.{{json,md,png}} in {meta['wall_s'] / 60:.1f} min")
 
