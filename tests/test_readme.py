@@ -27,3 +27,40 @@ def test_readme_example_runs(capsys):
     assert result.stats.new_tokens > 0
     assert result.text.strip()
     assert "tau" in capsys.readouterr().out
+
+
+class _Chars:
+    """A character tokenizer for a 32-token tiny target (no chat template, no EOS)."""
+
+    eos_token_id = None
+
+    def __call__(self, text: str, **kw) -> dict:
+        return {"input_ids": [ord(c) % 32 for c in text]}
+
+    def decode(self, ids, **kw) -> str:
+        return "".join(chr(64 + int(i)) for i in ids)
+
+
+def test_readme_drafter_example_runs_on_a_tiny_target(capsys):
+    """The "Your own drafter" block, with a tiny random target in place of SmolLM2."""
+    import treespec
+    from treespec.drafters.base import _REGISTRY
+    from treespec.models import tiny_target
+
+    code = python_blocks()[1]
+    assert "register_drafter" in code
+    tiny = tiny_target(vocab_size=32, seed=0)
+    tiny.model.generation_config.eos_token_id = None
+    namespace: dict = {"treespec": treespec, "target": treespec.Target(tiny.model, _Chars(), tiny.name)}
+    try:
+        exec(compile(code, str(README), "exec"), namespace)
+        gen = namespace["gen"]
+        prompt = [5, 9, 5, 9, 5]
+        out = gen.generate(prompt, max_new_tokens=12).token_ids.tolist()
+    finally:
+        _REGISTRY.pop("bigram", None)   # the registry is process-wide
+    assert float(capsys.readouterr().out.strip()) >= 1.0
+    # commit kept the drafter's text in step (the last step may commit past max_new_tokens:
+    # the engine truncates what it returns, not what verification accepted)
+    text = prompt + out
+    assert gen.drafter.history[: len(text)] == text and len(gen.drafter.history) < len(text) + 8

@@ -125,7 +125,9 @@ class Drafter(Protocol):
         """
 
     def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
-        """Accept ``path`` (LongTensor[A]) of the last tree; tokens: LongTensor[A + 1]."""
+        """Accept ``path`` (LongTensor[A], node ids of the accepted drafts in the last tree).
+        tokens: LongTensor[A + 1], this step's new text: the A accepted draft tokens, then the
+        target's own next token (the next tree's root)."""
 
 
 # ---------------------------------------------------------------- registry
