@@ -7,6 +7,10 @@ prompt (interleaved, so machine noise hits all methods alike).
 
     python benchmarks/drafters.py                                  # full: 80 prompts x 128 tokens
     python benchmarks/drafters.py --prompts 5 --max-new-tokens 64  # reduced (labelled as such)
+    python benchmarks/drafters.py --resume benchmarks/results/drafters.json   # continue a cut-short run
+
+Results are written after every prompt, so a run stopped early keeps its prompts, and
+``--resume`` continues it (the full run takes many hours on a 2-core CPU).
 
 Reported per (drafter, tree, T): τ (tokens per target forward), acceptance by depth (accepted /
 attempted drafts at each depth, pooled over prompts), tokens/s (new tokens / (prefill + decode)
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -79,6 +84,16 @@ class Pool:
             self.attempts[d] += t
             self.accepts[d] += a
 
+    def state(self) -> dict:
+        """Raw counters, saved with the results so a cut-short run can resume."""
+        return dict(vars(self))
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Pool":
+        pool = cls()
+        vars(pool).update(state)
+        return pool
+
     def row(self, base_tps: float | None) -> dict:
         tps = self.tokens / self.seconds if self.seconds else 0.0
         out = {"tokens": self.tokens, "seconds": round(self.seconds, 2), "tokens_per_s": round(tps, 2)}
@@ -106,7 +121,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "drafters"))
+    ap.add_argument("--note", default="shared 2-core CPU", help="the machine's state, for the table")
+    ap.add_argument("--resume", metavar="JSON",
+                    help="continue a cut-short run from its JSON (same settings; writes back to it)")
     args = ap.parse_args()
+    earlier = json.loads(Path(args.resume).read_text()) if args.resume else None
+    if earlier is not None:
+        c = earlier["config"]
+        args.out = str(Path(args.resume).with_suffix(""))
+        args.max_new_tokens, args.seed = c["max_new_tokens"], c["seed"]
+        args.prompts = max(args.prompts, c["prompts"]) if "--prompts" in sys.argv else c["prompts"]
+        args.drafters, args.trees = ",".join(c["drafters"]), ",".join(c["trees"])
+        args.temperatures = ",".join(f"{t:g}" for t in c["temperatures"])
     torch.set_num_threads(args.threads)
     drafters = [d for d in args.drafters.split(",") if d]
     trees = [t for t in args.trees.split(",") if t]
@@ -117,12 +143,20 @@ def main() -> None:
             for d in drafters for t in trees}
     questions = mtbench_questions()[: args.prompts]
     pools: dict[tuple[str, str, float], Pool] = {}
+    done, minutes_before = 0, 0.0
+    if earlier is not None:
+        done, minutes_before = earlier["prompts_done"], earlier["wall_minutes"]
+        pools = {(d, t, float(temp)): Pool.from_state(state) for d, t, temp, state in earlier["pools"]}
     # warm-up (allocations, first-call paths) on a short prompt
     warm = torch.tensor(chat_prompt(target.tokenizer, "Hi"))
     for gen in gens.values():
         gen.generate(warm, max_new_tokens=4)
     start = time.time()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for i, q in enumerate(questions):
+        if i < done:
+            continue
         ids = torch.tensor(chat_prompt(target.tokenizer, q.turns[0]))
         for temp in temps:
             seed = args.seed * 1000 + i
@@ -133,7 +167,17 @@ def main() -> None:
             for (d, t), gen in gens.items():
                 res = gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=temp, seed=seed)
                 pools.setdefault((d, t, temp), Pool()).add_stats(res.stats)
+        minutes = minutes_before + (time.time() - start) / 60
+        save(out, report(args, drafters, trees, temps, reduced, pools, i + 1, len(questions), minutes))
         print(f"[{i + 1}/{len(questions)}] {time.time() - start:.0f} s", flush=True)
+    result = report(args, drafters, trees, temps, reduced, pools, len(questions), len(questions),
+                    minutes_before + (time.time() - start) / 60)
+    save(out, result)
+    print(markdown(result))
+
+
+def report(args, drafters, trees, temps, reduced, pools, done: int, total: int, minutes: float) -> dict:
+    """Rows (vanilla first per temperature) plus everything needed to resume."""
     rows = []
     for temp in temps:
         base = pools[("vanilla", "-", temp)]
@@ -142,32 +186,36 @@ def main() -> None:
         for d in drafters:
             for t in trees:
                 rows.append({"drafter": d, "tree": t, "temperature": temp, **pools[(d, t, temp)].row(base_tps)})
-    result = {
-        "config": {"prompts": len(questions), "max_new_tokens": args.max_new_tokens, "drafters": drafters,
+    return {
+        "config": {"prompts": total, "max_new_tokens": args.max_new_tokens, "drafters": drafters,
                    "trees": {t: repr(TREES[t]().config) for t in trees}, "temperatures": temps,
                    "threads": args.threads, "seed": args.seed, "reduced": reduced},
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "torch": torch.__version__, "note": "shared 2-core CPU, other jobs running"},
-        "wall_minutes": round((time.time() - start) / 60, 1),
+                    "torch": torch.__version__, "note": args.note},
+        "prompts_done": done,
+        "wall_minutes": round(minutes, 1),
         # time the full configuration (80 prompts x 128 tokens) would take at this run's pace
-        "estimated_full_hours": round((time.time() - start) / 3600 * (80 / len(questions))
-                                      * (128 / args.max_new_tokens), 1),
+        "estimated_full_hours": round(minutes / 60 * (80 / done) * (128 / args.max_new_tokens), 1),
         "rows": rows,
+        "pools": [[d, t, temp, pool.state()] for (d, t, temp), pool in pools.items()],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def save(out: Path, result: dict) -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
 
 
 def markdown(result: dict) -> str:
     c = result["config"]
     title = "REDUCED configuration" if c["reduced"] else "full configuration"
+    done = result.get("prompts_done", c["prompts"])
+    if done < c["prompts"]:
+        title += f", PARTIAL: {done} of {c['prompts']} prompts measured"
     lines = [
         f"# Trained drafters on SmolLM2-135M ({title})",
         "",
-        f"{c['prompts']} MT-bench first turns x {c['max_new_tokens']} new tokens, T in {c['temperatures']}, "
+        f"{done} MT-bench first turns x {c['max_new_tokens']} new tokens, T in {c['temperatures']}, "
         f"{c['threads']} torch thread(s), {result['machine']['note']}; wall {result['wall_minutes']} min "
         f"(the full 80 x 128 configuration would take ~{result['estimated_full_hours']} h at this pace).",
         "τ = tokens per target forward; acceptance by depth = accepted / attempted drafts at each depth; "
