@@ -38,9 +38,12 @@ from treespec.data import chat_prompt, mtbench_questions
 
 RESULTS = Path(__file__).parent / "results"
 DRAFTERS = ("eagle", "eagle3", "medusa", "mtp", "small")
+DEFAULT_TREES = ("chain4", "tree16", "tree32", "tree64")  # the issue's grid; tree4/tree8 on request
 # name -> builder factory; dynamic trees follow EAGLE-2's depth / top-k growth with the budget
 TREES = {
     "chain4": lambda: treespec.ChainBuilder(4),
+    "tree4": lambda: treespec.DynamicTreeBuilder(budget=4, depth=3, top_k=2),
+    "tree8": lambda: treespec.DynamicTreeBuilder(budget=8, depth=4, top_k=4),
     "tree16": lambda: treespec.DynamicTreeBuilder(budget=16, depth=5, top_k=4),
     "tree32": lambda: treespec.DynamicTreeBuilder(budget=32, depth=6, top_k=6),
     "tree64": lambda: treespec.DynamicTreeBuilder(budget=64, depth=6, top_k=8),
@@ -116,7 +119,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=80, help="MT-bench first turns (of 80)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--drafters", default=",".join(DRAFTERS))
-    ap.add_argument("--trees", default=",".join(TREES))
+    ap.add_argument("--trees", default=",".join(DEFAULT_TREES), help=f"of {', '.join(TREES)}")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="target (and drafter) weights; vanilla runs in the same dtype")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--seed", type=int, default=0)
@@ -130,6 +135,7 @@ def main() -> None:
         c = earlier["config"]
         args.out = str(Path(args.resume).with_suffix(""))
         args.max_new_tokens, args.seed = c["max_new_tokens"], c["seed"]
+        args.dtype = c.get("dtype", "float32")
         args.prompts = max(args.prompts, c["prompts"]) if "--prompts" in sys.argv else c["prompts"]
         args.drafters, args.trees = ",".join(c["drafters"]), ",".join(c["trees"])
         args.temperatures = ",".join(f"{t:g}" for t in c["temperatures"])
@@ -138,7 +144,7 @@ def main() -> None:
     trees = [t for t in args.trees.split(",") if t]
     temps = [float(t) for t in args.temperatures.split(",")]
     reduced = args.prompts < 80 or args.max_new_tokens < 128
-    target = treespec.load_target("smollm2-135m")
+    target = treespec.load_target("smollm2-135m", dtype=getattr(torch, args.dtype))
     gens = {(d, t): treespec.SpeculativeGenerator(target, treespec.load_drafter(d, target), TREES[t]())
             for d in drafters for t in trees}
     questions = mtbench_questions()[: args.prompts]
@@ -189,7 +195,8 @@ def report(args, drafters, trees, temps, reduced, pools, done: int, total: int, 
     return {
         "config": {"prompts": total, "max_new_tokens": args.max_new_tokens, "drafters": drafters,
                    "trees": {t: repr(TREES[t]().config) for t in trees}, "temperatures": temps,
-                   "threads": args.threads, "seed": args.seed, "reduced": reduced},
+                   "threads": args.threads, "seed": args.seed, "reduced": reduced,
+                   "dtype": args.dtype},
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "torch": torch.__version__, "note": args.note},
         "prompts_done": done,
@@ -216,10 +223,15 @@ def markdown(result: dict) -> str:
         f"# Trained drafters on SmolLM2-135M ({title})",
         "",
         f"{done} MT-bench first turns x {c['max_new_tokens']} new tokens, T in {c['temperatures']}, "
-        f"{c['threads']} torch thread(s), {result['machine']['note']}; wall {result['wall_minutes']} min "
+        f"{c['threads']} torch thread(s), {c.get('dtype', 'float32')} weights, {result['machine']['note']}; wall {result['wall_minutes']} min "
         f"(the full 80 x 128 configuration would take ~{result['estimated_full_hours']} h at this pace).",
         "τ = tokens per target forward; acceptance by depth = accepted / attempted drafts at each depth; "
         "tokens/s includes prefill; speedup is against vanilla HF decoding at the same T in the same run.",
+        *(["", "bfloat16: every method runs the same bf16 weights, and the acceptance rule is exact for the "
+            "probabilities the target computes. Greedy outputs are NOT token-identical to HF `generate`: a "
+            "different kernel path (tree mask, batch of N tokens) rounds bf16 logits differently and flips "
+            "argmax at near-ties, as HF's own generate does between batch sizes. The fp32 runs are token-identical."]
+          if c.get("dtype", "float32") != "float32" else []),
         "",
         "| T | drafter | tree | τ | acceptance by depth | draft / verify ms per step | tokens/s | speedup |",
         "|---|---|---|---|---|---|---|---|",
