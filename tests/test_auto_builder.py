@@ -48,6 +48,20 @@ def test_auto_builder_runs_in_the_engine(tmp_path, monkeypatch):
         SpeculativeGenerator(target, LookupDrafter(16), "big")
 
 
+def test_a_calibration_of_other_weights_is_refused(tmp_path, monkeypatch):
+    """The verify curve depends on the dtype: a bf16 target needs a bf16 calibration."""
+    import torch
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    target = tiny_target(vocab_size=16)
+    target.model.to(torch.bfloat16)
+    cal = _calibration(lambda n: 1.0, drafter_s=0.01)          # measured with 4-byte weights
+    with pytest.raises(ValueError, match="4-byte weights but the target runs bfloat16.*--dtype bfloat16"):
+        auto_builder(target, LookupDrafter(16), cal)
+    with pytest.raises(ValueError, match=r"calibration-tiny-llama-v16-s0-bfloat16\.json"):
+        SpeculativeGenerator(target, LookupDrafter(16), "auto")
+
+
 def test_a_calibrated_drafter_brings_its_own_pass_times_and_acceptance():
     """Keyed by the registered name: the measured vector replaces the kind's default β, and the
     measured pass times replace the generic early-exit pass."""

@@ -85,6 +85,11 @@ def test_calibration_round_trip_and_default_path(tmp_path, monkeypatch):
     monkeypatch.delenv("TREESPEC_CACHE")
     assert default_calibration_path("m").name == "calibration-m.json"
     assert default_calibration_path("m").parent.name == "treespec"
+    assert default_calibration_path("m", "bfloat16").name == "calibration-m-bfloat16.json"
+    import torch
+
+    assert default_calibration_path("m", torch.bfloat16).name == "calibration-m-bfloat16.json"
+    assert default_calibration_path("m", torch.float32).name == "calibration-m.json"
     with pytest.raises(FileNotFoundError, match="run `treespec calibrate"):
         Calibration.load(tmp_path / "missing.json")
     bad = tmp_path / "old.json"

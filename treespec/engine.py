@@ -142,12 +142,18 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     """
     from treespec.cost import DEFAULT_BETA, Calibration, auto_budget, default_calibration_path
 
+    dtype = next(target.model.parameters()).dtype
+    dtype_name = str(dtype).removeprefix("torch.")
     if calibration is None:
-        path = default_calibration_path(target.name)
+        path = default_calibration_path(target.name, dtype_name)
         if not path.exists():
-            raise ValueError(f"builder='auto' needs a calibration of {target.name!r} at {path}; "
-                             f"run `treespec calibrate --model {target.name}` first")
+            raise ValueError(f"builder='auto' needs a calibration of {target.name!r} ({dtype_name}) at {path}; "
+                             f"run `treespec calibrate --model {target.name} --weights pretrained "
+                             f"--dtype {dtype_name}` first")
         calibration = Calibration.load(path)
+    if calibration.shape.bytes_per_weight != dtype.itemsize:
+        raise ValueError(f"the calibration measured {calibration.shape.bytes_per_weight:g}-byte weights but the "
+                         f"target runs {dtype_name} ({dtype.itemsize} bytes); calibrate with --dtype {dtype_name}")
     name = getattr(drafter, "registry_name", None)
     if name is not None and name in calibration.drafters:
         kind = name

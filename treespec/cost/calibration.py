@@ -11,8 +11,9 @@ prefix of ``context`` tokens. ``CalibratedCost`` reads a batch of B sequences as
 B · n tokens, plus the extra KV bytes of the longer contexts at the bandwidth the n = 1 pass
 attained (weight bytes / t(1)). Both are approximations; calibrate at the context you serve.
 
-File: ``default_calibration_path(model)`` = ``$TREESPEC_CACHE/calibration-<model>.json``,
-else ``~/.cache/treespec/calibration-<model>.json``.
+File: ``default_calibration_path(model, dtype)`` = ``$TREESPEC_CACHE/calibration-<model>.json``,
+else ``~/.cache/treespec/calibration-<model>.json`` (``-<dtype>`` before ``.json`` for weights
+other than float32).
 """
 
 from __future__ import annotations
@@ -241,10 +242,15 @@ class Calibration:
         return self.shape.weight_bytes / self.target(1)
 
 
-def default_calibration_path(model: str) -> Path:
-    """``$TREESPEC_CACHE/calibration-<model>.json``, else under ``~/.cache/treespec``."""
+def default_calibration_path(model: str, dtype: str = "float32") -> Path:
+    """``$TREESPEC_CACHE/calibration-<model>.json``, else under ``~/.cache/treespec``; weights
+    other than float32 get their own file (``calibration-<model>-bfloat16.json``): the CPU's
+    verify curve depends on the dtype far more than on anything else."""
+    if not isinstance(dtype, str):
+        dtype = str(dtype).removeprefix("torch.")
     root = os.environ.get("TREESPEC_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "treespec") / f"calibration-{model}.json"
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    return (Path(root) if root else Path.home() / ".cache" / "treespec") / f"calibration-{model}{suffix}.json"
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="comma-separated registered drafters to measure for real (pass times by width and "
                           "positional acceptance on 4 held-out MT-bench prompts); implies --weights pretrained. "
                           "builder='auto' then uses them")
+    cal.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                     help="weights as the engine will run them (each dtype has its own default file)")
     cal.add_argument("--out", type=Path, default=None, help="output JSON (default: the model's default path)")
     cal.set_defaults(func=_calibrate)
 
@@ -177,14 +179,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     if drafters or args.weights == "pretrained":
         from treespec.models import load_target
 
-        target = load_target(args.model)
+        target = load_target(args.model, dtype=getattr(torch, args.dtype))
         model = target.model
     else:
         from transformers import AutoModelForCausalLM, LlamaConfig
 
         if args.model not in MODEL_PRESETS:
             raise KeyError(f"unknown model {args.model!r}; known models: {sorted(MODEL_PRESETS)}")
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL_PRESETS[args.model]), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL_PRESETS[args.model]),
+                                                 dtype=getattr(torch, args.dtype))
         model.eval().requires_grad_(False)
     if args.clock == "thread" and args.threads != 1:
         raise ValueError("--clock thread counts one thread's CPU time: use it with --threads 1")
@@ -208,7 +211,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                                            progress=lambda m: print(m, flush=True))
         finally:
             torch.set_num_threads(previous)
-    path = result.save(args.out or default_calibration_path(args.model))
+    path = result.save(args.out or default_calibration_path(args.model, args.dtype))
     print(f"saved {path}")
     return 0
 
