@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--budgets", default="1,2,4,8,16,32")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="target weights")
     ap.add_argument("--calibration", default=None, help="existing calibration JSON (else measure now)")
     ap.add_argument("--note", default="", help="a line about the machine's state, written into the table")
     ap.add_argument("--out", default=str(RESULTS / "auto_budget"))
@@ -57,7 +58,7 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
 
-    target = treespec.load_target("smollm2-135m")
+    target = treespec.load_target("smollm2-135m", dtype=getattr(torch, args.dtype))
     drafter = treespec.load_drafter(args.drafter, target)
     if args.calibration:
         cal = Calibration.load(Path(args.calibration))
@@ -116,7 +117,7 @@ def render(result: dict, cal: Calibration) -> str:
     base = med.get("dynamic 1")
     lines = [
         f"# budget='auto' vs a fixed-budget sweep ({args.drafter} drafter, {args.prompts} MT-bench prompts x "
-        f"{args.max_new_tokens} tokens, T=0, {args.threads} thread(s))",
+        f"{args.max_new_tokens} tokens, T=0, {args.threads} thread(s), {getattr(args, 'dtype', 'float32')} weights)",
         "",
         *([args.note, ""] if args.note else []),
         f"Measured acceptance vector of {args.drafter}: {[round(a, 3) for a in result['acceptance'] or ()]}; "
