@@ -149,7 +149,8 @@ def run_one(gen, drafter: TimedDrafter, ids, max_new: int, temperature: float, s
 
 def write_table(results: list[dict], meta: dict, path: Path) -> None:
     lines = [f"# Tree builders: τ and tokens/s by budget\n",
-             f"Target {meta['target']}, drafter **{meta['drafter']}**, {meta['prompts']} MT-bench "
+             f"Target {meta['target']}, drafter **{meta['drafter']}**, "
+             f"{meta.get('prompts_done', meta['prompts'])} MT-bench "
              f"prompts x {meta['max_new_tokens']} new tokens, {meta['threads']} CPU thread(s) "
              f"({meta['machine']}); T = 1 drafting mode: {meta['t1_mode']} (static: ranked). "
              f"Wall time {meta['wall_s'] / 60:.1f} min.\n",
