@@ -144,13 +144,6 @@ class DraftQ:
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
-    def dense(self) -> torch.Tensor:
-        """float32 [..., V] with zeros outside the support."""
-        if self.ids is None:
-            return self.values.float()
-        out = self.values.new_zeros((*self.values.shape[:-1], self.vocab), dtype=torch.float32)
-        return out.index_copy_(-1, self.ids.to(out.device), self.values.float())
-
 
 def _split_q(q: "torch.Tensor | DraftQ") -> tuple[torch.Tensor, torch.Tensor | None]:
     return (q.values, q.ids) if isinstance(q, DraftQ) else (q, None)
@@ -163,10 +156,14 @@ def _to_ids(cols: list[list[int]], ids: torch.Tensor | None) -> list[list[int]]:
     flat = [c for row in cols for c in row]
     if not flat:
         return [[] for _ in cols]
-    mapped = ids[torch.tensor(flat, device=ids.device)].tolist()
+    return _regroup(ids[torch.tensor(flat, device=ids.device)].tolist(), cols)
+
+
+def _regroup(flat: list, like: list[list]) -> list[list]:
+    """Split ``flat`` into consecutive rows as long as the rows of ``like``."""
     out, i = [], 0
-    for row in cols:
-        out.append(mapped[i: i + len(row)])
+    for row in like:
+        out.append(flat[i: i + len(row)])
         i += len(row)
     return out
 
@@ -263,10 +260,7 @@ def draw_children(
         # one gather for every row's draws
         r_idx = [r for r, row in enumerate(tokens) for _ in row]
         flat = q[r_idx, [t for row in tokens for t in row]].double().log().tolist()
-        logq, i = [], 0
-        for row in tokens:
-            logq.append(flat[i: i + len(row)])
-            i += len(row)
+        logq = _regroup(flat, tokens)
     else:
         check_mode(mode)
         raise AssertionError  # pragma: no cover
