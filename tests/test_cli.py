@@ -40,3 +40,15 @@ def test_sequoia_vector_from_the_flag_then_the_calibration(tmp_path, monkeypatch
     assert _sequoia_acceptance(_args(drafter="medusa")) is None
     with pytest.raises(ValueError, match="sums to"):
         make_builder("sequoia", 8, 3, 2, acceptance=(0.9, 0.5))
+
+
+def test_bad_input_is_one_error_line_not_a_traceback(capsys, monkeypatch):
+    from treespec import cli
+
+    def boom(args):
+        raise ValueError("builder='auto' needs a calibration; run `treespec calibrate` first")
+
+    monkeypatch.setattr(cli, "cmd_generate", boom)
+    assert cli.main(["generate", "--prompt", "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: builder='auto' needs a calibration; run `treespec calibrate` first"

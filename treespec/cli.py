@@ -180,8 +180,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand. Bad input (a wrong name, value or missing file or wheel) prints
+    ``error: ...`` and returns 2 instead of a traceback."""
+    from treespec.data import MissingPackageError
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, KeyError, FileNotFoundError, MissingPackageError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
