@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, KeyError, FileNotFoundError, MissingPackageError) as err:
+    except (ValueError, KeyError, FileNotFoundError, MissingPackageError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"error: {message}", file=sys.stderr)
         return 2
