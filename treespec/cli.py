@@ -182,15 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand. Bad input (a wrong name, value or missing file or wheel) prints
     ``error: ...`` and returns 2 instead of a traceback."""
-    from treespec.data import MissingPackageError
+    from treespec.cost.cli import run_command
 
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, KeyError, FileNotFoundError, MissingPackageError) as err:
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from treespec.cost.acceptance import DEFAULT_BETA, acceptance_vector
+from treespec.data import MissingPackageError
 from treespec.cost.calibration import (
     DEFAULT_NS, CalibratedCost, Calibration, calibrate, calibrate_drafter, default_calibration_path,
 )
@@ -27,7 +28,7 @@ from treespec.cost.shapes import MODEL_PRESETS, ModelShape, model_shape
 __all__ = ["main", "register"]
 
 # Errors a bad command line can raise; printed as one line, exit status 2.
-_USER_ERRORS = (KeyError, ValueError, FileNotFoundError)
+_USER_ERRORS = (KeyError, ValueError, FileNotFoundError, MissingPackageError)
 
 
 def _ints(text: str) -> list[int]:
@@ -220,9 +221,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="treespec", description="treespec cost model")
     subparsers = parser.add_subparsers(dest="command", required=True)
     register(subparsers)
-    args = parser.parse_args(argv)
+    return run_command(parser.parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``args.func(args)``; a user error (``_USER_ERRORS``) prints one ``error: ...`` line and
+    returns 2 instead of a traceback. Shared by every treespec subcommand."""
     try:
-        return args.func(args)
+        return int(args.func(args) or 0)
     except _USER_ERRORS as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"error: {message}", file=sys.stderr)
