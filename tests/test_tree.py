@@ -224,3 +224,16 @@ def test_repeated_sibling_tokens():
     _t([0, 5, 6, 5, 5], [-1, 0, 0, 1, 2])
     q = torch.full((3, 8), 1 / 8)
     _t([0, 5, 5], [-1, 0, 0], q, "with_replacement")
+
+
+def test_builder_trees_skip_only_the_draft_probs_scan():
+    """``from_builder`` trusts the builders' softmax rows but still checks the structure."""
+    tokens, parents = torch.tensor([1, 2]), torch.tensor([-1, 0])
+    probs = torch.tensor([[0.5, 0.6, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # row 0 sums to 1.1
+    with pytest.raises(ValueError, match="sums to 1.100000"):
+        DraftTree(tokens, parents, probs, "with_replacement")
+    assert DraftTree.from_builder(tokens, parents, probs, "with_replacement").vocab_size == 4
+    with pytest.raises(ValueError, match="topological"):
+        DraftTree.from_builder(tokens, torch.tensor([-1, 1]), probs, "with_replacement")
+    with pytest.raises(ValueError, match="needs draft_probs"):
+        DraftTree.from_builder(tokens, parents, None, "with_replacement")
