@@ -154,17 +154,16 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     if calibration.shape.bytes_per_weight != dtype.itemsize:
         raise ValueError(f"the calibration measured {calibration.shape.bytes_per_weight:g}-byte weights but the "
                          f"target runs {dtype_name} ({dtype.itemsize} bytes); calibrate with --dtype {dtype_name}")
-    name = getattr(drafter, "registry_name", None)
-    if name is not None and name in calibration.drafters:
+    name = getattr(drafter, "registry_name", None)   # calibrate --drafter keys its entries by it
+    generic = drafter_cost_kind(drafter)
+    if name in calibration.drafters:
         kind = name
+    elif generic == "lookup" or generic in calibration.drafters:
+        kind = generic
     else:
-        kind = drafter_cost_kind(drafter)
-        if kind != "lookup" and kind not in calibration.drafters:
-            kind = "early_exit" if "early_exit" in calibration.drafters else next(iter(calibration.drafters))
+        kind = "early_exit" if "early_exit" in calibration.drafters else next(iter(calibration.drafters))
     if acceptance is None:
-        acceptance = calibration.acceptance.get(name) if name is not None else None
-    if acceptance is None:
-        acceptance = DEFAULT_BETA.get(drafter_cost_kind(drafter), 0.6)
+        acceptance = calibration.acceptance.get(name, DEFAULT_BETA.get(generic, 0.6))
     choice = auto_budget(calibration, acceptance, kind, max_budget=max_budget)
     if choice.budget == 0:
         return DynamicTreeBuilder(budget=1, depth=1, top_k=1)
