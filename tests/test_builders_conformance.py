@@ -125,8 +125,6 @@ def test_every_builder_drives_every_drafter(target, drafter_name, builder_name) 
         expect = "deterministic" if temperature == 0 else mode
         for built in steps:
             check_step(built, builder, calls(builder), expect)
-        if mode == "with_replacement":
-            continue  # seeded repeats of every mode are also checked builder-level (test_builders)
         again, steps2 = run(SpeculativeGenerator(target, make_drafter(drafter_name, target), builder),
                             temperature, seed=3)
         assert again.token_ids.tolist() == first.token_ids.tolist()
