@@ -297,7 +297,8 @@ def main() -> None:
     done = 0
     if earlier is not None:
         done = earlier["meta"]["prompts_done"]
-        meta["wall_s_before_resume"] = earlier["meta"]["wall_s"] + earlier["meta"].get("wall_s_before_resume", 0.0)
+        # the earlier wall_s already includes every run before it
+        meta["wall_s_before_resume"] = earlier["meta"]["wall_s"]
     # Every configuration runs on prompt i before any runs on prompt i + 1 (interleaved), so a
     # shared machine's load drifts hit all configurations alike, and a cut-short run still
     # holds every configuration on the same prompts. Budget 1 = plain decoding in the engine.
