@@ -157,6 +157,8 @@ def write_table(results: list[dict], meta: dict, path: Path) -> None:
              "Builder overhead = builder time outside drafter.expand / drafter.expand time "
              "(JSON `builder_overhead`; `builder_share_of_drafting` divides by the whole drafting "
              "phase instead).\n"]
+    if meta.get("note"):
+        lines.append(f"Conditions: {meta['note']}\n")
     if not meta.get("complete"):
         lines.append(f"**Partial run**: {meta.get('prompts_done', '?')} of {meta['prompts']} prompts measured "
                      "(every configuration on the same prompts).\n")
@@ -215,10 +217,12 @@ def save(out: Path, meta: dict, results: list[dict]) -> None:
     plot(results, meta, out.with_suffix(".png"))
 
 
-def merge(paths: list[str], out: Path) -> None:
+def merge(paths: list[str], out: Path, note: str | None = None) -> None:
     """One table from runs split by temperature (e.g. two processes, one per CPU core)."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     meta = dict(runs[0]["meta"])
+    if note:
+        meta["note"] = note
     meta["temperatures"] = [t for r in runs for t in r["meta"]["temperatures"]]
     meta["sequoia_acceptance"] = {k: v for r in runs for k, v in r["meta"]["sequoia_acceptance"].items()}
     meta["wall_s"] = max(r["meta"]["wall_s"] for r in runs)
@@ -247,9 +251,11 @@ def main() -> None:
     ap.add_argument("--resume", metavar="JSON",
                     help="continue a cut-short run from its JSON (same drafter, settings and Sequoia "
                          "vectors; --prompts may raise the total); writes back to it")
+    ap.add_argument("--note", default=None,
+                    help="how the machine was used during the run (written into the table)")
     args = ap.parse_args()
     if args.merge:
-        merge(args.merge, Path(args.out))
+        merge(args.merge, Path(args.out), args.note)
         return
     earlier = None
     if args.resume:
@@ -294,6 +300,8 @@ def main() -> None:
                 machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
                 torch=torch.__version__, wall_s=0.0, complete=False,
                 sequoia_acceptance={str(k): list(v) for k, v in acceptance.items()})
+    if args.note or (earlier is not None and earlier["meta"].get("note")):
+        meta["note"] = args.note or earlier["meta"]["note"]
     done = 0
     if earlier is not None:
         done = earlier["meta"]["prompts_done"]
