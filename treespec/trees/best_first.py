@@ -158,10 +158,11 @@ class BestFirstBuilder:
                 heapq.heappush(slots, (-v, tree.depth[node] + 1, node, j))
 
         def admit(blocking: bool) -> None:
-            bound = -math.inf
+            # the best unexpanded leaf's estimated child; within one admit leaves are only
+            # added (and top1 is fixed), so the bound is kept up to date incrementally
+            log_top1 = math.log(sum(top1) / len(top1)) if top1 else 0.0
+            bound = max((tree.score[n] for n in leaves), default=-math.inf) + log_top1
             while slots and len(tree) < cfg.budget:
-                if blocking and leaves:
-                    bound = max(tree.score[n] for n in leaves) + math.log(sum(top1) / len(top1))
                 neg_v, _, node, j = slots[0]
                 if blocking and -neg_v < bound:
                     return
@@ -174,6 +175,7 @@ class BestFirstBuilder:
                 child = tree.add(node, exp.tokens[j], tree.score[node] + exp.logq[j])
                 if tree.depth[child] < self.max_depth and tree.score[child] >= floor:
                     leaves.add(child)
+                    bound = max(bound, tree.score[child] + log_top1)
                 if j + 1 < len(exp.slot_logq):
                     push(node, j + 1)
 
