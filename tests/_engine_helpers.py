@@ -10,6 +10,8 @@
 - ``fresh_cache``: the DynamicCache of a plain causal forward over some tokens (the reference
   for KV-cache equality checks).
 - ``word_tokenizer``: a tiny whitespace WordLevel tokenizer with a chat template, no download.
+- ``hf_greedy``: the reference for greedy equivalence, HF ``generate`` with every logits
+  processor neutral (and checked to be).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import random
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 
 from treespec.drafters.base import PartialTree, TargetFeatures
 from treespec.models import Target, tiny_llama
@@ -193,3 +195,22 @@ def random_partial_tree(rng: random.Random, root_token: int, n: int, vocab: int)
         used[parent].add(tok)
         tree.add(parent, tok)
     return tree
+
+
+def hf_greedy(model, ids: torch.Tensor, eos: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    """``model.generate`` greedy continuation of ``ids`` (new tokens only) with every processor
+    neutral; asserts that none changed the logits. Stops at EOS and includes it, as the engine does."""
+    config = GenerationConfig(
+        do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=None,
+        temperature=None, top_p=None, top_k=None, min_p=None, repetition_penalty=1.0,
+        no_repeat_ngram_size=None, bad_words_ids=None, suppress_tokens=None,
+        begin_suppress_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None,
+        eos_token_id=list(eos), pad_token_id=eos[0], bos_token_id=None,
+        return_dict_in_generate=True, output_scores=True, output_logits=True,
+    )
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None],
+                             generation_config=config)
+    for step, (score, logit) in enumerate(zip(out.scores, out.logits)):
+        assert torch.equal(score, logit), f"a logits processor changed step {step}"
+    return out.sequences[0, ids.numel():].tolist()

@@ -14,6 +14,8 @@ from treespec.trees import (
     BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder,
 )
 
+from _engine_helpers import hf_greedy
+
 BUILDERS = {
     "chain": lambda: ChainBuilder(4),
     "static": lambda: StaticTreeBuilder.default(16),
@@ -39,11 +41,7 @@ def references(smollm):
     out = []
     for q in mtbench_questions()[:3]:
         ids = torch.tensor(chat_prompt(smollm.tokenizer, q.turns[0]))
-        with torch.inference_mode():
-            ref = smollm.model.generate(ids[None], do_sample=False, max_new_tokens=MAX_NEW,
-                                        eos_token_id=list(smollm.eos_token_ids), pad_token_id=2,
-                                        temperature=None, top_p=None, top_k=None)
-        out.append((ids, ref[0, ids.numel():].tolist()))
+        out.append((ids, hf_greedy(smollm.model, ids, smollm.eos_token_ids, MAX_NEW)))
     return out
 
 

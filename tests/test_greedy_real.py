@@ -21,10 +21,11 @@ import warnings
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, load_drafter, load_target
 from treespec.data import mtbench_questions
+
+from _engine_helpers import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -60,27 +61,9 @@ def prompts(target) -> list[torch.Tensor]:
     return [encoder.encode(questions[i].turns[0]) for i in QUESTIONS]
 
 
-def hf_greedy(model, ids: torch.Tensor, eos: tuple[int, ...]) -> list[int]:
-    """model.generate with every processor neutral; asserts that none changed the logits."""
-    config = GenerationConfig(
-        do_sample=False, num_beams=1, max_new_tokens=NEW_TOKENS, min_new_tokens=None,
-        temperature=None, top_p=None, top_k=None, min_p=None, repetition_penalty=1.0,
-        no_repeat_ngram_size=None, bad_words_ids=None, suppress_tokens=None,
-        begin_suppress_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None,
-        eos_token_id=list(eos), pad_token_id=eos[0], bos_token_id=None,
-        return_dict_in_generate=True, output_scores=True, output_logits=True,
-    )
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None],
-                             generation_config=config)
-    for step, (score, logit) in enumerate(zip(out.scores, out.logits)):
-        assert torch.equal(score, logit), f"a logits processor changed step {step}"
-    return out.sequences[0, ids.numel():].tolist()
-
-
 @pytest.fixture(scope="module")
 def references(target, prompts) -> list[list[int]]:
-    return [hf_greedy(target.model, ids, target.eos_token_ids) for ids in prompts]
+    return [hf_greedy(target.model, ids, target.eos_token_ids, NEW_TOKENS) for ids in prompts]
 
 
 def top2_gap(model, tokens: list[int]) -> tuple[float, list[int]]:

@@ -15,27 +15,21 @@ from treespec import SpeculativeGenerator, load_drafter, load_target
 from treespec.data import chat_prompt, mtbench_questions
 from treespec.trees import BestFirstBuilder
 
+from _engine_helpers import hf_greedy
+from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
 MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def real():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def real(one_thread):
     target = load_target("smollm2-135m", dtype=torch.float32)
-    ids = torch.tensor(chat_prompt(target.tokenizer, mtbench_questions()[0].turns[0]))
-    yield target, ids
-    torch.set_num_threads(before)
+    return target, torch.tensor(chat_prompt(target.tokenizer, mtbench_questions()[0].turns[0]))
 
 
 def test_eagle3_best_first_greedy_equals_hf_generate(real) -> None:
     target, ids = real
-    with torch.inference_mode():
-        ref = target.model.generate(ids[None], attention_mask=torch.ones_like(ids)[None],
-                                    do_sample=False, max_new_tokens=MAX_NEW,
-                                    eos_token_id=list(target.eos_token_ids), pad_token_id=2,
-                                    temperature=None, top_p=None, top_k=None)
-    ref = ref[0, ids.numel():].tolist()
+    ref = hf_greedy(target.model, ids, target.eos_token_ids, MAX_NEW)
     gen = SpeculativeGenerator(target, load_drafter("eagle3", target), BestFirstBuilder(16, max_width=4))
     out = gen.generate(ids, max_new_tokens=MAX_NEW, temperature=0.0)
     assert out.token_ids.tolist() == ref
