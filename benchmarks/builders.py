@@ -300,11 +300,13 @@ def main() -> None:
                 machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
                 torch=torch.__version__, wall_s=0.0, complete=False,
                 sequoia_acceptance={str(k): list(v) for k, v in acceptance.items()})
-    if args.note or (earlier is not None and earlier["meta"].get("note")):
-        meta["note"] = args.note or earlier["meta"]["note"]
     done = 0
+    if args.note:
+        meta["note"] = args.note
     if earlier is not None:
         done = earlier["meta"]["prompts_done"]
+        if "note" in earlier["meta"] and not args.note:
+            meta["note"] = earlier["meta"]["note"]
         # the earlier wall_s already includes every run before it
         meta["wall_s_before_resume"] = earlier["meta"]["wall_s"]
     # Every configuration runs on prompt i before any runs on prompt i + 1 (interleaved), so a
