@@ -1,5 +1,6 @@
 """Greedy equivalence on the real model: at temperature 0, speculative decoding with SmolLM2-135M
-(fp32) and its early-exit drafter emits exactly ``model.generate(do_sample=False)``'s tokens.
+(fp32, on the packed fast path of ``treespec.fastpath``) and its early-exit drafter emits exactly
+the tokens of ``model.generate(do_sample=False)`` on the stock HF model.
 
 Five MT-bench first turns (writing, roleplay, reasoning, math, coding), through the chat template
 (``SpeculativeGenerator.encode``), 64 new tokens, two configurations: a chain with the default
@@ -24,6 +25,7 @@ import torch
 
 from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, load_drafter, load_target
 from treespec.data import mtbench_questions
+from treespec.fastpath import packing_available
 
 from _engine_helpers import hf_greedy
 
@@ -51,7 +53,16 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def target(one_thread):
-    return load_target("smollm2-135m", dtype=torch.float32)
+    """The engine's target: fp32 with the packed fast path (the default), which must stay exact."""
+    target = load_target("smollm2-135m", dtype=torch.float32)
+    assert ("onednn" in target.speed_path) == packing_available(), target.speed_path
+    return target
+
+
+@pytest.fixture(scope="module")
+def stock(one_thread):
+    """The reference: the same fp32 weights with HF's stock linear layers."""
+    return load_target("smollm2-135m", dtype=torch.float32, pack=False)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +73,8 @@ def prompts(target) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def references(target, prompts) -> list[list[int]]:
-    return [hf_greedy(target.model, ids, target.eos_token_ids, NEW_TOKENS) for ids in prompts]
+def references(stock, prompts) -> list[list[int]]:
+    return [hf_greedy(stock.model, ids, stock.eos_token_ids, NEW_TOKENS) for ids in prompts]
 
 
 def top2_gap(model, tokens: list[int]) -> tuple[float, list[int]]:
@@ -74,7 +85,7 @@ def top2_gap(model, tokens: list[int]) -> tuple[float, list[int]]:
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_greedy_equals_hf_generate(target, prompts, references, config) -> None:
+def test_greedy_equals_hf_generate(target, stock, prompts, references, config) -> None:
     make_builder, layers = CONFIGS[config]
     drafter = "early-exit" if layers is None else load_drafter("early-exit", target, num_layers=layers)
     gen = SpeculativeGenerator(target, drafter, make_builder())
@@ -90,7 +101,7 @@ def test_greedy_equals_hf_generate(target, prompts, references, config) -> None:
         j = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
         assert j is not None, (f"question {q}: outputs agree on {min(len(out), len(ref))} tokens "
                                f"but have lengths {len(out)} (engine) and {len(ref)} (HF)")
-        gap, top = top2_gap(target.model, ids.tolist() + ref[:j])
+        gap, top = top2_gap(stock.model, ids.tolist() + ref[:j])
         assert gap < NEAR_TIE and {out[j], ref[j]} == set(top), (
             f"question {q}: {config} diverges from HF greedy at new token {j} "
             f"(engine {out[j]}, HF {ref[j]}), not a near-tie: top-2 logit gap {gap:.3g}, top-2 {top}"

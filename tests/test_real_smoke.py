@@ -23,13 +23,14 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def real(one_thread):
-    target = load_target("smollm2-135m", dtype=torch.float32)
+    target = load_target("smollm2-135m", dtype=torch.float32)   # packed fast path (the default)
     return target, torch.tensor(chat_prompt(target.tokenizer, mtbench_questions()[0].turns[0]))
 
 
 def test_eagle3_best_first_greedy_equals_hf_generate(real) -> None:
     target, ids = real
-    ref = hf_greedy(target.model, ids, target.eos_token_ids, MAX_NEW)
+    stock = load_target("smollm2-135m", dtype=torch.float32, pack=False)
+    ref = hf_greedy(stock.model, ids, stock.eos_token_ids, MAX_NEW)
     gen = SpeculativeGenerator(target, load_drafter("eagle3", target), BestFirstBuilder(16, max_width=4))
     out = gen.generate(ids, max_new_tokens=MAX_NEW, temperature=0.0)
     assert out.token_ids.tolist() == ref

