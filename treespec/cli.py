@@ -32,9 +32,12 @@ def make_builder(name: str, budget: int, depth: int, top_k: int, mode: str = "de
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="target name (default smollm2-135m)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="target weights (bfloat16: faster trees on CPUs with bf16 GEMMs; greedy output may "
-                        "differ from fp32 at near-ties)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="target weights; auto (default): bfloat16 where the CPU/GPU has native bf16 matrix "
+                        "units, else float32. bfloat16 is its own target (greedy output may differ from "
+                        "fp32 at near-ties); float32 is the exact reference")
+    p.add_argument("--no-pack", action="store_true",
+                   help="keep HF's stock linear layers (default: weights packed once for the CPU's GEMM)")
     p.add_argument("--drafter", default="eagle3", help="registered drafter name (see treespec.registered_drafters())")
     p.add_argument("--tree", default="dynamic", choices=BUILDERS, help="tree builder")
     p.add_argument("--budget", default="16", help="tree nodes incl. root, or 'auto' (cost model)")
@@ -50,12 +53,26 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's; demo: 1, see its help)")
 
 
-def _build_generator(args):
-    from treespec import SpeculativeGenerator, load_drafter, load_target
+def _load_target(args):
+    from treespec import load_target
 
-    target = load_target(args.model, dtype=getattr(torch, args.dtype))
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    target = load_target(args.model, dtype=args.dtype, pack=not args.no_pack)
+    print(f"[target: {target.speed_path}]", file=sys.stderr, flush=True)
+    return target
+
+
+def _build_generator(args, target=None):
+    from treespec import SpeculativeGenerator, load_drafter
+
+    target = target if target is not None else _load_target(args)
     drafter = load_drafter(args.drafter, target)
     if args.budget == "auto":
         gen = SpeculativeGenerator(target, drafter, "auto")
@@ -65,13 +82,16 @@ def _build_generator(args):
         budget = int(args.budget)
     except ValueError:
         raise SystemExit(f"--budget must be an integer or 'auto', got {args.budget!r}") from None
-    acceptance = _sequoia_acceptance(args) if args.tree == "sequoia" else None
+    from treespec.fastpath import is_packed
+
+    acceptance = _sequoia_acceptance(args, target.dtype, is_packed(target.model)) if args.tree == "sequoia" else None
     builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode, acceptance)
     return target, SpeculativeGenerator(target, drafter, builder)
 
 
-def _sequoia_acceptance(args) -> tuple[float, ...] | None:
-    """--acceptance, else the calibrated vector of --drafter, else None (Sequoia's default)."""
+def _sequoia_acceptance(args, dtype: torch.dtype = torch.float32, packed: bool = False) -> tuple[float, ...] | None:
+    """--acceptance, else the calibrated vector of --drafter measured on a target with this
+    ``dtype`` and linear path (``packed``), else None (Sequoia's default)."""
     if args.acceptance:
         try:
             return tuple(float(x) for x in args.acceptance.split(","))
@@ -79,7 +99,7 @@ def _sequoia_acceptance(args) -> tuple[float, ...] | None:
             raise SystemExit(f"--acceptance must be comma-separated probabilities, got {args.acceptance!r}") from None
     from treespec.cost import Calibration, default_calibration_path
 
-    path = default_calibration_path(args.model, getattr(args, "dtype", "float32"))
+    path = default_calibration_path(args.model, dtype, packed)
     vector = Calibration.load(path).acceptance.get(args.drafter) if path.exists() else None
     if vector is not None:
         print(f"[sequoia acceptance of {args.drafter} from {path}: {list(vector)}]", file=sys.stderr)
@@ -112,39 +132,89 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def plain_decode_speed(target, ids: torch.Tensor, max_new_tokens: int) -> tuple[float, int]:
-    """tokens/s of HF greedy ``generate`` (the vanilla baseline) and the token count."""
+def plain_decode_speed(target, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                       seed: int | None = None) -> tuple[float, int]:
+    """tokens/s of HF ``generate`` on the same model object (same weights, dtype and linear
+    path: the honest baseline), greedy at temperature 0, sampled otherwise; and the token count."""
     model = target.model
     eos = list(target.eos_token_ids) or None
+    sample = temperature > 0
+    if seed is not None:
+        torch.manual_seed(seed)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        out = model.generate(ids[None].to(target.device), do_sample=False, max_new_tokens=max_new_tokens,
+        out = model.generate(ids[None].to(target.device), do_sample=sample, max_new_tokens=max_new_tokens,
                              eos_token_id=eos, pad_token_id=eos[0] if eos else 0,
-                             repetition_penalty=None, temperature=None, top_p=None, top_k=None)
+                             attention_mask=torch.ones_like(ids)[None].to(target.device),
+                             repetition_penalty=None, temperature=temperature if sample else None,
+                             top_p=None, top_k=0 if sample else None)
         dt = time.perf_counter() - t0
     n = out.shape[1] - ids.numel()
     return n / dt, n
 
 
+def ensure_calibration(target, drafter_name: str, out=sys.stderr):
+    """The target's calibration for ``builder="auto"``, measured now (with a progress bar) and
+    cached if this machine has none for this model, dtype and linear path. Returns its path."""
+    from tqdm.auto import tqdm
+
+    from treespec.cost import Calibration, calibrate, calibrate_drafter, default_calibration_path
+    from treespec.data import mtbench_questions
+    from treespec.fastpath import is_packed
+
+    dtype = next(target.model.parameters()).dtype
+    path = default_calibration_path(target.name, dtype, is_packed(target.model))
+    if path.exists() and drafter_name in Calibration.load(path).acceptance:
+        return path
+    print(f"[no calibration of {target.name} ({target.speed_path.split(' (')[0]}) with drafter "
+          f"{drafter_name!r} on this machine: measuring it once, about a minute; cached at {path}]",
+          file=out, flush=True)
+    # target curve, two generic drafter curves, the drafter's pass times, its acceptance
+    bar = tqdm(total=5, desc="calibrating", unit="stage", file=out)
+
+    def step(message: str) -> None:
+        bar.set_postfix_str(message.split(":")[0])
+        bar.update(1)
+
+    try:
+        ns = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+        cal = calibrate(target.model, target.name, ns=ns, context=128, n_rep=5, progress=step)
+        held_out = [q.turns[0] for q in mtbench_questions()[-4:]]   # the demo uses the first ones
+        cal = calibrate_drafter(cal, drafter_name, target, held_out, progress=step)
+    finally:
+        bar.close()
+    return cal.save(path)
+
+
 def cmd_demo(args) -> int:
-    """Generate an answer to an MT-bench question; compare with plain decoding of the target."""
+    """Answer an MT-bench question with the tree the cost model picks for this machine, and
+    compare with plain decoding of the same weights, in the same dtype, on the same path."""
     from treespec.data import mtbench_questions
 
-    q = mtbench_questions()[args.question]
-    args.prompt = q.turns[0]
-    target, gen = _build_generator(args)
+    questions = mtbench_questions()
+    if not 0 <= args.question < len(questions):
+        raise ValueError(f"--question must be in [0, {len(questions) - 1}], got {args.question}")
+    q = questions[args.question]
+    target = _load_target(args)
+    if args.budget == "auto":
+        ensure_calibration(target, args.drafter)
+    target, gen = _build_generator(args, target)
     print(f"MT-bench #{q.question_id} ({q.category}): {q.turns[0]}\n", flush=True)
     ids = gen.encode(q.turns[0])
     gen.generate(ids, max_new_tokens=8)  # warm-up
+    plain_decode_speed(target, ids, 8)
     res = gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        seed=args.seed)
     print(res.text, "\n")
     print(res.stats.table())
-    base_tps, base_n = plain_decode_speed(target, ids, args.max_new_tokens)
+    base_tps, base_n = plain_decode_speed(target, ids, args.max_new_tokens, args.temperature, args.seed)
     spec_tps = res.stats.new_tokens / (res.stats.decode_time + res.stats.prefill_time)
-    print(f"\nplain decoding (HF generate, greedy): {base_tps:.1f} tokens/s ({base_n} tokens)")
-    print(f"treespec {args.tree} + {args.drafter}:  {spec_tps:.1f} tokens/s "
-          f"-> speedup {spec_tps / base_tps:.2f}x (prefill included on both sides)")
+    mode = "greedy" if args.temperature == 0 else f"sampled at T={args.temperature:g}"
+    print(f"\npath: {target.speed_path}; {torch.get_num_threads()} threads")
+    print(f"plain decoding (HF generate, {mode}, same weights and path): {base_tps:.1f} tokens/s "
+          f"({base_n} tokens)")
+    print(f"treespec {getattr(gen.builder, 'config', type(gen.builder).__name__)} + {args.drafter}: "
+          f"{spec_tps:.1f} tokens/s -> speedup {spec_tps / base_tps:.2f}x (prefill included on both sides)")
     return 0
 
 
@@ -162,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="MT-bench question, speed against plain decoding")
     _add_generation_args(d)
     d.add_argument("--question", type=int, default=0, help="index into the 80 MT-bench questions")
-    d.set_defaults(func=cmd_demo)
+    # One thread by default: on a small shared machine a 2-thread forward of this model slows
+    # down several-fold whenever the other core is busy (OpenMP workers wait for each other).
+    d.set_defaults(func=cmd_demo, budget="auto", threads=1)
 
     try:
         from treespec.cost.cli import register as register_cost

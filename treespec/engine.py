@@ -142,14 +142,18 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     """
     from treespec.cost import DEFAULT_BETA, Calibration, auto_budget, default_calibration_path
 
+    from treespec.fastpath import is_packed
+
     dtype = next(target.model.parameters()).dtype
     dtype_name = str(dtype).removeprefix("torch.")
     if calibration is None:
-        path = default_calibration_path(target.name, dtype_name)
+        packed = is_packed(target.model)
+        path = default_calibration_path(target.name, dtype_name, packed)
         if not path.exists():
-            raise ValueError(f"builder='auto' needs a calibration of {target.name!r} ({dtype_name}) at {path}; "
-                             f"run `treespec calibrate --model {target.name} --weights pretrained "
-                             f"--dtype {dtype_name}` first")
+            raise ValueError(f"builder='auto' needs a calibration of {target.name!r} ({dtype_name}"
+                             f"{', packed' if packed else ''}) at {path}; run `treespec calibrate --model "
+                             f"{target.name} --weights pretrained --dtype {dtype_name}"
+                             f"{'' if packed else ' --no-pack'}` first")
         calibration = Calibration.load(path)
     if calibration.shape.bytes_per_weight != dtype.itemsize:
         raise ValueError(f"the calibration measured {calibration.shape.bytes_per_weight:g}-byte weights but the "

@@ -42,6 +42,7 @@ __all__ = [
     "PackReport",
     "PackedLinear",
     "cpu_info",
+    "is_packed",
     "machine_info",
     "native_bf16",
     "pack_linears",
@@ -264,6 +265,11 @@ def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = N
                 count += 1
     kind = "bf16" if weight.dtype == torch.bfloat16 else f"fp32, >= {min_rows} rows"
     return PackReport(count, f"onednn ({kind})" if count else "stock", reason)
+
+
+def is_packed(model: nn.Module) -> bool:
+    """Whether any linear layer of ``model`` runs on the packed path."""
+    return any(isinstance(m, PackedLinear) for m in model.modules())
 
 
 def unpack_linears(model: nn.Module) -> int:

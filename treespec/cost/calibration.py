@@ -242,14 +242,15 @@ class Calibration:
         return self.shape.weight_bytes / self.target(1)
 
 
-def default_calibration_path(model: str, dtype: str = "float32") -> Path:
+def default_calibration_path(model: str, dtype: str = "float32", packed: bool = False) -> Path:
     """``$TREESPEC_CACHE/calibration-<model>.json``, else under ``~/.cache/treespec``; weights
     other than float32 get their own file (``calibration-<model>-bfloat16.json``): the CPU's
-    verify curve depends on the dtype far more than on anything else."""
+    verify curve depends on the dtype far more than on anything else. A target on the packed
+    linear path (``treespec.fastpath``) has its own curve too (``...-packed.json``)."""
     if not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
     root = os.environ.get("TREESPEC_CACHE")
-    suffix = "" if dtype == "float32" else f"-{dtype}"
+    suffix = ("" if dtype == "float32" else f"-{dtype}") + ("-packed" if packed else "")
     return (Path(root) if root else Path.home() / ".cache" / "treespec") / f"calibration-{model}{suffix}.json"
 
 

@@ -101,8 +101,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="comma-separated registered drafters to measure for real (pass times by width and "
                           "positional acceptance on 4 held-out MT-bench prompts); implies --weights pretrained. "
                           "builder='auto' then uses them")
-    cal.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                     help="weights as the engine will run them (each dtype has its own default file)")
+    cal.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"),
+                     help="weights as the engine will run them (each dtype has its own default file); "
+                          "auto: bfloat16 where the CPU/GPU has native bf16 units, else float32")
+    cal.add_argument("--no-pack", action="store_true",
+                     help="measure the stock linear layers instead of the packed fast path (own file)")
     cal.add_argument("--out", type=Path, default=None, help="output JSON (default: the model's default path)")
     cal.set_defaults(func=_calibrate)
 
@@ -180,16 +183,20 @@ def _calibrate(args: argparse.Namespace) -> int:
     if drafters or args.weights == "pretrained":
         from treespec.models import load_target
 
-        target = load_target(args.model, dtype=getattr(torch, args.dtype))
+        target = load_target(args.model, dtype=args.dtype, pack=not args.no_pack)
+        print(f"[target: {target.speed_path}]", flush=True)
         model = target.model
     else:
         from transformers import AutoModelForCausalLM, LlamaConfig
 
         if args.model not in MODEL_PRESETS:
             raise KeyError(f"unknown model {args.model!r}; known models: {sorted(MODEL_PRESETS)}")
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL_PRESETS[args.model]),
-                                                 dtype=getattr(torch, args.dtype))
+        from treespec.fastpath import pack_linears, resolve_dtype
+
+        dtype, _ = resolve_dtype(args.dtype)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL_PRESETS[args.model]), dtype=dtype)
         model.eval().requires_grad_(False)
+        pack_linears(model, enabled=not args.no_pack)
     if args.clock == "thread" and args.threads != 1:
         raise ValueError("--clock thread counts one thread's CPU time: use it with --threads 1")
     ns = tuple(n for n in DEFAULT_NS if n <= args.max_n)
@@ -212,7 +219,10 @@ def _calibrate(args: argparse.Namespace) -> int:
                                            progress=lambda m: print(m, flush=True))
         finally:
             torch.set_num_threads(previous)
-    path = result.save(args.out or default_calibration_path(args.model, args.dtype))
+    from treespec.fastpath import is_packed
+
+    dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
+    path = result.save(args.out or default_calibration_path(args.model, dtype_name, is_packed(model)))
     print(f"saved {path}")
     return 0
 

@@ -3,6 +3,8 @@
 Registered names resolve through ``treespec.load_drafter(name, target)``.
 """
 
+import torch
+
 from treespec.drafters.base import (
     Drafter, PartialTree, TargetFeatures, drafter_factory, register_drafter, registered_drafters,
 )
@@ -22,8 +24,22 @@ def load_drafter(name: str, target, **options) -> Drafter:
     """Build the registered drafter ``name`` for ``target`` (a treespec.Target). The drafter
     remembers ``name`` as ``registry_name`` (calibrations are keyed by it)."""
     drafter = drafter_factory(name)(target, **options)
+    _pack_like_target(drafter, target)
     try:
         drafter.registry_name = name
     except AttributeError:  # a drafter with __slots__ or a read-only name: keyed by cost kind
         pass
     return drafter
+
+
+def _pack_like_target(drafter, target) -> None:
+    """Give a drafter's own linear layers the target's fast path (``treespec.fastpath``):
+    packed when the target's are. Drafters run in the target's dtype, so the same rule holds."""
+    from treespec.fastpath import PackedLinear, pack_linears
+
+    if not any(isinstance(m, PackedLinear) for m in target.model.modules()):
+        return
+    for attr in ("head", "model"):
+        module = getattr(drafter, attr, None)
+        if isinstance(module, torch.nn.Module) and module is not target.model:
+            pack_linears(module)
