@@ -1,21 +1,30 @@
-"""Engine benchmark: vanilla HF decoding vs HF assisted generation vs treespec chain / tree.
+"""Engine benchmark, full size: plain decoding and the peers against treespec, per dtype.
 
-All methods run side by side, prompt by prompt (interleaved, so machine noise hits all alike),
-greedy (T = 0), on MT-bench first turns through the chat template, with the same draft model.
+Rows, all run side by side prompt by prompt (interleaved, so machine noise hits all alike), on
+MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sampled, seeded):
+- plain decoding: HF ``generate`` on the stock model, and for bf16 also on the packed model
+  (``treespec.fastpath``: plain bf16 decoding gets faster too, so it is the honest baseline);
+- HF assisted generation with the shipped ``small`` drafter, HF prompt lookup (stock model);
+- treespec on the packed target with the shipped eagle3 head: a chain, a best-first tree, and
+  ``builder="auto"`` (the cost model with this machine's calibration of the same path).
+fp32 is the exact reference target; bf16 rows run only where the CPU has native bf16 units (a
+bf16 target is a different target: its rows are compared with plain decoding of the same bf16
+weights, and with the fastest plain decoding of any dtype, so a bf16 row cannot win by slowing
+its own baseline). At T = 1 every output is scored under the fp32 target (mean log-likelihood
+per token): bf16 speculative decoding must not cost quality against bf16 plain decoding.
 
-    python benchmarks/engine.py --prompts 10 --max-new-tokens 128
+    python benchmarks/engine.py --prompts 20 --max-new-tokens 128 --threads 1
 
-Writes benchmarks/results/engine.{json,md}. Reported per method: median tokens/s over prompts,
-speedup (ratio of medians of per-prompt tokens/s to vanilla's), τ, and for treespec the time
-split and the engine overhead = share of decode time spent outside model forwards (measured
-with forward hooks on the target and draft modules).
+Writes benchmarks/results/engine.{json,md} after every prompt; ``--resume`` continues a cut-short
+run from its JSON. Speedups are ratios of median per-prompt tokens/s (prefill included).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -23,42 +32,26 @@ from pathlib import Path
 import torch
 
 import treespec
-from treespec.cli import make_builder
-from treespec.data import mtbench_questions
-from treespec.drafters import ModelDrafter, early_exit_model
+from treespec.cli import ensure_calibration, make_builder
+from treespec.data import chat_prompt, mtbench_questions
+from treespec.fastpath import cpu_info, machine_info
+from treespec.trees import BestFirstBuilder
 
 RESULTS = Path(__file__).parent / "results"
+PLAIN = ("HF generate", "HF generate (packed)")
 
 
-class ForwardTimer:
-    """Accumulates wall time spent inside the forward of the given modules (via hooks)."""
-
-    def __init__(self, *modules: torch.nn.Module):
-        self.total = 0.0
-        self._start: dict[int, float] = {}
-        self._handles = []
-        for m in modules:
-            self._handles.append(m.register_forward_pre_hook(self._pre))
-            self._handles.append(m.register_forward_hook(self._post))
-
-    def _pre(self, module, args):
-        self._start[id(module)] = time.perf_counter()
-
-    def _post(self, module, args, out):
-        self.total += time.perf_counter() - self._start.pop(id(module))
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-def hf_generate(model, ids, max_new, eos, assistant=None, lookup=0):
-    kwargs = dict(do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=eos[0],
-                  repetition_penalty=None, temperature=None, top_p=None, top_k=None)
+def hf_generate(model, ids, max_new, eos, temperature, seed, assistant=None, lookup=0):
+    """HF ``generate`` (new tokens, seconds); sampled with ``seed`` at temperature > 0."""
+    sample = temperature > 0
+    kwargs = dict(do_sample=sample, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=eos[0],
+                  attention_mask=torch.ones_like(ids)[None], repetition_penalty=None,
+                  temperature=temperature if sample else None, top_p=None, top_k=0 if sample else None)
     if assistant is not None:
         kwargs["assistant_model"] = assistant
     if lookup:
         kwargs["prompt_lookup_num_tokens"] = lookup
+    torch.manual_seed(seed)
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = model.generate(ids[None], **kwargs)
@@ -66,115 +59,223 @@ def hf_generate(model, ids, max_new, eos, assistant=None, lookup=0):
     return out[0, ids.numel():], dt
 
 
+def log_likelihood(model, ids: torch.Tensor, new: torch.Tensor) -> tuple[float, int]:
+    """Sum of log p(new token | prefix) under ``model`` and the token count."""
+    if new.numel() == 0:
+        return 0.0, 0
+    seq = torch.cat([ids, new])[None]
+    with torch.inference_mode():
+        logits = model(input_ids=seq).logits[0, ids.numel() - 1:-1].float()
+    return float(torch.log_softmax(logits, -1).gather(1, new[:, None]).sum()), int(new.numel())
+
+
+def build(args):
+    """{dtype: {row name: callable(ids, T, seed) -> record}} and the fp32 scorer."""
+    dtypes = ["fp32"] + (["bf16"] if cpu_info().native_bf16 else [])
+    runners, paths = {}, {}
+    scorer = None
+    for d in dtypes:
+        dtype = torch.float32 if d == "fp32" else torch.bfloat16
+        stock = treespec.load_target("smollm2-135m", dtype=dtype, pack=False)
+        packed = treespec.load_target("smollm2-135m", dtype=dtype, pack=True)
+        paths[d] = {"stock": stock.speed_path, "packed": packed.speed_path}
+        if d == "fp32":
+            scorer = stock.model
+        eos = list(stock.eos_token_ids)
+        small = treespec.load_drafter("small", stock).model
+        eagle3 = treespec.load_drafter("eagle3", packed)
+        cal = ensure_calibration(packed, "eagle3")
+        gens = {
+            "treespec chain": treespec.SpeculativeGenerator(
+                packed, eagle3, make_builder("chain", args.chain_k + 1, 5, 4)),
+            f"treespec best-first {args.budget}": treespec.SpeculativeGenerator(
+                packed, eagle3, BestFirstBuilder(args.budget, max_width=4)),
+            "treespec auto": treespec.SpeculativeGenerator(packed, eagle3, "auto"),
+        }
+        paths[d]["auto"] = f"{gens['treespec auto'].builder.config} (calibration {cal})"
+        rows = {
+            "HF generate": lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s),
+            "HF assisted (small)": lambda ids, t, s, m=stock.model, e=eos, a=small: hf_generate(
+                m, ids, args.max_new_tokens, e, t, s, assistant=a),
+            "HF prompt lookup": lambda ids, t, s, m=stock.model, e=eos: hf_generate(
+                m, ids, args.max_new_tokens, e, t, s, lookup=args.chain_k),
+        }
+        if d == "bf16":
+            rows["HF generate (packed)"] = lambda ids, t, s, m=packed.model, e=eos: hf_generate(
+                m, ids, args.max_new_tokens, e, t, s)
+        for name, g in gens.items():
+            rows[name] = g
+        runners[d] = rows
+    return runners, paths, scorer
+
+
+def run_row(runner, ids, temperature, seed, max_new):
+    if isinstance(runner, treespec.SpeculativeGenerator):
+        t0 = time.perf_counter()
+        res = runner.generate(ids, max_new_tokens=max_new, temperature=temperature, seed=seed)
+        dt = time.perf_counter() - t0
+        s = res.stats
+        return res.token_ids, dt, {"tau": s.tau, "steps": s.steps, "nodes": s.tree_nodes, "draft": s.draft_time,
+                                   "verify": s.verify_time, "accept": s.accept_time, "other": s.other_time,
+                                   "prefill": s.prefill_time}
+    out, dt = runner(ids, temperature, seed)
+    return out, dt, {}
+
+
+def summarize(data: dict) -> dict:
+    """Per temperature: per row median tokens/s, speedups, τ, time split, quality."""
+    summary = {}
+    for temp, by_row in data["rows"].items():
+        med = {name: statistics.median(r["tokens"] / r["time"] for r in rs) for name, rs in by_row.items() if rs}
+        plain = {n: v for n, v in med.items() if n.split(" ", 1)[1] in PLAIN}
+        fastest_plain = max(plain, key=plain.get)
+        hf = med.get("fp32 HF generate")
+        table = {}
+        for name, rs in by_row.items():
+            if not rs:
+                continue
+            d = name.split(" ", 1)[0]
+            same = max(v for n, v in plain.items() if n.startswith(d + " "))
+            e = {"tokens_per_s": med[name], "vs_same_dtype_plain": med[name] / same,
+                 "vs_fastest_plain": med[name] / plain[fastest_plain],
+                 "vs_fp32_hf_generate": med[name] / hf if hf else None, "prompts": len(rs)}
+            if "same_as_plain" in rs[0]:
+                e["same_as_plain"] = sum(r["same_as_plain"] for r in rs)
+            if "tau" in rs[0]:
+                steps = sum(r["steps"] for r in rs)
+                e.update({"tau": sum(r["tau"] * r["steps"] for r in rs) / steps,
+                          "nodes": sum(r["nodes"] for r in rs) / steps,
+                          **{f"{k}_ms": 1e3 * sum(r[k] for r in rs) / steps
+                             for k in ("draft", "verify", "accept", "other")}})
+            lls = [r["ll"] / r["ll_n"] for r in rs if r.get("ll_n")]
+            if len(lls) >= 2:
+                e["ll_mean"] = statistics.mean(lls)
+                e["ll_ci95"] = 1.96 * statistics.stdev(lls) / math.sqrt(len(lls))
+            table[name] = e
+        summary[temp] = {"fastest_plain": fastest_plain, "rows": table}
+    return summary
+
+
+def limiter(summary_t: dict, goal: float) -> list[str]:
+    """Why the best treespec row of each dtype is where it is: τ, verify cost, draft cost."""
+    lines = []
+    rows = summary_t["rows"]
+    for d in ("fp32", "bf16"):
+        spec = {n: e for n, e in rows.items() if n.startswith(d + " treespec")}
+        if not spec:
+            continue
+        best = max(spec, key=lambda n: spec[n]["tokens_per_s"])
+        e = spec[best]
+        plain_name = max((n for n in rows if n.startswith(d + " HF generate")), key=lambda n: rows[n]["tokens_per_s"])
+        plain_ms = 1e3 / rows[plain_name]["tokens_per_s"]
+        step = e["draft_ms"] + e["verify_ms"] + e["accept_ms"] + e["other_ms"]
+        need_tau = goal * step / plain_ms
+        lines.append(
+            f"- {best}: τ {e['tau']:.2f}, {e['nodes']:.1f} nodes per step; per step draft {e['draft_ms']:.1f} ms + "
+            f"verify {e['verify_ms']:.1f} ms + accept/other {e['accept_ms'] + e['other_ms']:.1f} ms = {step:.1f} ms "
+            f"against {plain_ms:.1f} ms per token of {plain_name} (verify ratio {e['verify_ms'] / plain_ms:.2f}, "
+            f"draft {e['draft_ms'] / plain_ms:.2f} of a plain token). At this step cost {goal:g}x needs τ {need_tau:.2f}; "
+            f"at this τ it needs a step of {e['tau'] * plain_ms / goal:.1f} ms.")
+    return lines
+
+
+def write(data: dict, out: Path) -> str:
+    data["summary"] = summarize(data)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    m, a = data["machine"], data["args"]
+    n_prompts = min(len(rs) for t in data["rows"].values() for rs in t.values())
+    lines = [
+        f"# Engine benchmark: {n_prompts} MT-bench prompts x {a['max_new_tokens']} new tokens",
+        "",
+        f"CPU: {m['cpu_model']}; flags: {', '.join(m['cpu_flags'])}; torch {m['torch']}, "
+        f"{m['torch_threads']} thread(s). Wall time {data['wall_s'] / 60:.1f} min; load average during the run "
+        f"{min(data['load']):.1f}-{max(data['load']):.1f} (other processes shared the 2 cores when > 1). "
+        f"{data.get('note', '')}",
+        "",
+        "Paths: " + "; ".join(f"{d} {k}: {v}" for d, p in data["paths"].items() for k, v in p.items()),
+        "",
+        "Speedups are ratios of median per-prompt tokens/s (prefill included). *same dtype* = against the "
+        "fastest plain decoding of that dtype; *fastest plain* = against the fastest plain decoding of any "
+        "dtype on this machine; *fp32 HF* = against stock fp32 HF `generate`. ll = mean per-token "
+        "log-likelihood of the output under the fp32 target (T = 1; ± 95 % CI over prompts). = plain: prompts "
+        "whose greedy output equals the first row of the same dtype (stock HF `generate`) token for token.",
+    ]
+    for temp, s in data["summary"].items():
+        lines += ["", f"## T = {temp}", "",
+                  f"Fastest plain decoding: {s['fastest_plain']}.", "",
+                  "| row | tokens/s | same dtype | fastest plain | fp32 HF | τ | nodes | draft / verify / other ms per step | ll | = plain |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+        for name, e in s["rows"].items():
+            tau = f"{e['tau']:.2f}" if "tau" in e else "-"
+            nodes = f"{e['nodes']:.1f}" if "nodes" in e else "-"
+            split = (f"{e['draft_ms']:.1f} / {e['verify_ms']:.1f} / {e['accept_ms'] + e['other_ms']:.1f}"
+                     if "draft_ms" in e else "-")
+            ll = f"{e['ll_mean']:.3f} ± {e['ll_ci95']:.3f}" if "ll_mean" in e else "-"
+            hf = f"{e['vs_fp32_hf_generate']:.2f}x" if e["vs_fp32_hf_generate"] else "-"
+            lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['vs_same_dtype_plain']:.2f}x | "
+                         f"{e['vs_fastest_plain']:.2f}x | {hf} | {tau} | {nodes} | {split} | {ll} | "
+                         f"{str(e['same_as_plain']) + '/' + str(e['prompts']) if 'same_as_plain' in e else '-'} |")
+        goal = 1.5 if temp == "0" else 1.3
+        lines += ["", f"What holds the best rows back (goal {goal}x over HF generate):", ""]
+        lines += limiter(s, goal)
+    md = "\n".join(lines) + "\n"
+    out.with_suffix(".md").write_text(md)
+    return md
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--draft-layers", type=int, default=4, help="early-exit drafter depth")
-    ap.add_argument("--chain-k", type=int, default=4)
-    ap.add_argument("--budget", type=int, default=16)
-    ap.add_argument("--depth", type=int, default=5)
-    ap.add_argument("--top-k", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--chain-k", type=int, default=3, help="chain length and prompt-lookup tokens")
+    ap.add_argument("--budget", type=int, default=8, help="best-first tree nodes incl. the root")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--note", default="", help="how the machine was used during the run")
+    ap.add_argument("--resume", action="store_true", help="continue the run saved at --out")
     ap.add_argument("--out", default=str(RESULTS / "engine"))
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    target = treespec.load_target("smollm2-135m")
-    model, eos = target.model, list(target.eos_token_ids)
-    draft_model = early_exit_model(model, args.draft_layers)
-    drafter = ModelDrafter(draft_model, target.vocab_size)
-    methods = {
-        "treespec chain": make_builder("chain", args.chain_k + 1, args.depth, args.top_k),
-        "treespec tree": make_builder("dynamic", args.budget, args.depth, args.top_k),
-    }
-    gens = {name: treespec.SpeculativeGenerator(target, drafter, b) for name, b in methods.items()}
-    lookup = treespec.load_drafter("lookup", target)
-    gens["treespec chain + lookup"] = treespec.SpeculativeGenerator(
-        target, lookup, make_builder("chain", args.chain_k + 1, args.depth, args.top_k))
-    questions = mtbench_questions()[: args.prompts]
-    encode = gens["treespec tree"].encode
-
-    # Warm-up (allocator, kernels) on a short prompt, not measured.
-    warm = encode("Hello!")
-    hf_generate(model, warm, 8, eos)
-    hf_generate(model, warm, 8, eos, draft_model)
-    hf_generate(model, warm, 8, eos, lookup=args.chain_k)
-    for g in gens.values():
-        g.generate(warm, max_new_tokens=8)
-
-    rows: dict[str, list[dict]] = {k: [] for k in ["vanilla", "HF assisted", "HF prompt lookup", *gens]}
-    for qi, q in enumerate(questions):
-        ids = encode(q.turns[0])
-        ref, dt = hf_generate(model, ids, args.max_new_tokens, eos)
-        rows["vanilla"].append({"tokens": ref.numel(), "time": dt})
-        out, dt = hf_generate(model, ids, args.max_new_tokens, eos, draft_model)
-        rows["HF assisted"].append({"tokens": out.numel(), "time": dt,
-                                    "matches_vanilla": bool(torch.equal(out, ref))})
-        out, dt = hf_generate(model, ids, args.max_new_tokens, eos, lookup=args.chain_k)
-        rows["HF prompt lookup"].append({"tokens": out.numel(), "time": dt,
-                                         "matches_vanilla": bool(torch.equal(out, ref))})
-        for name, g in gens.items():
-            timer = ForwardTimer(model, draft_model)
-            t0 = time.perf_counter()
-            res = g.generate(ids, max_new_tokens=args.max_new_tokens)
-            dt = time.perf_counter() - t0
-            timer.close()
-            s = res.stats
-            rows[name].append({
-                "tokens": s.new_tokens, "time": dt, "tau": s.tau, "steps": s.steps,
-                "draft": s.draft_time, "verify": s.verify_time, "accept": s.accept_time,
-                "other": s.other_time, "prefill": s.prefill_time,
-                "forward_time": timer.total,
-                "overhead_share": max(dt - timer.total, 0.0) / dt,
-                "matches_vanilla": bool(torch.equal(res.token_ids, ref)),
-                "depth_acceptance": s.depth_acceptance,
-            })
-        print(f"prompt {qi + 1}/{len(questions)} done", flush=True)
-
-    def med(name, key):
-        return statistics.median(r[key] for r in rows[name])
-
-    base_tps = statistics.median(r["tokens"] / r["time"] for r in rows["vanilla"])
-    summary = []
-    for name, rs in rows.items():
-        tps = statistics.median(r["tokens"] / r["time"] for r in rs)
-        entry = {"method": name, "tokens_per_s": tps, "speedup": tps / base_tps,
-                 "matches_vanilla": all(r.get("matches_vanilla", True) for r in rs)}
-        if "tau" in rs[0]:
-            total = sum(r["time"] for r in rs)
-            entry.update({
-                "tau": med(name, "tau"),
-                "split": {k: sum(r[k] for r in rs) / total for k in ("prefill", "draft", "verify", "accept", "other")},
-                "overhead_share": med(name, "overhead_share"),
-            })
-        summary.append(entry)
-
-    lines = [
-        f"# Engine benchmark ({len(questions)} MT-bench prompts x {args.max_new_tokens} tokens, T=0)",
-        "",
-        f"Target SmolLM2-135M-Instruct fp32; draft = early-exit, first {args.draft_layers} layers "
-        f"(shared weights); chain k={args.chain_k}; tree = EAGLE-2 dynamic budget={args.budget}, "
-        f"depth={args.depth}, top_k={args.top_k}; lookup rows use prompt n-gram lookup (no model), "
-        f"{args.chain_k} tokens per step. torch threads {torch.get_num_threads()}, "
-        f"{platform.processor() or platform.machine()}. Medians over prompts, measured side by side.",
-        "",
-        "| method | tokens/s | speedup | tau | prefill / draft / verify / accept / other | overhead outside forwards | same tokens as vanilla |",
-        "| --- | ---: | ---: | ---: | --- | ---: | :---: |",
-    ]
-    for e in summary:
-        split = " / ".join(f"{100 * v:.0f}%" for v in e["split"].values()) if "split" in e else "-"
-        tau = f"{e['tau']:.2f}" if "tau" in e else "-"
-        ovh = f"{100 * e['overhead_share']:.1f}%" if "overhead_share" in e else "-"
-        lines.append(f"| {e['method']} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | {tau} | {split} | {ovh} | "
-                     f"{'yes' if e['matches_vanilla'] else 'NO'} |")
-    md = "\n".join(lines) + "\n"
-    print(md)
+    torch.set_num_threads(args.threads)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "summary": summary, "rows": rows}, indent=1))
+    temps = [t.strip() for t in args.temperatures.split(",")]
+    runners, paths, scorer = build(args)
+    names = [f"{d} {n}" for d, rows in runners.items() for n in rows]
+    if args.resume and out.with_suffix(".json").exists():
+        data = json.loads(out.with_suffix(".json").read_text())
+        data["note"] = " ".join(x for x in (data.get("note", ""), args.note) if x)
+    else:
+        data = {"machine": machine_info(), "args": vars(args), "paths": paths, "note": args.note, "wall_s": 0.0,
+                "load": [], "rows": {t: {n: [] for n in names} for t in temps}}
+    tokenizer = treespec.load_target("smollm2-135m", pack=False).tokenizer
+    questions = mtbench_questions()[: args.prompts]
+    warm = torch.tensor(chat_prompt(tokenizer, "Hello!"))
+    for d, rows in runners.items():          # warm-up: kernels, allocator, packed shapes
+        for runner in rows.values():
+            run_row(runner, warm, 0.0, 0, 8)
+    done = min(len(rs) for t in data["rows"].values() for rs in t.values())
+    for qi in range(done, len(questions)):
+        t_start = time.time()
+        ids = torch.tensor(chat_prompt(tokenizer, questions[qi].turns[0]))
+        for temp in temps:
+            temperature = float(temp)
+            seed = 1000 + qi
+            plain_out: dict[str, list[int]] = {}
+            for d, rows in runners.items():
+                for name, runner in rows.items():
+                    new, dt, extra = run_row(runner, ids, temperature, seed, args.max_new_tokens)
+                    record = {"tokens": int(new.numel()), "time": dt, **extra}
+                    if temperature > 0:
+                        record["ll"], record["ll_n"] = log_likelihood(scorer, ids, new.cpu())
+                    if temperature == 0:      # greedy: every row of a dtype must emit plain decoding's tokens
+                        reference = plain_out.setdefault(d, new.tolist())
+                        record["same_as_plain"] = new.tolist() == reference
+                    data["rows"][temp][f"{d} {name}"].append(record)
+        data["wall_s"] += time.time() - t_start
+        data["load"].append(os.getloadavg()[0])
+        write(data, out)
+        print(f"prompt {qi + 1}/{len(questions)} done ({time.time() - t_start:.0f} s)", flush=True)
+    print(write(data, out))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,200 @@
+"""Verify-pass cost t(n) by path: what one target forward over an n-node tree costs.
+
+Paths (SmolLM2-135M, one process, same prompt prefix, interleaved point by point so machine
+noise hits all alike): fp32 with HF's stock linear layers, fp32 packed (``treespec.fastpath``,
+the exact path), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units).
+Each point is one ``TreeVerifier.score`` (forward over n tree nodes with the tree mask after a
+cached prefix of P tokens, then softmax) followed by ``compact`` back to the prefix; the median of
+``--reps`` is kept. Beside them, the machine's physical limit per dtype:
+max(weight bytes / measured bandwidth, 2 * linear params * n / measured GEMM peak).
+
+    python benchmarks/verify_cost.py --threads 1
+
+Writes benchmarks/results/verify_cost.{json,md,png} with the CPU model, its flags and threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import treespec
+from treespec.fastpath import cpu_info, machine_info
+from treespec.sampling import SamplingConfig
+from treespec.tree import DraftTree
+from treespec.verifiers.tree_attention import TreeVerifier
+
+RESULTS = Path(__file__).parent / "results"
+NS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
+    """A bushy random tree (each node's parent among the earlier ones, biased to recent)."""
+    parents = [-1] + [rng.randrange(max(0, i - 4), i) for i in range(1, n)]
+    return DraftTree(torch.tensor([rng.randrange(vocab) for _ in range(n)]), torch.tensor(parents),
+                     sampling="deterministic")
+
+
+def measure_bandwidth(reps: int = 5) -> float:
+    """Bytes/s of one streaming read of a 1 GiB buffer (median of reps)."""
+    buf = torch.ones(1 << 28)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    return buf.numel() * 4 / statistics.median(times)
+
+
+def measure_gemm_peak(dtype: torch.dtype, size: int = 1024, reps: int = 7) -> float:
+    """FLOP/s of a cache-friendly square GEMM in ``dtype`` (median of reps)."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    for _ in range(2):
+        a @ b
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * size ** 3 / statistics.median(times)
+
+
+def linear_params(model: torch.nn.Module) -> int:
+    """Weights a forward multiplies by (every linear layer, the LM head included)."""
+    return sum(m.weight.numel() for m in model.modules() if hasattr(m, "weight") and m.weight is not None
+               and m.weight.dim() == 2 and not isinstance(m, torch.nn.Embedding))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prefix", type=int, default=300, help="cached prefix tokens P")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--ns", default=",".join(map(str, NS)))
+    ap.add_argument("--out", default=str(RESULTS / "verify_cost"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ns = [int(x) for x in args.ns.split(",")]
+
+    paths = {"fp32 stock": (torch.float32, False), "fp32 packed": (torch.float32, True)}
+    if cpu_info().native_bf16:
+        paths.update({"bf16 stock": (torch.bfloat16, False), "bf16 packed": (torch.bfloat16, True)})
+    verifiers, described = {}, {}
+    rng = random.Random(0)
+    prompt = torch.tensor([rng.randrange(49152) for _ in range(args.prefix + 1)])
+    for name, (dtype, pack) in paths.items():
+        target = treespec.load_target("smollm2-135m", dtype=dtype, pack=pack)
+        described[name] = target.speed_path
+        v = TreeVerifier(target.model, SamplingConfig(temperature=1.0))
+        v.prefill(prompt)
+        verifiers[name] = v
+    vocab = 49152
+    trees = {n: random_tree(random.Random(n), n, vocab) for n in ns}
+
+    def score_and_undo(name: str, n: int) -> float:
+        """One timed verify pass, then its n rows cropped from the cache (prefix unchanged)."""
+        v = verifiers[name]
+        t0 = time.perf_counter()
+        v.score(trees[n])
+        dt = time.perf_counter() - t0
+        for layer in v.cache.layers:
+            layer.crop(-n)
+        return dt
+
+    points = [(name, n) for name in paths for n in ns]
+    for name, n in points:                      # warm-up: every shape once
+        score_and_undo(name, n)
+    samples: dict[tuple[str, int], list[float]] = {p: [] for p in points}
+    t_start = time.time()
+    for rep in range(args.reps):
+        order = points[:]
+        random.Random(rep).shuffle(order)
+        for name, n in order:
+            samples[(name, n)].append(score_and_undo(name, n))
+        print(f"rep {rep + 1}/{args.reps} done", flush=True)
+    for name, v in verifiers.items():
+        assert v.prefix_len == args.prefix and v.cache.layers[0].keys.shape[-2] == args.prefix, name
+
+    bandwidth = measure_bandwidth()
+    peaks = {"fp32": measure_gemm_peak(torch.float32)}
+    if "bf16 packed" in paths:
+        peaks["bf16"] = measure_gemm_peak(torch.bfloat16)
+    model = verifiers["fp32 stock"].model
+    params = linear_params(model)
+    limit = {}
+    for dt_name, peak in peaks.items():
+        nbytes = params * (4 if dt_name == "fp32" else 2)
+        limit[dt_name] = {n: max(nbytes / bandwidth, 2 * params * n / peak) for n in ns}
+
+    ms = {name: {n: statistics.median(samples[(name, n)]) * 1e3 for n in ns} for name in paths}
+    result = {
+        "machine": machine_info(),
+        "args": vars(args),
+        "paths": described,
+        "wall_s": time.time() - t_start,
+        "bandwidth_GBps": bandwidth / 1e9,
+        "gemm_peak_GFLOPs": {k: v / 1e9 for k, v in peaks.items()},
+        "linear_params": params,
+        "t_ms": {name: {str(n): t for n, t in row.items()} for name, row in ms.items()},
+        "limit_ms": {k: {str(n): t * 1e3 for n, t in row.items()} for k, row in limit.items()},
+        "ratio_16_1": {name: row[16] / row[1] for name, row in ms.items() if 16 in row and 1 in row},
+    }
+    m = result["machine"]
+    lines = [
+        f"# Verify-pass cost t(n), SmolLM2-135M, prefix {args.prefix} tokens",
+        "",
+        f"CPU: {m['cpu_model']}; flags: {', '.join(m['cpu_flags'])}; torch {m['torch']} "
+        f"({m['torch_cpu_capability']}), {m['torch_threads']} thread(s). Medians of {args.reps} interleaved "
+        f"repetitions; one point = TreeVerifier.score over an n-node tree (tree mask, positions, softmax).",
+        f"Measured here: streaming read {bandwidth / 1e9:.1f} GB/s; GEMM peak "
+        + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in peaks.items())
+        + f"; {params / 1e6:.1f} M linear weights per forward.",
+        "",
+        "Paths: " + "; ".join(f"**{k}** = {v}" for k, v in described.items()),
+        "",
+        "| n | " + " | ".join(ms) + " | " + " | ".join(f"limit {k}" for k in limit) + " |",
+        "| ---: | " + " | ".join("---:" for _ in ms) + " | " + " | ".join("---:" for _ in limit) + " |",
+    ]
+    for n in ns:
+        lines.append(f"| {n} | " + " | ".join(f"{row[n]:.1f}" for row in ms.values()) + " | "
+                     + " | ".join(f"{row[n] * 1e3:.1f}" for row in limit.values()) + " |")
+    lines += ["", "t(16) / t(1): " + ", ".join(f"{k} **{v:.2f}**" for k, v in result["ratio_16_1"].items())
+              + "; physical limit: " + ", ".join(f"{k} {row[16] / row[1]:.2f}" for k, row in limit.items()),
+              "", "Times in ms."]
+    md = "\n".join(lines) + "\n"
+    print(md)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(md)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, row in ms.items():
+            ax.plot(ns, [row[n] for n in ns], marker="o", label=name)
+        for k, row in limit.items():
+            ax.plot(ns, [row[n] * 1e3 for n in ns], linestyle="--", label=f"physical limit {k}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree nodes n")
+        ax.set_ylabel("verify pass (ms)")
+        ax.set_title(f"SmolLM2-135M verify cost, {m['torch_threads']} thread(s), {m['cpu_model'][:40]}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=110)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+if __name__ == "__main__":
+    main()
