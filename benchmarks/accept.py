@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from treespec.fastpath import machine_info, machine_line
 from treespec.masks import hf_tree_mask, pack_tree_masks, position_ids
 from treespec.tree import SAMPLING_MODES, DraftTree
 from treespec.verifiers import accept
@@ -178,6 +179,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"before, {meta['loadavg_after']:.1f} after (other jobs share the machine: p90 includes "
         "preemption).",
         "",
+        machine_line(meta["machine"]) + " (the threads column says what each case ran with)",
+        "",
         "| case | threads | median ms | p10 ms | p90 ms | target ms | ok | mean accepted |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -203,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps,
         "N": N_NODES, "V": VOCAB, "P": PREFIX,
         "loadavg_before": os.getloadavg()[0],
+        "machine": machine_info(),
     }
     rows = run(args.reps)
     meta["loadavg_after"] = os.getloadavg()[0]

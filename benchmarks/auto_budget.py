@@ -29,6 +29,7 @@ from treespec.cost.calibration import DEFAULT_NS, CalibratedCost
 from treespec.cost.planner import plan_curve
 from treespec.data import mtbench_questions
 from treespec.engine import auto_builder
+from treespec.fastpath import machine_info, machine_line
 from treespec.trees import DynamicTreeBuilder
 
 RESULTS = Path(__file__).parent / "results"
@@ -95,7 +96,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cal.save(out.with_suffix(".calibration.json"))
-    result = {"args": vars(args), "acceptance": vector, "calibration": str(out.with_suffix(".calibration.json")),
+    result = {"machine": machine_info(), "args": vars(args), "acceptance": vector, "calibration": str(out.with_suffix(".calibration.json")),
               "auto": str(configs["auto"].config), "tokens_per_s": speeds, "tau": taus}
     md = render(result, cal)
     print(md)
@@ -120,6 +121,7 @@ def render(result: dict, cal: Calibration) -> str:
         f"{args.max_new_tokens} tokens, T=0, {args.threads} thread(s), {getattr(args, 'dtype', 'float32')} weights)",
         "",
         *([args.note, ""] if args.note else []),
+        *([machine_line(result["machine"]), ""] if "machine" in result else []),
         f"Measured acceptance vector of {args.drafter}: {[round(a, 3) for a in result['acceptance'] or ()]}; "
         f"auto chose `{result['auto']}`.",
         "",

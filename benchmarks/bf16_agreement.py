@@ -19,6 +19,7 @@ import torch
 
 import treespec
 from treespec.data import chat_prompt, mtbench_questions
+from treespec.fastpath import machine_info, machine_line
 from treespec.trees import DynamicTreeBuilder
 
 RESULTS = Path(__file__).parent / "results"
@@ -55,7 +56,7 @@ def main() -> None:
                                  first_divergence=first_divergence(out, ref)))
                 print(rows[-1], flush=True)
     lines = [f"# Greedy agreement with HF generate ({args.prompts} MT-bench prompts x {args.max_new_tokens} tokens)",
-             "", "| weights | method | prompts identical to HF generate | first divergence (token index) |",
+             "", machine_line(), "", "| weights | method | prompts identical to HF generate | first divergence (token index) |",
              "| --- | --- | ---: | --- |"]
     for dtype in ("float32", "bfloat16"):
         for name in CONFIGS:
@@ -66,7 +67,7 @@ def main() -> None:
     print(md)
     out = Path(args.out)
     out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine_info(), "args": vars(args), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import torch
 from treespec import SpeculativeGenerator, load_drafter, load_target, registered_drafters
 from treespec.drafters.base import TimedDrafter
 from treespec.data import chat_prompt, mtbench_questions
+from treespec.fastpath import machine_info, machine_line
 from treespec.trees import (
     BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder,
     measure_acceptance_vector,
@@ -154,6 +155,7 @@ def write_table(results: list[dict], meta: dict, path: Path) -> None:
              f"prompts x {meta['max_new_tokens']} new tokens, {meta['threads']} CPU thread(s) "
              f"({meta['machine']}); T = 1 drafting mode: {meta['t1_mode']} (static: ranked). "
              f"Wall time {meta['wall_s'] / 60:.1f} min.\n",
+             *([machine_line({**meta["cpu"], "torch_threads": meta["threads"]}) + "\n"] if "cpu" in meta else []),
              "Builder overhead = builder time outside drafter.expand / drafter.expand time "
              "(JSON `builder_overhead`; `builder_share_of_drafting` divides by the whole drafting "
              "phase instead).\n"]
@@ -297,7 +299,7 @@ def main() -> None:
     meta = dict(target="smollm2-135m", drafter=name, prompts=len(prompts),
                 max_new_tokens=args.max_new_tokens, budgets=budgets, builders=builders,
                 temperatures=temps, t1_mode=args.t1_mode, threads=args.threads, seed=args.seed,
-                machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
+                machine=f"{platform.machine()} {platform.processor() or ''}".strip(), cpu=machine_info(),
                 torch=torch.__version__, wall_s=0.0, complete=False,
                 sequoia_acceptance={str(k): list(v) for k, v in acceptance.items()})
     done = 0

@@ -54,6 +54,7 @@ from treespec.cost import (
 from treespec.cost.calibration import DEFAULT_NS, _truncated_model, measure_interleaved, verify_passes
 from treespec.cost.plot import plot_curves
 from treespec.models import load_target
+from treespec.fastpath import machine_info, machine_line
 
 TOLERANCE = 0.20
 PRESETS = ("h100", "mi300x", "h200", "a100")
@@ -153,6 +154,7 @@ def main() -> int:
         "auto_budget_local": {kind: choice_row(c) for kind, c in auto.items()},
     }
     result = {
+        "machine": machine_info(),
         "device": cal.device,
         "context": args.context,
         "threads": torch.get_num_threads(),
@@ -187,6 +189,7 @@ def markdown(r: dict, cal) -> str:
         f"1-minute load average (shared 2-core machine): {r['load_average_1min']}.",
         f"Calibration run {r['calibration_s']:.0f} s; fresh run {r['fresh_s']:.0f} s.",
         f"Command: `{r['command']}`",
+        *([machine_line(r["machine"])] if "machine" in r else []),
         "",
         f"**{r['within_tolerance']} / {r['points']} points within ±{r['tolerance']:.0%}**; "
         f"max |error| {r['max_abs_error']:.1%}, median |error| {r['median_abs_error']:.1%}.",

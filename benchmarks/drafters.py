@@ -35,6 +35,7 @@ import treespec.drafters.medusa  # noqa: F401
 import treespec.drafters.mtp  # noqa: F401
 import treespec.drafters.small  # noqa: F401
 from treespec.data import chat_prompt, mtbench_questions
+from treespec.fastpath import machine_info, machine_line
 
 RESULTS = Path(__file__).parent / "results"
 DRAFTERS = ("eagle", "eagle3", "medusa", "mtp", "small")
@@ -198,7 +199,7 @@ def report(args, drafters, trees, temps, reduced, pools, done: int, total: int, 
                    "threads": args.threads, "seed": args.seed, "reduced": reduced,
                    "dtype": args.dtype},
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "torch": torch.__version__, "note": args.note},
+                    "torch": torch.__version__, "note": args.note, **machine_info(), "torch_threads": args.threads},
         "prompts_done": done,
         "wall_minutes": round(minutes, 1),
         # time the full configuration (80 prompts x 128 tokens) would take at this run's pace
@@ -227,6 +228,7 @@ def markdown(result: dict) -> str:
         f"(the full 80 x 128 configuration would take ~{result['estimated_full_hours']} h at this pace).",
         "τ = tokens per target forward; acceptance by depth = accepted / attempted drafts at each depth; "
         "tokens/s includes prefill; speedup is against vanilla HF decoding at the same T in the same run.",
+        *([machine_line(result["machine"])] if "cpu_model" in result["machine"] else []),
         *(["", "bfloat16: every method runs the same bf16 weights, and the acceptance rule is exact for the "
             "probabilities the target computes. Greedy outputs are NOT token-identical to HF `generate`: a "
             "different kernel path (tree mask, batch of N tokens) rounds bf16 logits differently and flips "

@@ -184,3 +184,14 @@ def test_cpuinfo_parsing_and_machine_record() -> None:
     record = machine_info()
     assert {"cpu_model", "cpu_flags", "torch_threads"} <= set(record)
     assert record["torch_threads"] == torch.get_num_threads()
+
+
+def test_every_benchmark_records_the_machine() -> None:
+    """Numbers from different machines are never compared blindly: each script writes the CPU
+    model, its flags and the thread count (``machine_info``) into its result file."""
+    from pathlib import Path
+
+    scripts = sorted((Path(__file__).parents[1] / "benchmarks").glob("*.py"))
+    assert scripts
+    missing = [p.name for p in scripts if "machine_info()" not in p.read_text()]
+    assert not missing, f"benchmarks without machine_info(): {missing}"

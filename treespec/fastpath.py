@@ -44,6 +44,7 @@ __all__ = [
     "cpu_info",
     "is_packed",
     "machine_info",
+    "machine_line",
     "native_bf16",
     "pack_linears",
     "packing_available",
@@ -151,6 +152,14 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "onednn": torch.backends.mkldnn.is_available(),
     }
+
+
+def machine_line(info: dict | None = None) -> str:
+    """One Markdown line naming the CPU, its relevant flags and the thread count."""
+    m = info if info is not None else machine_info()
+    flags = ", ".join(m["cpu_flags"]) or "none of " + ", ".join(RELEVANT_FLAGS)
+    return (f"CPU: {m['cpu_model']}; flags: {flags}; torch {m['torch']} ({m['torch_cpu_capability']}), "
+            f"{m['torch_threads']} thread(s).")
 
 
 def packing_available() -> bool:
