@@ -98,15 +98,13 @@ def cmd_generate(args) -> int:
 
     stream = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.top_p,
                         args.top_k, seed=args.seed, on_step=hook)
-    emitted: list[int] = []
-    shown = ""
+    from treespec.streaming import IncrementalText
+
+    text = IncrementalText(tok)  # prints complete characters only (multi-byte UTF-8 tokens)
     for chunk in stream:
-        emitted.extend(chunk)
-        text = tok.decode(emitted, skip_special_tokens=True)
-        sys.stdout.write(text[len(shown):])
+        sys.stdout.write(text.push(chunk))
         sys.stdout.flush()
-        shown = text
-    sys.stdout.write("\n")
+    sys.stdout.write(text.flush() + "\n")
     if args.stats:
         print(stream.result.stats.table())
     return 0
