@@ -128,7 +128,11 @@ def cmd_demo(args) -> int:
     """Generate an answer to an MT-bench question; compare with plain decoding of the target."""
     from treespec.data import mtbench_questions
 
-    q = mtbench_questions()[args.question]
+    questions = mtbench_questions()
+    if not 0 <= args.question < len(questions):
+        raise ValueError(f"--question must be an index from 0 to {len(questions) - 1} (the MT-bench "
+                         f"questions), got {args.question}")
+    q = questions[args.question]
     args.prompt = q.turns[0]
     target, gen = _build_generator(args)
     print(f"MT-bench #{q.question_id} ({q.category}): {q.turns[0]}\n", flush=True)
@@ -147,7 +151,10 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from treespec import __version__
+
     parser = argparse.ArgumentParser(prog="treespec", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"treespec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream a speculative generation")

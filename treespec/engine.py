@@ -16,6 +16,7 @@ acceptance = accepted / attempted at each depth; time split = draft / verify / a
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Sequence
@@ -173,6 +174,25 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     return DynamicTreeBuilder(budget=choice.n_nodes, depth=choice.depth, top_k=max(2, min(8, width)))
 
 
+def check_builder(builder: object) -> None:
+    """A clear error for something passed as a builder that cannot build trees."""
+    if not callable(getattr(builder, "build", None)) or not hasattr(builder, "budget"):
+        raise TypeError(f"builder must be a TreeBuilder (e.g. DynamicTreeBuilder(budget=16, depth=5, "
+                        f"top_k=4)), 'auto' or None, got {type(builder).__name__}")
+
+
+def check_seed(seed: object) -> int | None:
+    """``seed`` as an int (numpy ints accepted), or None; anything else is a TypeError."""
+    if seed is None:
+        return None
+    if not isinstance(seed, bool):
+        try:
+            return operator.index(seed)
+        except TypeError:
+            pass
+    raise TypeError(f"seed must be an int or None (None: a fresh random seed), got {seed!r}")
+
+
 class SpeculativeGenerator:
     """Speculative generation with a target, a drafter and a tree builder.
 
@@ -189,8 +209,13 @@ class SpeculativeGenerator:
         if not isinstance(target, Target):
             raise TypeError(f"target must be a treespec.Target (use Target.from_hf(model, tokenizer)), "
                             f"got {type(target).__name__}")
+        if builder is not None and not isinstance(builder, str):
+            check_builder(builder)
         if isinstance(drafter, str):
             drafter = load_drafter(drafter, target)
+        elif not isinstance(drafter, Drafter):
+            raise TypeError(f"drafter must be a Drafter (begin / expand / commit, vocab_size ...) or a "
+                            f"registered name such as 'eagle3', got {type(drafter).__name__}")
         if drafter.vocab_size != target.vocab_size:
             raise ValueError(f"drafter vocab size {drafter.vocab_size} != target vocab size "
                              f"{target.vocab_size}; they must share one vocabulary")
@@ -219,7 +244,16 @@ class SpeculativeGenerator:
             else:
                 ids = tok(prompt, add_special_tokens=True)["input_ids"]
             return torch.tensor(ids, dtype=torch.long)
-        ids = prompt if isinstance(prompt, torch.Tensor) else torch.as_tensor(prompt)
+        if isinstance(prompt, torch.Tensor):
+            ids = prompt
+        else:
+            try:
+                ids = None if isinstance(prompt, (bytes, dict, set)) else torch.as_tensor(prompt)
+            except (TypeError, ValueError, RuntimeError):
+                ids = None
+            if ids is None or (ids.is_floating_point() and ids.numel()):
+                raise TypeError(f"prompt must be text, token ids (a list of ints) or a LongTensor, got "
+                                f"{type(prompt).__name__}")
         if ids.numel() == 0:
             raise ValueError("prompt is empty; pass at least one token id")
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
@@ -265,9 +299,10 @@ class SpeculativeGenerator:
             raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the context window "
                              f"({limit} tokens, prompt {ids.numel()}, tree budget included); "
                              f"use at most {max(room, 0)}")
+        seed = check_seed(seed)
         gen = torch.Generator()
         if seed is not None:
-            gen.manual_seed(int(seed))
+            gen.manual_seed(seed)
         else:
             gen.seed()
         out: list[int] = []

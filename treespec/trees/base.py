@@ -99,6 +99,16 @@ def check_width(name: str, width: int, drafter: Drafter) -> None:
                          f"use {name} <= V")
 
 
+def check_finite_draft(logits: torch.Tensor, q: torch.Tensor, drafter: Drafter) -> None:
+    """Refuse NaN / +inf draft logits (and rows without one finite logit): q would be NaN, which
+    torch.multinomial rejects in stochastic modes and top-k silently ranks first otherwise.
+    -inf is allowed (tokens outside a drafter's support)."""
+    if bool(logits.isnan().any() | logits.isposinf().any() | q.isnan().any()):
+        raise ValueError(f"{type(drafter).__name__} returned non-finite draft logits (NaN or +inf, or a "
+                         f"row with every logit -inf); check the drafter's weights (a checkpoint with "
+                         f"non-finite values?) and its inputs")
+
+
 def log_confidence(min_confidence: float) -> float:
     return math.log(min_confidence) if min_confidence > 0 else -math.inf
 
@@ -339,6 +349,7 @@ def expand_nodes(
         raise ValueError(f"drafter.expand must return logits [F={len(nodes)}, V={width}], got shape "
                          f"{tuple(logits.shape)} from {type(drafter).__name__}")
     q = draft_distribution(logits, sampling)
+    check_finite_draft(logits, q, drafter)
     return DraftQ(q, ids, drafter.vocab_size), draw_children(q, k, mode, generator, draws, ids)
 
 
