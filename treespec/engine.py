@@ -17,6 +17,7 @@ acceptance = accepted / attempted at each depth; time split = draft / verify / a
 from __future__ import annotations
 
 import operator
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Sequence
@@ -196,6 +197,11 @@ def check_seed(seed: object) -> int | None:
 class SpeculativeGenerator:
     """Speculative generation with a target, a drafter and a tree builder.
 
+    One generation at a time: the drafter and the verifier hold the running request's state, so
+    a second ``generate`` / ``stream`` started while one is running (from another thread, an
+    interleaved stream, or an ``on_step`` hook) raises ``RuntimeError``. Use one generator
+    (with its own drafter) per concurrent request.
+
     Args:
         target:  a ``treespec.Target`` (``load_target`` or ``Target.from_hf``).
         drafter: a Drafter, or a registered drafter name (``registered_drafters()``).
@@ -226,6 +232,7 @@ class SpeculativeGenerator:
         self.target = target
         self.drafter = drafter
         self.builder = builder if builder is not None else DynamicTreeBuilder()
+        self._busy = threading.Lock()  # one generation at a time (see _exclusive)
 
     # ------------------------------------------------------------------ inputs
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = True) -> torch.Tensor:
@@ -307,7 +314,7 @@ class SpeculativeGenerator:
             gen.seed()
         out: list[int] = []
         stats = GenerationStats(prompt_tokens=ids.numel())
-        chunks = self._loop(ids, max_new_tokens, sampling, gen, out, stats, on_step)
+        chunks = self._exclusive(self._loop(ids, max_new_tokens, sampling, gen, out, stats, on_step))
 
         def finish() -> GenerationResult:
             tok = self.target.tokenizer
@@ -315,6 +322,19 @@ class SpeculativeGenerator:
             return GenerationResult(text, torch.tensor(out, dtype=torch.long), stats)
 
         return GenerationStream(chunks, finish)
+
+    def _exclusive(self, chunks: Iterator[list[int]]) -> Iterator[list[int]]:
+        """Run ``chunks`` holding the generator's lock: the drafter, the builder and the
+        verifier keep per-request state, so a second generation while one is running (another
+        thread, an interleaved stream, a call from ``on_step``) is refused, never mixed."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this SpeculativeGenerator is already generating (another thread, or a "
+                               "stream not yet exhausted); finish or drop that stream first, or give "
+                               "each concurrent request its own SpeculativeGenerator and drafter")
+        try:
+            yield from chunks
+        finally:
+            self._busy.release()
 
     def _loop(self, ids: torch.Tensor, max_new: int, sampling: SamplingConfig,
               gen: torch.Generator, out: list[int], stats: GenerationStats,
