@@ -186,3 +186,64 @@ def test_a_second_thread_is_refused_while_one_generates():
     assert len(errors) == 1 and "already generating" in str(errors[0])
     with pytest.raises(RuntimeError, match="already generating"):   # re-entry from a hook too
         gen.generate([1, 2], max_new_tokens=4, on_step=lambda *a: gen.generate([1], max_new_tokens=1))
+
+
+# ------------------------------------------------------------------ 3: dtype-independent identity
+def _eagle_checkpoint(target, path):
+    from treespec.drafters.checkpoint import save_checkpoint
+    from treespec.drafters.eagle import random_feature_drafter
+
+    d = random_feature_drafter(target, "eagle", seed=1)
+    return save_checkpoint(path / "eagle.safetensors", dict(d.head.state_dict()), "eagle",
+                           d.head.cfg.to_json(), target, card={"kind": "eagle"})
+
+
+@pytest.mark.parametrize("saved", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_checkpoint_loads_on_every_dtype_copy_of_its_target(saved, tmp_path):
+    from treespec import load_drafter
+    from treespec.drafters.checkpoint import CheckpointMismatch
+    from treespec.models import tiny_target
+
+    # a scale that puts weights on many binades, fp16 subnormals included
+    target = tiny_target(vocab_size=32, seed=0)
+    with torch.no_grad():
+        for i, p in enumerate(target.model.parameters()):
+            p.mul_(10.0 ** (i % 5 - 3))
+    path = _eagle_checkpoint(_cast(target, saved), tmp_path)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        drafter = load_drafter("eagle", _cast(target, dtype), checkpoint=str(path))
+        assert drafter.dtype == dtype
+    other = tiny_target(vocab_size=32, seed=1)
+    for dtype in (torch.float32, torch.float16):
+        with pytest.raises(CheckpointMismatch, match="weights"):
+            load_drafter("eagle", _cast(other, dtype), checkpoint=str(path))
+
+
+def _cast(target, dtype):
+    import copy
+
+    from treespec.models import Target
+
+    return Target.from_hf(copy.deepcopy(target.model).to(dtype), None, target.name)
+
+
+def test_an_edited_sampled_weight_is_noticed(tmp_path):
+    from treespec import load_drafter
+    from treespec.drafters.checkpoint import CheckpointMismatch
+    from treespec.models import tiny_target
+
+    target = tiny_target(vocab_size=32, seed=0)
+    path = _eagle_checkpoint(target, tmp_path)
+    edited = _cast(target, torch.float32)
+    with torch.no_grad():
+        edited.model.model.embed_tokens.weight[0, 0] *= 1.1        # the first element is sampled
+    with pytest.raises(CheckpointMismatch, match="1 of .* sampled weights"):
+        load_drafter("eagle", edited, checkpoint=str(path))
+
+
+def test_calibrate_does_not_offer_float16():
+    from treespec import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(["calibrate", "--dtype", "float16"])
+    assert exit_.value.code == 2

@@ -101,8 +101,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="comma-separated registered drafters to measure for real (pass times by width and "
                           "positional acceptance on 4 held-out MT-bench prompts); implies --weights pretrained. "
                           "builder='auto' then uses them")
-    cal.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                     help="weights as the engine will run them (each dtype has its own default file)")
+    cal.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                     help="weights as the engine will run them (each dtype has its own default file); the "
+                          "dtypes `treespec generate` runs (float16 is API-only: calibrate it with "
+                          "treespec.cost.calibrate)")
     cal.add_argument("--out", type=Path, default=None, help="output JSON (default: the model's default path)")
     cal.set_defaults(func=_calibrate)
 

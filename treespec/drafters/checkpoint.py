@@ -13,6 +13,7 @@ and model fingerprint are compared and the error names both values.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -30,15 +31,94 @@ class CheckpointMismatch(ValueError):
     """The checkpoint was trained for another target or is another kind of drafter."""
 
 
+# Weight signature: SIGNATURE_SAMPLES evenly spaced elements of every parameter (first and last
+# included), rounded to bfloat16 and stored as hex. Two copies of one model in float32, bfloat16
+# or float16 give samples s, s' of the same true value x with
+#     |s - x| <= 2^-8 |x_dtype| + 2^-8 |x| + 2^-25   (dtype rounding, fp16 subnormals, bf16 rounding)
+# so |s - s'| <= SIGNATURE_RTOL * max(|s|, |s'|) + SIGNATURE_ATOL holds with margin, whatever the
+# dtypes. No hash of rounded values can promise that (fp16 and bf16 round to different grids and
+# some value always sits between them), hence a comparison, not an equality of strings.
+SIGNATURE_SAMPLES = 8
+SIGNATURE_RTOL = 2.0 ** -5
+SIGNATURE_ATOL = 2.0 ** -22
+_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "intermediate_size")
+
+
+def model_structure(model) -> str:
+    """Short hash of a model's shape: config shape fields, each parameter's name and shape."""
+    digest = hashlib.sha256()
+    for key in _SHAPE_KEYS:
+        digest.update(f"{key}={getattr(model.config, key, None)};".encode())
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)};".encode())
+    return digest.hexdigest()[:16]
+
+
+def weight_samples(model, per_tensor: int = SIGNATURE_SAMPLES) -> torch.Tensor:
+    """FloatTensor[n_params * per_tensor]: the signature's samples (bfloat16 values, as float32)."""
+    rows = []
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            index = torch.arange(per_tensor, device=flat.device) * (flat.numel() - 1) // max(per_tensor - 1, 1)
+            rows.append(flat[index].to("cpu", torch.bfloat16))
+    return torch.cat(rows).float()
+
+
+def _samples_hex(samples: torch.Tensor) -> str:
+    return samples.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").tobytes().hex()
+
+
+def _samples_of_hex(text: str) -> torch.Tensor:
+    raw = bytearray(bytes.fromhex(text))
+    return torch.frombuffer(raw, dtype=torch.int16).view(torch.bfloat16).float()
+
+
+def weights_mismatch(recorded: str, model) -> str | None:
+    """None when ``model``'s weight samples agree with ``recorded`` (hex) within rounding of
+    float32 / bfloat16 / float16 copies; else a sentence saying how many differ."""
+    want, have = _samples_of_hex(recorded), weight_samples(model)
+    if want.shape != have.shape:
+        return f"{want.numel()} sampled weights recorded, {have.numel()} in the target"
+    tol = SIGNATURE_RTOL * torch.maximum(want.abs(), have.abs()) + SIGNATURE_ATOL
+    same = (want == have) | ((want - have).abs() <= tol)      # == : equal infinities
+    bad = int((~same).sum())
+    return None if bad == 0 else f"{bad} of {want.numel()} sampled weights differ beyond dtype rounding"
+
+
 def target_identity(target) -> dict:
-    """What a checkpoint records of the target it was trained for."""
+    """What a checkpoint records of the target it was trained for. ``structure`` and ``weights``
+    (the signature above) are what ``load_checkpoint`` compares; ``fingerprint``
+    (``model_fingerprint``) is a short name for humans and caches, equal across float32 /
+    bfloat16 copies but not float16 ones."""
     cfg = target.model.config
     return {
         "name": target.name,
         "fingerprint": model_fingerprint(target.model),
         "hidden_size": int(cfg.hidden_size),
         "vocab_size": int(target.vocab_size),
+        "structure": model_structure(target.model),
+        "weights": _samples_hex(weight_samples(target.model)),
     }
+
+
+def _target_mismatch(want: dict, target) -> str | None:
+    """Why a checkpoint's recorded target is not ``target`` (None when it is)."""
+    cfg = target.model.config
+    have = {"hidden_size": int(cfg.hidden_size), "vocab_size": int(target.vocab_size)}
+    for key, value in have.items():
+        if want.get(key) != value:
+            return f"{key} {want.get(key)}, the target given has {key} {value}"
+    if "weights" not in want:  # cards written before the signature: the fingerprint (fp32/bf16 only)
+        fp = model_fingerprint(target.model)
+        if want.get("fingerprint") != fp:
+            return (f"fingerprint {want.get('fingerprint')}, the target given has fingerprint {fp} (this "
+                    f"checkpoint predates dtype-independent signatures: load it on a float32 target)")
+        return None
+    if want.get("structure") != model_structure(target.model):
+        return "another architecture (parameter names or shapes differ)"
+    return weights_mismatch(want["weights"], target.model)
 
 
 def card_path(path: str | os.PathLike) -> Path:
@@ -78,13 +158,13 @@ def load_checkpoint(path: str | os.PathLike, target, kind: str) -> tuple[dict[st
     header = read_header(path)
     if header.get("kind") != kind:
         raise CheckpointMismatch(f"{path} is a {header.get('kind')!r} checkpoint, not {kind!r}")
-    want, have = header["target"], target_identity(target)
-    for key in ("hidden_size", "vocab_size", "fingerprint"):
-        if want.get(key) != have[key]:
-            raise CheckpointMismatch(
-                f"{path} was trained for target {want.get('name')!r} ({key} {want.get(key)}), "
-                f"but the target given is {have['name']!r} ({key} {have[key]}); "
-                f"train a drafter for this target with `treespec train {kind}`")
+    want = header["target"]
+    why = _target_mismatch(want, target)
+    if why is not None:
+        raise CheckpointMismatch(
+            f"{path} was trained for target {want.get('name')!r} (fingerprint {want.get('fingerprint')}), "
+            f"not the target given, {target.name!r} (fingerprint {model_fingerprint(target.model)}): {why}; "
+            f"train a drafter for this target with `treespec train {kind}`")
     state = {}
     with safe_open(str(path), framework="pt") as f:
         for k in f.keys():
