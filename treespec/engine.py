@@ -19,6 +19,7 @@ from __future__ import annotations
 import operator
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Sequence
 
@@ -175,6 +176,21 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     return DynamicTreeBuilder(budget=choice.n_nodes, depth=choice.depth, top_k=max(2, min(8, width)))
 
 
+HUGE_VERIFY_BYTES = 1 << 30   # warn above this (SpeculativeGenerator)
+
+
+def verify_memory_bytes(model, nodes: int, prefix: int) -> int:
+    """Rough bytes of the large tensors one verify pass of a ``nodes``-node tree creates after a
+    ``prefix``-token context: logits in the model dtype and three float32 [N, V] rows (their
+    float copy, processed p, draft q), the [N, P + N] mask and fp32 attention scores per head."""
+    cfg = model.config
+    item = next(model.parameters()).element_size()
+    vocab = model.get_output_embeddings().weight.shape[0]
+    keys = prefix + nodes
+    heads = getattr(cfg, "num_attention_heads", 1)
+    return nodes * vocab * (item + 12) + nodes * keys * (item + 4 * heads)
+
+
 def check_builder(builder: object) -> None:
     """A clear error for something passed as a builder that cannot build trees."""
     if not callable(getattr(builder, "build", None)) or not hasattr(builder, "budget"):
@@ -233,6 +249,12 @@ class SpeculativeGenerator:
         self.drafter = drafter
         self.builder = builder if builder is not None else DynamicTreeBuilder()
         self._busy = threading.Lock()  # one generation at a time (see _exclusive)
+        nodes = getattr(self.builder, "budget", 1)
+        need = verify_memory_bytes(target.model, nodes, nodes)
+        if need > HUGE_VERIFY_BYTES:
+            warnings.warn(f"a tree of {nodes} nodes takes about {need / 2**30:.1f} GiB per verify pass (more "
+                          f"with a long prompt); lower the budget to verify in less memory and time",
+                          ResourceWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ inputs
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = True) -> torch.Tensor:
@@ -301,7 +323,12 @@ class SpeculativeGenerator:
         if ids.numel() >= limit:
             raise ValueError(f"prompt has {ids.numel()} tokens but the context window is {limit}; "
                              "shorten the prompt")
-        room = limit - ids.numel() - getattr(self.builder, "budget", 1)
+        budget = getattr(self.builder, "budget", 1)
+        room = limit - ids.numel() - budget
+        if max_new_tokens > room and max_new_tokens <= limit - ids.numel() - 1:
+            raise ValueError(f"the tree budget {budget} does not fit the context window ({limit} tokens, "
+                             f"prompt {ids.numel()}, max_new_tokens {max_new_tokens}); use a budget of at "
+                             f"most {limit - ids.numel() - max_new_tokens}")
         if max_new_tokens > room:
             raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the context window "
                              f"({limit} tokens, prompt {ids.numel()}, tree budget included); "
