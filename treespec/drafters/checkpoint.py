@@ -16,19 +16,43 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from torch import nn
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from treespec.models import model_fingerprint
 
-__all__ = ["CheckpointMismatch", "card_path", "load_card", "load_checkpoint", "save_checkpoint", "target_identity"]
+__all__ = ["CheckpointError", "CheckpointMismatch", "restore_module", "tensor_checksum", "card_path", "load_card", "load_checkpoint", "save_checkpoint", "target_identity"]
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointError(ValueError):
+    """A file that is not a usable treespec drafter checkpoint: unreadable, truncated, corrupted
+    (checksum), non-finite, or inconsistent with its own header. The message names the file and
+    the fix."""
+
+
+class CheckpointMismatch(CheckpointError):
     """The checkpoint was trained for another target or is another kind of drafter."""
+
+
+def _fix(path: Path, kind: str | None) -> str:
+    kind = kind or "<kind>"
+    return (f"replace {path.name}: restore the shipped file (`git checkout -- {path}`) or train one with "
+            f"`treespec train {kind} --out {path.parent}`")
+
+
+def tensor_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 (hex) of the tensors as stored: name, dtype, shape and bytes of each, by name."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{str(t.dtype).removeprefix('torch.')}:{tuple(t.shape)};".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 # Weight signature: SIGNATURE_SAMPLES evenly spaced elements of every parameter (first and last
@@ -132,21 +156,81 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, torch.Tensor], kin
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()).contiguous()
                for k, v in state.items()}
-    header = {"kind": kind, "arch": arch, "target": target_identity(target)}
+    checksum = tensor_checksum(tensors)
+    header = {"kind": kind, "arch": arch, "target": target_identity(target), "checksum": checksum}
     tmp = path.with_suffix(".tmp")
     save_file(tensors, tmp, metadata={"treespec": json.dumps(header)})
     os.replace(tmp, path)
     if card is not None:
-        card_path(path).write_text(json.dumps(card, indent=1) + "\n")
+        card_path(path).write_text(json.dumps({**card, "checksum": checksum}, indent=1) + "\n")
     return path
 
 
-def read_header(path: str | os.PathLike) -> dict:
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+def read_header(path: str | os.PathLike, kind: str | None = None) -> dict:
+    """The checkpoint's treespec header; ``CheckpointError`` for anything unreadable."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupted: {err}); "
+                              f"{_fix(path, kind)}") from None
     if "treespec" not in meta:
-        raise CheckpointMismatch(f"{path} is not a treespec drafter checkpoint (no 'treespec' header)")
-    return json.loads(meta["treespec"])
+        raise CheckpointMismatch(f"{path} is not a treespec drafter checkpoint (no 'treespec' header); "
+                                 f"{_fix(path, kind)}")
+    try:
+        header = json.loads(meta["treespec"])
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} has a corrupted treespec header (not JSON: {err}); {_fix(path, kind)}") from None
+    missing = [k for k in ("kind", "arch", "target") if not isinstance(header, dict) or k not in header]
+    if missing or not isinstance(header["arch"], dict) or not isinstance(header["target"], dict):
+        raise CheckpointError(f"{path} has an incomplete treespec header (missing or malformed: "
+                              f"{', '.join(missing) or 'arch/target'}); {_fix(path, kind)}")
+    return header
+
+
+def _read_tensors(path: Path, kind: str, header: dict) -> dict[str, torch.Tensor]:
+    """The stored tensors, checked against the header's checksum (when it has one) and for
+    non-finite values."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{path}: its tensors cannot be read ({err}); {_fix(path, kind)}") from None
+    want = header.get("checksum")
+    if want is not None and tensor_checksum(tensors) != want:
+        raise CheckpointError(f"{path} is corrupted: its tensors do not match the checksum in its header; "
+                              f"{_fix(path, kind)}")
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CheckpointError(f"{path} holds non-finite weights (NaN or inf) in {', '.join(sorted(bad))}: the "
+                              f"training diverged; {_fix(path, kind)}")
+    return tensors
+
+
+def restore_module(path: str | os.PathLike, kind: str, header: dict, state: dict[str, torch.Tensor],
+                   build: Callable[[dict], nn.Module], tied: tuple[str, ...] = ()) -> nn.Module:
+    """``build(header["arch"])`` loaded with ``state``; an arch the drafter cannot build, or
+    missing / extra / wrongly shaped tensors, raise one ``CheckpointError`` naming the file.
+    ``tied``: module entries the checkpoint leaves out on purpose (aliases of stored tensors)."""
+    path = Path(path)
+    try:
+        module = build(header["arch"])
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        raise CheckpointError(f"{path}: its 'arch' header cannot build a {kind} drafter ({err}); "
+                              f"{_fix(path, kind)}") from None
+    have = module.state_dict()
+    missing = [k for k in have if k not in state and k not in tied]
+    extra = [k for k in state if k not in have]
+    shapes = [f"{k} {tuple(state[k].shape)} (the arch needs {tuple(have[k].shape)})"
+              for k in state if k in have and state[k].shape != have[k].shape]
+    if missing or extra or shapes:
+        parts = [f"{label} {', '.join(names)}" for label, names in
+                 (("missing", missing), ("unexpected", extra), ("wrong shape", shapes)) if names]
+        raise CheckpointError(f"{path} does not match its {kind} architecture ({'; '.join(parts)}); "
+                              f"{_fix(path, kind)}")
+    module.load_state_dict(state, strict=False)
+    return module
 
 
 def load_checkpoint(path: str | os.PathLike, target, kind: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -155,9 +239,10 @@ def load_checkpoint(path: str | os.PathLike, target, kind: str) -> tuple[dict[st
     if not path.is_file():
         raise FileNotFoundError(f"no {kind} checkpoint at {path}; train one with "
                                 f"`treespec train {kind} --out {path.parent}`")
-    header = read_header(path)
+    header = read_header(path, kind)
     if header.get("kind") != kind:
-        raise CheckpointMismatch(f"{path} is a {header.get('kind')!r} checkpoint, not {kind!r}")
+        raise CheckpointMismatch(f"{path} is a {header.get('kind')!r} checkpoint, not {kind!r}; pass a {kind} "
+                                 f"checkpoint or train one with `treespec train {kind}`")
     want = header["target"]
     why = _target_mismatch(want, target)
     if why is not None:
@@ -165,14 +250,16 @@ def load_checkpoint(path: str | os.PathLike, target, kind: str) -> tuple[dict[st
             f"{path} was trained for target {want.get('name')!r} (fingerprint {want.get('fingerprint')}), "
             f"not the target given, {target.name!r} (fingerprint {model_fingerprint(target.model)}): {why}; "
             f"train a drafter for this target with `treespec train {kind}`")
-    state = {}
-    with safe_open(str(path), framework="pt") as f:
-        for k in f.keys():
-            t = f.get_tensor(k)
-            state[k] = t.to(target.dtype) if t.is_floating_point() else t
+    state = {k: t.to(target.dtype) if t.is_floating_point() else t
+             for k, t in _read_tensors(path, kind, header).items()}
     return state, header
 
 
 def load_card(path: str | os.PathLike) -> dict:
     """The JSON card next to a checkpoint."""
-    return json.loads(card_path(path).read_text())
+    card = card_path(path)
+    try:
+        return json.loads(card.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{card} is not valid JSON ({err}); restore it (`git checkout -- {card}`) or "
+                              f"re-save the checkpoint") from None

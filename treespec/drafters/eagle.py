@@ -503,13 +503,13 @@ def drafter_for(head: FeatureHead, vocab_size: int) -> FeatureDrafter:
 
 def load_feature_drafter(target, kind: HeadKind, checkpoint: str | Path | None = None) -> FeatureDrafter:
     """A trained head from ``checkpoint`` (default: the shipped one), validated against ``target``."""
-    from treespec.drafters.checkpoint import load_checkpoint
+    from treespec.drafters.checkpoint import load_checkpoint, restore_module
 
     path = Path(checkpoint) if checkpoint is not None else shipped_checkpoint(target, kind)
     state, header = load_checkpoint(path, target, kind)
-    cfg = HeadConfig.from_json(header["arch"])
-    head = build_head(cfg, Trunk.of(target.model), state.get("d2t"))
-    head.load_state_dict(state, strict=True)
+    trunk = Trunk.of(target.model)
+    head = restore_module(path, kind, header, state,
+                          lambda arch: build_head(HeadConfig.from_json(arch), trunk, state.get("d2t")))
     return drafter_for(head.to(target.device, target.dtype), target.vocab_size)
 
 
