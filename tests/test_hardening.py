@@ -407,3 +407,34 @@ def test_the_checksum_is_recorded_in_header_and_card_and_old_files_still_load(tm
     header.pop("checksum")                                             # a checkpoint from before
     _rewrite(path, metadata={"treespec": json.dumps(header)})
     load_drafter("eagle", target, checkpoint=str(path))
+
+
+# ------------------------------------------------------------------ 5, 10: the shipped checkpoints
+SHIPPED = sorted((__import__("pathlib").Path(__file__).parents[1] / "checkpoints").glob("*/*.safetensors"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_cards_carry_a_verified_checksum_and_no_machine_path(path):
+    import json
+    import re
+
+    from safetensors.torch import load_file
+
+    from treespec.drafters.checkpoint import read_header, tensor_checksum
+
+    header = read_header(path)
+    card_text = path.with_suffix(".json").read_text()
+    card = json.loads(card_text)
+    assert header["checksum"] == tensor_checksum(load_file(str(path))) == card["checksum"]
+    assert {"structure", "weights"} <= header["target"].keys()
+    assert not re.search(r'"(/|~|[A-Za-z]:\\\\)', card_text), "a card records an absolute path"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_shipped_drafters_load_on_a_low_precision_smollm2(dtype):
+    from treespec import load_drafter, load_target
+
+    target = load_target("smollm2-135m", dtype=dtype)
+    for kind in ("eagle", "eagle3", "medusa", "mtp", "small"):
+        assert load_drafter(kind, target).vocab_size == target.vocab_size
