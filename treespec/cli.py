@@ -35,6 +35,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="target weights (bfloat16: faster trees on CPUs with bf16 GEMMs; greedy output may "
                         "differ from fp32 at near-ties)")
+    p.add_argument("--device", default="cpu", help="where the target and drafter run: cpu, cuda, cuda:N")
     p.add_argument("--drafter", default="eagle3", help="registered drafter name (see treespec.registered_drafters())")
     p.add_argument("--tree", default="dynamic", choices=BUILDERS, help="tree builder")
     p.add_argument("--budget", default="16", help="tree nodes incl. root, or 'auto' (cost model)")
@@ -55,7 +56,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 def _build_generator(args):
     from treespec import SpeculativeGenerator, load_drafter, load_target
 
-    target = load_target(args.model, dtype=getattr(torch, args.dtype))
+    from treespec.device import resolve_device
+
+    target = load_target(args.model, dtype=getattr(torch, args.dtype), device=resolve_device(args.device))
     drafter = load_drafter(args.drafter, target)
     if args.budget == "auto":
         gen = SpeculativeGenerator(target, drafter, "auto")

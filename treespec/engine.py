@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
+from treespec.device import synchronize
 from treespec.drafters import load_drafter
 from treespec.drafters.base import Drafter, TargetFeatures
 from treespec.models import Target
@@ -334,7 +335,7 @@ class SpeculativeGenerator:
                              f"({limit} tokens, prompt {ids.numel()}, tree budget included); "
                              f"use at most {max(room, 0)}")
         seed = check_seed(seed)
-        gen = torch.Generator()
+        gen = torch.Generator(device=self.target.device)  # draws happen where p and q live
         if seed is not None:
             gen.manual_seed(seed)
         else:
@@ -370,20 +371,26 @@ class SpeculativeGenerator:
         layers = drafter.target_layers if drafter.needs_target_hidden else ()
         verifier = TreeVerifier(self.target.model, sampling, layers)
         eos = set(self.target.eos_token_ids)
-        t0 = time.perf_counter()
+        device = self.target.device
+
+        def clock() -> float:  # an accelerator's queued work is booked to the phase that ran it
+            synchronize(device)
+            return time.perf_counter()
+
+        t0 = clock()
         feats = verifier.prefill(ids)
         drafter.begin(ids, feats)
-        stats.prefill_time = time.perf_counter() - t0
+        stats.prefill_time = clock() - t0
         root = int(ids[-1])
         while True:
-            t0 = time.perf_counter()
+            t0 = clock()
             built = builder.build(drafter, root, sampling, gen)
-            t1 = time.perf_counter()
+            t1 = clock()
             scored = verifier.score(built.tree)
-            t2 = time.perf_counter()
+            t2 = clock()
             acc = accept(built.tree, scored.probs, gen)
-            t3 = time.perf_counter()
-            keep = torch.cat([torch.zeros(1, dtype=torch.long), acc.path])
+            t3 = clock()
+            keep = torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), acc.path])  # host indices
             verifier.compact(keep)
             feats = scored.features.select(keep) if layers else TargetFeatures.empty()
             drafter.commit(built.source[acc.path], acc.tokens, feats)
@@ -401,7 +408,7 @@ class SpeculativeGenerator:
             out.extend(chunk)
             stats.new_tokens = len(out)
             root = new[-1]
-            t4 = time.perf_counter()
+            t4 = clock()
             stats.draft_time += t1 - t0
             stats.verify_time += t2 - t1
             stats.accept_time += t3 - t2

@@ -334,6 +334,7 @@ def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) ->
     import torch
     from transformers import DynamicCache
 
+    from treespec.device import synchronize
     from treespec.masks import attn_implementation_of, hf_tree_mask, position_ids
     from treespec.tree import DraftTree
 
@@ -358,8 +359,7 @@ def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) ->
                         attention_mask=mask, cache=cache, use_cache=True)
             out.logits[0].float().softmax(-1)
             cache.crop(-n_tokens)
-            if param.device.type == "cuda":
-                torch.cuda.synchronize(param.device)
+            synchronize(param.device)
 
         return fn
 

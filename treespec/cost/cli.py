@@ -105,6 +105,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="weights as the engine will run them (each dtype has its own default file); the "
                           "dtypes `treespec generate` runs (float16 is API-only: calibrate it with "
                           "treespec.cost.calibrate)")
+    cal.add_argument("--device", default="cpu", help="where to measure: cpu, cuda, cuda:N (the engine's device)")
     cal.add_argument("--out", type=Path, default=None, help="output JSON (default: the model's default path)")
     cal.set_defaults(func=_calibrate)
 
@@ -177,12 +178,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     them as JSON for `plan --hardware local` and the engine's budget="auto"."""
     import torch
 
+    from treespec.device import resolve_device
+
+    device = resolve_device(args.device)
     drafters = [d for d in (args.drafter or "").split(",") if d]
     target = None
     if drafters or args.weights == "pretrained":
         from treespec.models import load_target
 
-        target = load_target(args.model, dtype=getattr(torch, args.dtype))
+        target = load_target(args.model, dtype=getattr(torch, args.dtype), device=device)
         model = target.model
     else:
         from transformers import AutoModelForCausalLM, LlamaConfig
@@ -191,7 +195,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             raise KeyError(f"unknown model {args.model!r}; known models: {sorted(MODEL_PRESETS)}")
         model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL_PRESETS[args.model]),
                                                  dtype=getattr(torch, args.dtype))
-        model.eval().requires_grad_(False)
+        model.to(device).eval().requires_grad_(False)
     if args.clock == "thread" and args.threads != 1:
         raise ValueError("--clock thread counts one thread's CPU time: use it with --threads 1")
     ns = tuple(n for n in DEFAULT_NS if n <= args.max_n)

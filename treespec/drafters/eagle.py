@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter
+from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter, tree_slot_mask
 
 HeadKind = Literal["eagle", "eagle3", "mtp"]
 
@@ -362,19 +362,11 @@ class FeatureDrafter:
         if bad:
             raise ValueError(f"nodes {bad} cannot be expanded: each node is expanded once, after its parent")
         base = self.k.shape[2]
-        f = len(nodes)
         toks = torch.tensor([tree.tokens[n] for n in nodes], device=self.device)[None]
         feat = torch.stack([self.g[tree.parents[n]] for n in nodes])[None]
         pos = torch.tensor([self.root_pos + tree.depth[n] for n in nodes], device=self.device)[None]
         # [F, base + F]: committed slots ‖ ancestors' tree slots ‖ self
-        allowed = torch.zeros(f, base + f, dtype=torch.bool, device=self.device)
-        allowed[:, : self.committed] = True
-        for row, n in enumerate(nodes):
-            a = tree.parents[n]
-            while a in self.slot:
-                allowed[row, self.slot[a]] = True
-                a = tree.parents[a]
-            allowed[row, base + row] = True
+        allowed = tree_slot_mask(tree, nodes, self.slot, self.committed, base, self.device)
         g = self._run(toks, feat, pos, allowed)
         for row, n in enumerate(nodes):
             self.g[n] = g[row]
