@@ -454,7 +454,8 @@ def _meta_default_outputs(gen, **kw):
 
 
 STEP_CASES = [("eagle3", "dynamic", 0.0), ("eagle3", "best-first", 1.0), ("eagle", "sequoia", 1.0),
-              ("medusa", "dynamic", 1.0), ("mtp", "chain", 0.0), ("small", "dynamic", 1.0)]
+              ("medusa", "dynamic", 1.0), ("mtp", "chain", 0.0), ("small", "dynamic", 1.0),
+              ("lookup", "static", 0.0), ("early-exit", "dynamic", 1.0)]
 
 
 def _device_case(kind, tree, mode="with_replacement", device="cpu"):
@@ -465,7 +466,12 @@ def _device_case(kind, tree, mode="with_replacement", device="cpu"):
 
     target = tiny_target(vocab_size=32, seed=0)
     target = type(target).from_hf(target.model.to(device), None, target.name)
-    drafter = trained.make_drafter(kind, target, seed=1)
+    if kind in ("lookup", "early-exit"):
+        from treespec import load_drafter
+
+        drafter = load_drafter(kind, target)
+    else:
+        drafter = trained.make_drafter(kind, target, seed=1)
     builder = make_builder(tree, 8, 3, 2, mode if tree != "static" else "deterministic")
     return SpeculativeGenerator(target, drafter, builder)
 
