@@ -18,7 +18,7 @@ from pathlib import Path
 from treespec.cost.acceptance import DEFAULT_BETA, acceptance_vector
 from treespec.data import MissingPackageError
 from treespec.cost.calibration import (
-    DEFAULT_NS, CalibratedCost, Calibration, calibrate, calibrate_drafter, default_calibration_path,
+    DEFAULT_NS, CalibratedCost, Calibration, calibrate, default_calibration_path,
 )
 from treespec.cost.hardware import get_hardware
 from treespec.cost.planner import RooflineCost, StepCost, TreeChoice, batch_limits, best_choice, plan_curve
@@ -207,6 +207,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                        progress=lambda m: print(m, flush=True))
     if drafters:
         from treespec.data import mtbench_questions
+        from treespec.measure import calibrate_drafter  # runs the engine: above the cost model
 
         held_out = [q.turns[0] for q in mtbench_questions()[-4:]]  # benchmarks use the first ones
         previous = torch.get_num_threads()

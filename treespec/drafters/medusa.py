@@ -120,7 +120,7 @@ def random_medusa(target, num_heads: int = 4, seed: int = 0, scale: float = 0.1)
 
 def load_medusa(target, checkpoint: str | Path | None = None) -> MedusaDrafter:
     from treespec.drafters.checkpoint import load_checkpoint, restore_module
-    from treespec.drafters.eagle import shipped_checkpoint
+    from treespec.drafters.feature import shipped_checkpoint
 
     path = Path(checkpoint) if checkpoint is not None else shipped_checkpoint(target, "medusa")
     state, header = load_checkpoint(path, target, "medusa")

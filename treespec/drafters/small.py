@@ -50,7 +50,7 @@ def export_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 def load_small(target, checkpoint: str | Path | None = None) -> ModelDrafter:
     from treespec.drafters.checkpoint import load_checkpoint, restore_module
-    from treespec.drafters.eagle import shipped_checkpoint
+    from treespec.drafters.feature import shipped_checkpoint
 
     path = Path(checkpoint) if checkpoint is not None else shipped_checkpoint(target, "small")
     state, header = load_checkpoint(path, target, "small")
