@@ -272,7 +272,9 @@ def test_a_huge_tree_warns_with_the_memory_its_verify_takes():
     target = Target.from_hf(model, None, "wide-vocab")
     need = verify_memory_bytes(model, 4000, 4000)
     assert need > 4000 * 49152 * 12                                  # logits, p and q rows at least
-    with pytest.warns(ResourceWarning, match=rf"4000 nodes .* about {need / 2**30:.1f} GiB"):
+    from treespec.engine import LargeTreeWarning
+
+    with pytest.warns(LargeTreeWarning, match=rf"4000 nodes .* about {need / 2**30:.1f} GiB"):
         SpeculativeGenerator(target, LookupDrafter(49152), _static(4000))
     import warnings
 
@@ -310,7 +312,11 @@ def _corrupt(case, path, target):
     from safetensors.torch import load_file
 
     state = load_file(str(path))
-    if case == "truncated":
+    if case == "foreign":                                              # another project's file
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.zeros(2)}, str(path))
+    elif case == "truncated":
         path.write_bytes(raw[: len(raw) // 2])
     elif case == "header bytes":
         path.write_bytes(raw[:20] + bytes(b ^ 0x5A for b in raw[20:40]) + raw[40:])
@@ -341,7 +347,7 @@ def _corrupt(case, path, target):
         save_checkpoint(path, state, header["kind"], header["arch"], target)
 
 
-CORRUPTIONS = ["truncated", "header bytes", "length prefix", "tensor bytes", "bad json", "no target", "not a dict",
+CORRUPTIONS = ["foreign", "truncated", "header bytes", "length prefix", "tensor bytes", "bad json", "no target", "not a dict",
                "missing tensor", "extra tensor", "wrong shape", "nan weight", "bad arch"]
 
 

@@ -180,6 +180,11 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
 HUGE_VERIFY_BYTES = 1 << 30   # warn above this (SpeculativeGenerator)
 
 
+class LargeTreeWarning(UserWarning):
+    """A tree budget whose verify pass needs more than ``HUGE_VERIFY_BYTES`` (shown by default,
+    unlike ResourceWarning)."""
+
+
 def verify_memory_bytes(model, nodes: int, prefix: int) -> int:
     """Rough bytes of the large tensors one verify pass of a ``nodes``-node tree creates after a
     ``prefix``-token context: logits in the model dtype and three float32 [N, V] rows (their
@@ -255,7 +260,7 @@ class SpeculativeGenerator:
         if need > HUGE_VERIFY_BYTES:
             warnings.warn(f"a tree of {nodes} nodes takes about {need / 2**30:.1f} GiB per verify pass (more "
                           f"with a long prompt); lower the budget to verify in less memory and time",
-                          ResourceWarning, stacklevel=2)
+                          LargeTreeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ inputs
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = True) -> torch.Tensor:
