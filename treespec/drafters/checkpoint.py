@@ -3,12 +3,18 @@
 A checkpoint ``<dir>/<name>.safetensors`` holds the drafter's own tensors only (never the
 target's shared embedding / LM head) and, in the safetensors metadata under ``"treespec"``, a
 JSON header: ``kind`` (the registered drafter name), ``arch`` (what the drafter class needs to
-rebuild its modules) and ``target`` (name, fingerprint, hidden size, vocab size).
-``<dir>/<name>.json`` is the human-facing card: architecture, target, data, steps, minutes,
-losses and why, held-out acceptance (written by ``treespec.train``).
+rebuild its modules), ``target`` (name, fingerprint, hidden size, vocab size, structure hash and
+weight samples, see ``target_identity``) and ``checksum`` (``tensor_checksum`` of the stored
+tensors). ``<dir>/<name>.json`` is the human-facing card: architecture, target, data, steps,
+minutes, losses and why, held-out acceptance (written by ``treespec.train``), and the checksum.
 
-``load_checkpoint`` refuses a checkpoint made for another target: hidden size, vocabulary size
-and model fingerprint are compared and the error names both values.
+``load_checkpoint`` refuses a checkpoint made for another target (hidden size, vocabulary size,
+structure, and weight samples within float32 / bfloat16 / float16 rounding; the error names
+both fingerprints) and, as one ``CheckpointError`` naming the file and the fix, any file it
+cannot trust: unreadable or truncated, a corrupted or incomplete header, tensors that fail the
+checksum or hold NaN / inf. ``restore_module`` adds missing, unexpected or misshapen tensors.
+Headers without ``checksum`` / weight samples (written before them) still load: the checksum
+is then skipped and the target compared by fingerprint, as before.
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from treespec.models import model_fingerprint
 
-__all__ = ["CheckpointError", "CheckpointMismatch", "restore_module", "tensor_checksum", "card_path", "load_card", "load_checkpoint", "save_checkpoint", "target_identity"]
+__all__ = [
+    "CheckpointError", "CheckpointMismatch", "card_path", "load_card", "load_checkpoint", "restore_module",
+    "save_checkpoint", "target_identity", "tensor_checksum", "weights_mismatch",
+]
 
 
 class CheckpointError(ValueError):
