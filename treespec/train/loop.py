@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -161,7 +162,7 @@ def load_train_state(path: Path) -> dict | None:
             return None
         try:
             st = torch.load(legacy, weights_only=True)
-        except Exception as err:  # UnpicklingError and friends: whatever the file holds, refuse it
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
             raise ValueError(f"{legacy} cannot be read with torch.load(weights_only=True) (it holds more than "
                              f"tensors and plain data: {type(err).__name__}); delete it to train from the start"
                              ) from None
