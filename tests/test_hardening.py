@@ -253,8 +253,10 @@ def test_calibrate_does_not_offer_float16():
 # ------------------------------------------------------------------ 4: budget errors and huge trees
 def test_a_budget_beyond_the_context_is_blamed_on_the_budget():
     from treespec import DynamicTreeBuilder
+    from treespec.engine import LargeTreeWarning
 
-    gen = _small_generator(builder=DynamicTreeBuilder(budget=100000, depth=3, top_k=2))
+    with pytest.warns(LargeTreeWarning):
+        gen = _small_generator(builder=DynamicTreeBuilder(budget=100000, depth=3, top_k=2))
     limit = gen.target.max_context
     with pytest.raises(ValueError, match=rf"tree budget 100000 .* use a budget of at most {limit - 3 - 8}\b"):
         gen.generate([1, 2, 3], max_new_tokens=8)
