@@ -684,3 +684,64 @@ def test_every_module_imports_and_old_paths_still_work():
     assert a is calibrate_drafter is c2 and b is measure_acceptance_vector is m2
     with pytest.raises(AttributeError):
         treespec.trees.no_such_name
+
+
+class _HostTensorSites:
+    """A TorchFunctionMode recording where a step asks for host tensors on purpose: factory
+    calls with ``device="cpu"``, ``.cpu()``, and ``.to("cpu", ...)`` (the string, as our code
+    writes it; a device object taken from a CPU tensor is the target's device here and is not
+    counted). Each call is keyed by the first treespec frame (file:function) that made it."""
+
+    FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.rand,
+                 torch.randn, torch.randint, torch.as_tensor}
+
+    def __init__(self):
+        from pathlib import Path
+        from torch.overrides import TorchFunctionMode
+
+        import treespec
+
+        root = str(Path(treespec.__file__).parent)
+        sites: dict[str, int] = {}
+
+        def site() -> str:
+            import sys
+
+            frame = sys._getframe(2)
+            while frame is not None and not frame.f_code.co_filename.startswith(root):
+                frame = frame.f_back
+            if frame is None:
+                return "<outside treespec>"
+            return f"{frame.f_code.co_filename[len(root) + 1:]}:{frame.f_code.co_name}"
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                host = (func in _HostTensorSites.FACTORIES and kwargs.get("device") == "cpu") \
+                    or func is torch.Tensor.cpu \
+                    or (func is torch.Tensor.to and ("cpu" in args[1:] or kwargs.get("device") == "cpu"))
+                if host:
+                    key = site()
+                    sites[key] = sites.get(key, 0) + 1
+                return func(*args, **kwargs)
+
+        self.mode, self.sites = Mode(), sites
+
+
+# Host tensors a step makes on purpose: the tree's structure (builders grow it in Python), the
+# accepted path's indices, the tree's derived depth/validation rows, and the lookup drafter's q
+# (built from numpy n-gram votes). Nothing V-sized leaves the device elsewhere.
+HOST_SITES = {"trees/base.py:finish", "engine.py:_loop", "tree.py:_ancestry", "tree.py:_validate",
+              "drafters/lookup.py:expand"}
+
+
+@pytest.mark.parametrize("kind, tree, temperature", STEP_CASES)
+def test_a_step_makes_host_tensors_only_where_it_means_to(kind, tree, temperature):
+    gen = _device_case(kind, tree, "without_replacement" if tree == "best-first" else "with_replacement")
+    stream = gen.stream([1, 2, 3, 4], max_new_tokens=10, temperature=temperature, seed=3)
+    record = _HostTensorSites()
+    with record.mode:
+        tokens = [t for chunk in stream for t in chunk]
+    assert tokens and gen.generate([1, 2, 3, 4], max_new_tokens=10, temperature=temperature,
+                                   seed=3).token_ids.tolist() == tokens
+    assert set(record.sites) <= HOST_SITES, record.sites
