@@ -116,6 +116,13 @@ def test_generate_refuses_a_prompt_of_the_wrong_type(prompt):
         _small_generator().generate(prompt, max_new_tokens=2)
 
 
+def test_generate_refuses_a_hook_or_chat_flag_of_the_wrong_type():
+    with pytest.raises(TypeError, match="on_step must be a callable"):
+        _small_generator().generate([1, 2], max_new_tokens=2, on_step=5)
+    with pytest.raises(TypeError, match="chat must be True or False"):
+        _small_generator().generate([1, 2], max_new_tokens=2, chat="yes")
+
+
 @pytest.mark.parametrize("seed", ["abc", 1.5, True])
 def test_generate_refuses_a_seed_that_is_not_an_int(seed):
     with pytest.raises(TypeError, match="seed must be an int or None"):

@@ -322,6 +322,11 @@ class SpeculativeGenerator:
         token ids. ``on_step(built, acceptance, step)`` is called after every verification.
         """
         sampling = SamplingConfig(temperature, top_k, top_p, min_p)
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step must be a callable (built, acceptance, step) or None, got "
+                            f"{type(on_step).__name__}")
+        if not isinstance(chat, bool):
+            raise TypeError(f"chat must be True or False (use the chat template for text prompts), got {chat!r}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be an int > 0, got {max_new_tokens!r}")
         ids = self.encode(prompt, chat)
