@@ -115,13 +115,17 @@ def cmd_generate(args) -> int:
 
 def plain_decode_speed(target, ids: torch.Tensor, max_new_tokens: int) -> tuple[float, int]:
     """tokens/s of HF greedy ``generate`` (the vanilla baseline) and the token count."""
+    from treespec.device import synchronize
+
     model = target.model
     eos = list(target.eos_token_ids) or None
     with torch.inference_mode():
+        synchronize(target.device)
         t0 = time.perf_counter()
         out = model.generate(ids[None].to(target.device), do_sample=False, max_new_tokens=max_new_tokens,
                              eos_token_id=eos, pad_token_id=eos[0] if eos else 0,
                              repetition_penalty=None, temperature=None, top_p=None, top_k=None)
+        synchronize(target.device)
         dt = time.perf_counter() - t0
     n = out.shape[1] - ids.numel()
     return n / dt, n
