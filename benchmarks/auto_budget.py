@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 import treespec
-from treespec.cost import Calibration, calibrate, calibrate_drafter
+from treespec.cost import Calibration, calibrate
+from treespec.measure import calibrate_drafter
 from treespec.cost.calibration import DEFAULT_NS, CalibratedCost
 from treespec.cost.planner import plan_curve
 from treespec.data import mtbench_questions

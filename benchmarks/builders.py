@@ -44,10 +44,8 @@ from treespec import SpeculativeGenerator, load_drafter, load_target, registered
 from treespec.drafters.base import TimedDrafter
 from treespec.data import chat_prompt, mtbench_questions
 from treespec.fastpath import machine_info, machine_line
-from treespec.trees import (
-    BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder,
-    measure_acceptance_vector,
-)
+from treespec.measure import measure_acceptance_vector
+from treespec.trees import BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder
 
 RESULTS = Path(__file__).parent / "results"
 TRAINED = ("eagle3", "eagle", "mtp", "medusa", "small")  # trained drafters, used when they load

@@ -83,7 +83,8 @@ def test_a_calibrated_drafter_brings_its_own_pass_times_and_acceptance():
 
 
 def test_calibrate_drafter_measures_pass_times_and_acceptance(tmp_path):
-    from treespec.cost import calibrate, calibrate_drafter
+    from treespec.cost import calibrate
+    from treespec.measure import calibrate_drafter
 
     target = tiny_target(vocab_size=16, seed=1)
     cal = calibrate(target.model, "tiny", ns=(1, 4), context=4, early_exit_layers=1, n_warmup=0, n_rep=1)

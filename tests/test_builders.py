@@ -484,7 +484,7 @@ def test_stochastic_dynamic_and_best_first_fill_the_budget_in_depth(mode) -> Non
 def test_measure_acceptance_vector() -> None:
     from _engine_helpers import NoisyTargetDrafter, peaky_target
 
-    from treespec.trees import measure_acceptance_vector
+    from treespec.measure import measure_acceptance_vector
 
     target = peaky_target(8, seed=0, num_layers=2, std=0.3)
     # the target drafting for itself at T = 0: its top candidate is always the accepted one

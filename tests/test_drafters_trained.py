@@ -187,7 +187,8 @@ def _save_random(kind: str, target, path: Path) -> Path:
 def test_checkpoint_roundtrip_and_foreign_target_refused(kind, tmp_path):
     target = tiny_target(vocab_size=32, seed=0)
     path = _save_random(kind, target, tmp_path)
-    assert json.loads(path.with_suffix(".json").read_text()) == {"kind": kind}
+    from treespec.drafters.checkpoint import read_header
+    assert json.loads(path.with_suffix(".json").read_text()) == {"kind": kind, "checksum": read_header(path)["checksum"]}
     drafter = load_drafter(kind, target, checkpoint=str(path))
     assert drafter.vocab_size == 32
     other = tiny_target(vocab_size=32, seed=1)             # same shape, other weights

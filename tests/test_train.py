@@ -208,7 +208,7 @@ def test_resume_refuses_another_kind(tiny_setup, tmp_path):
     target, data, held, root = tiny_setup
     train_drafter("medusa", target, tmp_path, _cfg(2), data, root, progress=False, heldout=held,
                   interrupt_after=1)
-    (tmp_path / "medusa.train.pt").rename(tmp_path / "eagle.train.pt")
+    (tmp_path / "medusa.train.safetensors").rename(tmp_path / "eagle.train.safetensors")
     with pytest.raises(ValueError, match="another run"):
         train_drafter("eagle", target, tmp_path, _cfg(2), data, root, progress=False, heldout=held)
 
@@ -259,6 +259,10 @@ def test_warm_start_from_a_checkpoint(kind, tiny_setup, tmp_path):
     cfg = dataclasses.replace(_cfg(2), init_from=str(tmp_path / "a" / f"{kind}.safetensors"))
     card = train_drafter(kind, target, tmp_path / "b", cfg, data, root, progress=False, heldout=held)
     assert card["train"]["warm_start"]["steps_done"] == 2
+    # the card names the warm start by file name and checksum, never by a machine path
+    assert card["train"]["init_from"] == f"{kind}.safetensors"
+    assert card["train"]["init_from_checksum"] == first["checksum"]
+    assert str(tmp_path) not in json.dumps(card)
     assert card["train"]["total_train_minutes"] >= first["train"]["train_minutes"]
 
 
@@ -272,3 +276,28 @@ def test_vocab_subset_with_negatives():
     assert torch.equal(ids, ids.sort().values)
     lookup = sub.lookup(ids)
     assert lookup[ids].tolist() == list(range(len(ids))) and int((lookup >= 0).sum()) == len(ids)
+
+
+def test_resume_state_is_not_pickled_and_a_pickle_is_never_run(tiny_setup, tmp_path):
+    """The resumable state is safetensors + JSON; a legacy ``.train.pt`` is read with
+    ``weights_only=True``, so a pickle that would run code is refused, not executed."""
+    import pickle
+
+    target, data, held, root = tiny_setup
+    assert train_drafter("medusa", target, tmp_path, _cfg(4), data, root, progress=False, heldout=held,
+                         interrupt_after=1) is None
+    assert (tmp_path / "medusa.train.safetensors").is_file()
+    assert not (tmp_path / "medusa.train.pt").exists()
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "eagle.train.pt").write_bytes(pickle.dumps({"kind": "eagle", "x": Payload()}))
+    with pytest.raises(ValueError, match="eagle.train.pt.*weights_only"):
+        train_drafter("eagle", target, evil, _cfg(2), data, root, progress=False, heldout=held)
+    assert not marker.exists()

@@ -1,5 +1,12 @@
 """treespec: tree-based speculative decoding with exact multi-branch rejection sampling."""
 
+from importlib.metadata import PackageNotFoundError as _NotInstalled, version as _version
+
+try:
+    __version__ = _version("treespec")
+except _NotInstalled:  # a source checkout on sys.path without `pip install -e .`
+    __version__ = "0+unknown"
+
 from treespec.analytics import acceptance_rate, expected_chain_tokens, expected_tree_tokens
 from treespec.drafters import load_drafter, registered_drafters
 from treespec.engine import GenerationResult, GenerationStats, SpeculativeGenerator

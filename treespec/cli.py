@@ -38,6 +38,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                         "fp32 at near-ties); float32 is the exact reference")
     p.add_argument("--no-pack", action="store_true",
                    help="keep HF's stock linear layers (default: weights packed once for the CPU's GEMM)")
+    p.add_argument("--device", default="cpu", help="where the target and drafter run: cpu, cuda, cuda:N")
     p.add_argument("--drafter", default="eagle3", help="registered drafter name (see treespec.registered_drafters())")
     p.add_argument("--tree", default="dynamic", choices=BUILDERS, help="tree builder")
     p.add_argument("--budget", default="16", help="tree nodes incl. root, or 'auto' (cost model)")
@@ -60,11 +61,14 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 def _load_target(args):
     from treespec import load_target
 
+    from treespec.device import resolve_device
+
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    target = load_target(args.model, dtype=args.dtype, pack=not args.no_pack)
+    target = load_target(args.model, dtype=args.dtype, device=resolve_device(args.device),
+                         pack=not args.no_pack)
     print(f"[target: {target.speed_path}]", file=sys.stderr, flush=True)
     return target
 
@@ -118,15 +122,13 @@ def cmd_generate(args) -> int:
 
     stream = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.top_p,
                         args.top_k, seed=args.seed, on_step=hook)
-    emitted: list[int] = []
-    shown = ""
+    from treespec.streaming import IncrementalText
+
+    text = IncrementalText(tok)  # prints complete characters only (multi-byte UTF-8 tokens)
     for chunk in stream:
-        emitted.extend(chunk)
-        text = tok.decode(emitted, skip_special_tokens=True)
-        sys.stdout.write(text[len(shown):])
+        sys.stdout.write(text.push(chunk))
         sys.stdout.flush()
-        shown = text
-    sys.stdout.write("\n")
+    sys.stdout.write(text.flush() + "\n")
     if args.stats:
         print(stream.result.stats.table())
     return 0
@@ -136,18 +138,22 @@ def plain_decode_speed(target, ids: torch.Tensor, max_new_tokens: int, temperatu
                        seed: int | None = None) -> tuple[float, int]:
     """tokens/s of HF ``generate`` on the same model object (same weights, dtype and linear
     path: the honest baseline), greedy at temperature 0, sampled otherwise; and the token count."""
+    from treespec.device import synchronize
+
     model = target.model
     eos = list(target.eos_token_ids) or None
     sample = temperature > 0
     if seed is not None:
         torch.manual_seed(seed)
     with torch.inference_mode():
+        synchronize(target.device)
         t0 = time.perf_counter()
         out = model.generate(ids[None].to(target.device), do_sample=sample, max_new_tokens=max_new_tokens,
                              eos_token_id=eos, pad_token_id=eos[0] if eos else 0,
                              attention_mask=torch.ones_like(ids)[None].to(target.device),
                              repetition_penalty=None, temperature=temperature if sample else None,
                              top_p=None, top_k=0 if sample else None)
+        synchronize(target.device)
         dt = time.perf_counter() - t0
     n = out.shape[1] - ids.numel()
     return n / dt, n
@@ -158,9 +164,10 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr):
     cached if this machine has none for this model, dtype and linear path. Returns its path."""
     from tqdm.auto import tqdm
 
-    from treespec.cost import Calibration, calibrate, calibrate_drafter, default_calibration_path
+    from treespec.cost import Calibration, calibrate, default_calibration_path
     from treespec.data import mtbench_questions
     from treespec.fastpath import is_packed
+    from treespec.measure import calibrate_drafter
 
     dtype = next(target.model.parameters()).dtype
     path = default_calibration_path(target.name, dtype, is_packed(target.model))
@@ -193,7 +200,8 @@ def cmd_demo(args) -> int:
 
     questions = mtbench_questions()
     if not 0 <= args.question < len(questions):
-        raise ValueError(f"--question must be in [0, {len(questions) - 1}], got {args.question}")
+        raise ValueError(f"--question must be an index from 0 to {len(questions) - 1} (the MT-bench "
+                         f"questions), got {args.question}")
     q = questions[args.question]
     target = _load_target(args)
     if args.budget == "auto":
@@ -219,7 +227,10 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from treespec import __version__
+
     parser = argparse.ArgumentParser(prog="treespec", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"treespec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream a speculative generation")

@@ -16,12 +16,16 @@ acceptance = accepted / attempted at each depth; time split = draft / verify / a
 
 from __future__ import annotations
 
+import operator
+import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
+from treespec.device import synchronize
 from treespec.drafters import load_drafter
 from treespec.drafters.base import Drafter, TargetFeatures
 from treespec.models import Target
@@ -177,8 +181,52 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     return DynamicTreeBuilder(budget=choice.n_nodes, depth=choice.depth, top_k=max(2, min(8, width)))
 
 
+HUGE_VERIFY_BYTES = 1 << 30   # warn above this (SpeculativeGenerator)
+
+
+class LargeTreeWarning(UserWarning):
+    """A tree budget whose verify pass needs more than ``HUGE_VERIFY_BYTES`` (shown by default,
+    unlike ResourceWarning)."""
+
+
+def verify_memory_bytes(model, nodes: int, prefix: int) -> int:
+    """Rough bytes of the large tensors one verify pass of a ``nodes``-node tree creates after a
+    ``prefix``-token context: logits in the model dtype and three float32 [N, V] rows (their
+    float copy, processed p, draft q), the [N, P + N] mask and fp32 attention scores per head."""
+    cfg = model.config
+    item = next(model.parameters()).element_size()
+    vocab = model.get_output_embeddings().weight.shape[0]
+    keys = prefix + nodes
+    heads = getattr(cfg, "num_attention_heads", 1)
+    return nodes * vocab * (item + 12) + nodes * keys * (item + 4 * heads)
+
+
+def check_builder(builder: object) -> None:
+    """A clear error for something passed as a builder that cannot build trees."""
+    if not callable(getattr(builder, "build", None)) or not hasattr(builder, "budget"):
+        raise TypeError(f"builder must be a TreeBuilder (e.g. DynamicTreeBuilder(budget=16, depth=5, "
+                        f"top_k=4)), 'auto' or None, got {type(builder).__name__}")
+
+
+def check_seed(seed: object) -> int | None:
+    """``seed`` as an int (numpy ints accepted), or None; anything else is a TypeError."""
+    if seed is None:
+        return None
+    if not isinstance(seed, bool):
+        try:
+            return operator.index(seed)
+        except TypeError:
+            pass
+    raise TypeError(f"seed must be an int or None (None: a fresh random seed), got {seed!r}")
+
+
 class SpeculativeGenerator:
     """Speculative generation with a target, a drafter and a tree builder.
+
+    One generation at a time: the drafter and the verifier hold the running request's state, so
+    a second ``generate`` / ``stream`` started while one is running (from another thread, an
+    interleaved stream, or an ``on_step`` hook) raises ``RuntimeError``. Use one generator
+    (with its own drafter) per concurrent request.
 
     Args:
         target:  a ``treespec.Target`` (``load_target`` or ``Target.from_hf``).
@@ -193,8 +241,13 @@ class SpeculativeGenerator:
         if not isinstance(target, Target):
             raise TypeError(f"target must be a treespec.Target (use Target.from_hf(model, tokenizer)), "
                             f"got {type(target).__name__}")
+        if builder is not None and not isinstance(builder, str):
+            check_builder(builder)
         if isinstance(drafter, str):
             drafter = load_drafter(drafter, target)
+        elif not isinstance(drafter, Drafter):
+            raise TypeError(f"drafter must be a Drafter (begin / expand / commit, vocab_size ...) or a "
+                            f"registered name such as 'eagle3', got {type(drafter).__name__}")
         if drafter.vocab_size != target.vocab_size:
             raise ValueError(f"drafter vocab size {drafter.vocab_size} != target vocab size "
                              f"{target.vocab_size}; they must share one vocabulary")
@@ -205,6 +258,13 @@ class SpeculativeGenerator:
         self.target = target
         self.drafter = drafter
         self.builder = builder if builder is not None else DynamicTreeBuilder()
+        self._busy = threading.Lock()  # one generation at a time (see _exclusive)
+        nodes = getattr(self.builder, "budget", 1)
+        need = verify_memory_bytes(target.model, nodes, nodes)
+        if need > HUGE_VERIFY_BYTES:
+            warnings.warn(f"a tree of {nodes} nodes takes about {need / 2**30:.1f} GiB per verify pass (more "
+                          f"with a long prompt); lower the budget to verify in less memory and time",
+                          LargeTreeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ inputs
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = True) -> torch.Tensor:
@@ -223,7 +283,16 @@ class SpeculativeGenerator:
             else:
                 ids = tok(prompt, add_special_tokens=True)["input_ids"]
             return torch.tensor(ids, dtype=torch.long)
-        ids = prompt if isinstance(prompt, torch.Tensor) else torch.as_tensor(prompt)
+        if isinstance(prompt, torch.Tensor):
+            ids = prompt
+        else:
+            try:
+                ids = None if isinstance(prompt, (bytes, dict, set)) else torch.as_tensor(prompt)
+            except (TypeError, ValueError, RuntimeError):
+                ids = None
+            if ids is None or (ids.is_floating_point() and ids.numel()):
+                raise TypeError(f"prompt must be text, token ids (a list of ints) or a LongTensor, got "
+                                f"{type(prompt).__name__}")
         if ids.numel() == 0:
             raise ValueError("prompt is empty; pass at least one token id")
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
@@ -257,6 +326,11 @@ class SpeculativeGenerator:
         token ids. ``on_step(built, acceptance, step)`` is called after every verification.
         """
         sampling = SamplingConfig(temperature, top_k, top_p, min_p)
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step must be a callable (built, acceptance, step) or None, got "
+                            f"{type(on_step).__name__}")
+        if not isinstance(chat, bool):
+            raise TypeError(f"chat must be True or False (use the chat template for text prompts), got {chat!r}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be an int > 0, got {max_new_tokens!r}")
         ids = self.encode(prompt, chat)
@@ -264,19 +338,25 @@ class SpeculativeGenerator:
         if ids.numel() >= limit:
             raise ValueError(f"prompt has {ids.numel()} tokens but the context window is {limit}; "
                              "shorten the prompt")
-        room = limit - ids.numel() - getattr(self.builder, "budget", 1)
+        budget = getattr(self.builder, "budget", 1)
+        room = limit - ids.numel() - budget
+        if max_new_tokens > room and max_new_tokens <= limit - ids.numel() - 1:
+            raise ValueError(f"the tree budget {budget} does not fit the context window ({limit} tokens, "
+                             f"prompt {ids.numel()}, max_new_tokens {max_new_tokens}); use a budget of at "
+                             f"most {limit - ids.numel() - max_new_tokens}")
         if max_new_tokens > room:
             raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the context window "
                              f"({limit} tokens, prompt {ids.numel()}, tree budget included); "
                              f"use at most {max(room, 0)}")
-        gen = torch.Generator()
+        seed = check_seed(seed)
+        gen = torch.Generator(device=self.target.device)  # draws happen where p and q live
         if seed is not None:
-            gen.manual_seed(int(seed))
+            gen.manual_seed(seed)
         else:
             gen.seed()
         out: list[int] = []
         stats = GenerationStats(prompt_tokens=ids.numel())
-        chunks = self._loop(ids, max_new_tokens, sampling, gen, out, stats, on_step)
+        chunks = self._exclusive(self._loop(ids, max_new_tokens, sampling, gen, out, stats, on_step))
 
         def finish() -> GenerationResult:
             tok = self.target.tokenizer
@@ -285,6 +365,19 @@ class SpeculativeGenerator:
 
         return GenerationStream(chunks, finish)
 
+    def _exclusive(self, chunks: Iterator[list[int]]) -> Iterator[list[int]]:
+        """Run ``chunks`` holding the generator's lock: the drafter, the builder and the
+        verifier keep per-request state, so a second generation while one is running (another
+        thread, an interleaved stream, a call from ``on_step``) is refused, never mixed."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this SpeculativeGenerator is already generating (another thread, or a "
+                               "stream not yet exhausted); finish or drop that stream first, or give "
+                               "each concurrent request its own SpeculativeGenerator and drafter")
+        try:
+            yield from chunks
+        finally:
+            self._busy.release()
+
     def _loop(self, ids: torch.Tensor, max_new: int, sampling: SamplingConfig,
               gen: torch.Generator, out: list[int], stats: GenerationStats,
               on_step: StepHook | None) -> Iterator[list[int]]:
@@ -292,20 +385,26 @@ class SpeculativeGenerator:
         layers = drafter.target_layers if drafter.needs_target_hidden else ()
         verifier = TreeVerifier(self.target.model, sampling, layers)
         eos = set(self.target.eos_token_ids)
-        t0 = time.perf_counter()
+        device = self.target.device
+
+        def clock() -> float:  # an accelerator's queued work is booked to the phase that ran it
+            synchronize(device)
+            return time.perf_counter()
+
+        t0 = clock()
         feats = verifier.prefill(ids)
         drafter.begin(ids, feats)
-        stats.prefill_time = time.perf_counter() - t0
+        stats.prefill_time = clock() - t0
         root = int(ids[-1])
         while True:
-            t0 = time.perf_counter()
+            t0 = clock()
             built = builder.build(drafter, root, sampling, gen)
-            t1 = time.perf_counter()
+            t1 = clock()
             scored = verifier.score(built.tree)
-            t2 = time.perf_counter()
+            t2 = clock()
             acc = accept(built.tree, scored.probs, gen)
-            t3 = time.perf_counter()
-            keep = torch.cat([torch.zeros(1, dtype=torch.long), acc.path])
+            t3 = clock()
+            keep = torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), acc.path])  # host indices
             verifier.compact(keep)
             feats = scored.features.select(keep) if layers else TargetFeatures.empty()
             drafter.commit(built.source[acc.path], acc.tokens, feats)
@@ -323,7 +422,7 @@ class SpeculativeGenerator:
             out.extend(chunk)
             stats.new_tokens = len(out)
             root = new[-1]
-            t4 = time.perf_counter()
+            t4 = clock()
             stats.draft_time += t1 - t0
             stats.verify_time += t2 - t1
             stats.accept_time += t3 - t2

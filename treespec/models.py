@@ -254,7 +254,10 @@ def model_fingerprint(model: PreTrainedModel, samples_per_tensor: int = 64) -> s
     Hashes the config's shape fields, each parameter's name and shape, and
     ``samples_per_tensor`` evenly spaced elements of it (the first and last included), rounded
     to bfloat16 so float32 and bfloat16 copies of one checkpoint agree. It tells checkpoints
-    apart; it does not notice an edit to an unsampled element.
+    apart; it does not notice an edit to an unsampled element. A float16 copy can hash
+    differently (its rounding and bfloat16's disagree near bfloat16 midpoints), so drafter
+    checkpoints compare targets with a tolerance instead (``treespec.drafters.checkpoint``);
+    this hash names a model (feature caches, error messages).
     """
     digest = hashlib.sha256()
     for key in _FINGERPRINT_CONFIG_KEYS:

@@ -102,8 +102,8 @@ class DraftTree:
         tokens = [int(root_token)] + [key[-1] for key in order[1:]]
         parents = [-1] + [prefixes[key[:-1]] for key in order[1:]]
         return cls(
-            torch.tensor(tokens, dtype=torch.long),
-            torch.tensor(parents, dtype=torch.long),
+            torch.tensor(tokens, dtype=torch.long, device="cpu"),
+            torch.tensor(parents, dtype=torch.long, device="cpu"),
             draft_probs,
             sampling,
             vocab_size,
@@ -147,7 +147,7 @@ class DraftTree:
             index[c] = len(tokens)
             tokens.append(int(ranked_tokens[len(c) - 1, c[-1]]))
             parents.append(index[c[:-1]])
-        return cls(torch.tensor(tokens), torch.tensor(parents))
+        return cls(torch.tensor(tokens, device="cpu"), torch.tensor(parents, device="cpu"))
 
     # ------------------------------------------------------------------ derived structure
     @property
@@ -193,7 +193,7 @@ class DraftTree:
             mask[i] = mask[p]
             mask[i, i] = True
             depth[i] = depth[p] + 1
-        return torch.tensor(depth, dtype=torch.long), torch.from_numpy(mask)
+        return torch.tensor(depth, dtype=torch.long, device="cpu"), torch.from_numpy(mask)
 
     @property
     def depth(self) -> torch.Tensor:
@@ -300,14 +300,14 @@ def _validate(tree: DraftTree, scan_probs: bool = True) -> None:
         # One min/max pass (NaN propagates into both) and a sum in the input dtype: ~0.5 ms at
         # [64, 49152] float32, where `(probs < 0).any()`, `isfinite().all()` and a float64
         # sum took ~30 ms. The row-sum tolerance is 1e-3; float32 sums are far closer than that.
-        lo, hi = torch.aminmax(probs) if probs.numel() else (torch.zeros(()), torch.zeros(()))
+        lo, hi = torch.aminmax(probs) if probs.numel() else (torch.zeros((), device=probs.device),) * 2
         if not (float(lo) >= 0.0 and math.isfinite(float(hi))):
             raise ValueError("draft_probs must be finite and non-negative (rows are distributions)")
         acc = torch.float64 if probs.dtype == torch.float64 else torch.float32  # not fp16 sums
         sums = probs.sum(-1, dtype=acc).double()
         bad_rows = (sums - 1.0).abs() > _ROW_SUM_ATOL
         # Rows of leaves may be all-zero (never used to draw children); inner rows must sum to 1.
-        has_kids = torch.zeros(n, dtype=torch.bool)
+        has_kids = torch.zeros(n, dtype=torch.bool, device="cpu")
         if n > 1:
             has_kids[parents[1:].cpu()] = True
         bad_rows = bad_rows.cpu() & (has_kids | (sums.cpu() != 0))

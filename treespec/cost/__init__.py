@@ -24,7 +24,6 @@ from treespec.cost.calibration import (
     Calibration,
     Curve,
     calibrate,
-    calibrate_drafter,
     default_calibration_path,
     measure,
     measure_interleaved,
@@ -78,7 +77,6 @@ __all__ = [
     "best_choice",
     "best_tree",
     "calibrate",
-    "calibrate_drafter",
     "compute_bound_batch",
     "default_calibration_path",
     "expected_chain_tokens",
@@ -98,3 +96,13 @@ __all__ = [
     "t_target",
     "verify_passes",
 ]
+
+
+def __getattr__(name: str):
+    """``calibrate_drafter`` lives in ``treespec.measure`` (above the engine); this old path
+    still resolves, on first use."""
+    if name == "calibrate_drafter":
+        from treespec.measure import calibrate_drafter
+
+        return calibrate_drafter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,7 +40,6 @@ __all__ = [
     "Calibration",
     "Curve",
     "calibrate",
-    "calibrate_drafter",
     "default_calibration_path",
     "measure",
     "measure_interleaved",
@@ -335,6 +334,7 @@ def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) ->
     import torch
     from transformers import DynamicCache
 
+    from treespec.device import synchronize
     from treespec.masks import attn_implementation_of, hf_tree_mask, position_ids
     from treespec.tree import DraftTree
 
@@ -359,8 +359,7 @@ def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) ->
                         attention_mask=mask, cache=cache, use_cache=True)
             out.logits[0].float().softmax(-1)
             cache.crop(-n_tokens)
-            if param.device.type == "cuda":
-                torch.cuda.synchronize(param.device)
+            synchronize(param.device)
 
         return fn
 
@@ -464,54 +463,11 @@ def _calibrate(model: Any, name: str, shape: ModelShape, ns: Sequence[int], draf
 DRAFT_WIDTHS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 
 
-def calibrate_drafter(
-    calibration: Calibration,
-    name: str,
-    target: Any,
-    prompts: Sequence[str | Sequence[int]],
-    widths: Sequence[int] = DRAFT_WIDTHS,
-    acceptance_width: int = 8,
-    max_new_tokens: int = 32,
-    clock: Callable[[], float] = time.perf_counter,
-    progress: Callable[[str], None] | None = None,
-) -> Calibration:
-    """``calibration`` plus the registered drafter ``name`` measured for real on ``target``.
+def __getattr__(name: str):
+    """``calibrate_drafter`` moved to ``treespec.measure`` (it runs the engine, which imports
+    the cost model); the old path still resolves, on first use."""
+    if name == "calibrate_drafter":
+        from treespec.measure import calibrate_drafter
 
-    Pass times: greedy generations on ``prompts[0]`` with a static tree of ``w`` root children,
-    each with one child, so every step makes one expand call over 1 node (the root, including
-    the drafter's commit work) and one over ``w`` nodes; the median call time per width gives
-    ``drafters[name]``. Acceptance: ``measure_acceptance_vector`` (width ``acceptance_width``,
-    greedy) over ``prompts``, stored in ``acceptance[name]``. Held-out prompts, please: the
-    numbers are meant for other text. Run it with the threads the engine will use.
-    """
-    from treespec.drafters import load_drafter
-    from treespec.drafters.base import TimedDrafter
-    from treespec.engine import SpeculativeGenerator
-    from treespec.trees import StaticTreeBuilder, measure_acceptance_vector
-
-    if not prompts:
-        raise ValueError("calibrate_drafter needs at least one prompt (held-out text)")
-    if not widths or any(not isinstance(w, int) or w < 1 for w in widths):
-        raise ValueError(f"widths must be positive ints, got {list(widths)}")
-    say = progress or (lambda message: None)
-    drafter = TimedDrafter(load_drafter(name, target), clock)
-    samples: dict[int, list[float]] = {}
-    for w in sorted(set(widths)):
-        builder = StaticTreeBuilder([(i,) for i in range(w)] + [(i, 0) for i in range(w)])
-        gen = SpeculativeGenerator(target, drafter, builder)
-        gen.generate(prompts[0], max_new_tokens=4)  # warm-up
-        drafter.reset()
-        gen.generate(prompts[0], max_new_tokens=max_new_tokens)
-        for nodes, seconds in drafter.calls:
-            samples.setdefault(nodes, []).append(seconds)
-    ns = sorted(samples)
-    curve = Curve.fit(ns, [statistics.median(samples[n]) for n in ns])
-    say(f"{name}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(curve.ns, curve.seconds)))
-    vector = measure_acceptance_vector(drafter.inner, target, list(prompts), width=acceptance_width,
-                                       max_new_tokens=max_new_tokens)
-    say(f"{name} acceptance: " + ", ".join(f"{a:.3f}" for a in vector))
-    return dataclasses.replace(
-        calibration,
-        drafters={**calibration.drafters, name: curve},
-        acceptance={**calibration.acceptance, name: tuple(vector)},
-    )
+        return calibrate_drafter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from treespec.cost.acceptance import DEFAULT_BETA, acceptance_vector
 from treespec.data import MissingPackageError
 from treespec.cost.calibration import (
-    DEFAULT_NS, CalibratedCost, Calibration, calibrate, calibrate_drafter, default_calibration_path,
+    DEFAULT_NS, CalibratedCost, Calibration, calibrate, default_calibration_path,
 )
 from treespec.cost.hardware import get_hardware
 from treespec.cost.planner import RooflineCost, StepCost, TreeChoice, batch_limits, best_choice, plan_curve
@@ -101,11 +101,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="comma-separated registered drafters to measure for real (pass times by width and "
                           "positional acceptance on 4 held-out MT-bench prompts); implies --weights pretrained. "
                           "builder='auto' then uses them")
-    cal.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"),
+    cal.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"),
                      help="weights as the engine will run them (each dtype has its own default file); "
-                          "auto: bfloat16 where the CPU/GPU has native bf16 units, else float32")
+                          "auto: bfloat16 where the CPU/GPU has native bf16 units, else float32 (float16 is "
+                          "API-only: calibrate it with treespec.cost.calibrate)")
     cal.add_argument("--no-pack", action="store_true",
                      help="measure the stock linear layers instead of the packed fast path (own file)")
+    cal.add_argument("--device", default="cpu", help="where to measure: cpu, cuda, cuda:N (the engine's device)")
     cal.add_argument("--out", type=Path, default=None, help="output JSON (default: the model's default path)")
     cal.set_defaults(func=_calibrate)
 
@@ -178,12 +180,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     them as JSON for `plan --hardware local` and the engine's budget="auto"."""
     import torch
 
+    from treespec.device import resolve_device
+
+    device = resolve_device(args.device)
     drafters = [d for d in (args.drafter or "").split(",") if d]
     target = None
     if drafters or args.weights == "pretrained":
         from treespec.models import load_target
 
-        target = load_target(args.model, dtype=args.dtype, pack=not args.no_pack)
+        target = load_target(args.model, dtype=args.dtype, device=device, pack=not args.no_pack)
         print(f"[target: {target.speed_path}]", flush=True)
         model = target.model
     else:
@@ -193,9 +198,9 @@ def _calibrate(args: argparse.Namespace) -> int:
             raise KeyError(f"unknown model {args.model!r}; known models: {sorted(MODEL_PRESETS)}")
         from treespec.fastpath import pack_linears, resolve_dtype
 
-        dtype, _ = resolve_dtype(args.dtype)
+        dtype, _ = resolve_dtype(args.dtype, device)
         model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL_PRESETS[args.model]), dtype=dtype)
-        model.eval().requires_grad_(False)
+        model.to(device).eval().requires_grad_(False)
         pack_linears(model, enabled=not args.no_pack)
     if args.clock == "thread" and args.threads != 1:
         raise ValueError("--clock thread counts one thread's CPU time: use it with --threads 1")
@@ -208,6 +213,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                        progress=lambda m: print(m, flush=True))
     if drafters:
         from treespec.data import mtbench_questions
+        from treespec.measure import calibrate_drafter  # runs the engine: above the cost model
 
         held_out = [q.turns[0] for q in mtbench_questions()[-4:]]  # benchmarks use the first ones
         previous = torch.get_num_threads()

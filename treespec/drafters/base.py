@@ -27,6 +27,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
+from treespec.device import synchronize
 from treespec.tree import DraftTree
 
 
@@ -93,6 +94,30 @@ class PartialTree:
         while self.parents[path[-1]] >= 0:
             path.append(self.parents[path[-1]])
         return path[::-1]
+
+
+def tree_slot_mask(tree: PartialTree, nodes: list[int], slots: dict[int, int], committed: int, base: int,
+                   device: torch.device) -> torch.Tensor:
+    """BoolTensor[F, base + F] on ``device``: which cache positions each new node attends to.
+
+    Row r (node ``nodes[r]``, written at cache position base + r) sees the first ``committed``
+    positions, the positions ``slots[a]`` of its ancestors a that have one, and itself. The
+    index pairs are collected in Python and written with ONE indexed store (one upload), not
+    element by element on the device.
+    """
+    f = len(nodes)
+    pairs: list[int] = []
+    for r, n in enumerate(nodes):
+        a = tree.parents[n]
+        while a in slots:
+            pairs += (r, slots[a])
+            a = tree.parents[a]
+        pairs += (r, base + r)
+    allowed = torch.zeros(f, base + f, dtype=torch.bool, device=device)
+    allowed[:, :committed] = True
+    index = torch.tensor(pairs, dtype=torch.long, device=device).view(-1, 2)
+    allowed[index[:, 0], index[:, 1]] = True
+    return allowed
 
 
 @runtime_checkable
@@ -196,8 +221,10 @@ class TimedDrafter:
 
     def _timed(self, fn):
         def timed(tree, nodes):
+            synchronize(getattr(self.inner, "device", None))   # earlier queued work is not ours
             start = self.clock()
             out = fn(tree, nodes)
+            synchronize((out[0] if isinstance(out, tuple) else out).device)
             seconds = self.clock() - start
             self.expand_time += seconds
             self.calls.append((len(nodes), seconds))

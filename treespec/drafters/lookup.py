@@ -59,8 +59,8 @@ class LookupDrafter:
 
     def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
         self.calls += 1
-        # [F, V]
-        out = torch.full((len(nodes), self.vocab_size), 0.0)
+        # [F, V], built on the host (n-gram votes in numpy); builders move q to the target's device
+        out = torch.full((len(nodes), self.vocab_size), 0.0, device="cpu")
         for row, node in enumerate(nodes):
             path = [tree.tokens[n] for n in tree.path_to(node)[1:]]  # root is history[-1]
             votes = self._votes(np.asarray(self.history + path, dtype=np.int64))

@@ -119,13 +119,12 @@ def random_medusa(target, num_heads: int = 4, seed: int = 0, scale: float = 0.1)
 
 
 def load_medusa(target, checkpoint: str | Path | None = None) -> MedusaDrafter:
-    from treespec.drafters.checkpoint import load_checkpoint
-    from treespec.drafters.eagle import shipped_checkpoint
+    from treespec.drafters.checkpoint import load_checkpoint, restore_module
+    from treespec.drafters.feature import shipped_checkpoint
 
     path = Path(checkpoint) if checkpoint is not None else shipped_checkpoint(target, "medusa")
     state, header = load_checkpoint(path, target, "medusa")
-    heads = MedusaHeads(MedusaConfig(**header["arch"]))
-    heads.load_state_dict(state, strict=True)
+    heads = restore_module(path, "medusa", header, state, lambda arch: MedusaHeads(MedusaConfig(**arch)))
     return MedusaDrafter(heads.to(target.device, target.dtype), target.model.get_output_embeddings(),
                          target.vocab_size)
 

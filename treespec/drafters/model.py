@@ -18,7 +18,7 @@ import copy
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter
+from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter, tree_slot_mask
 from treespec.masks import attn_implementation_of
 
 
@@ -79,14 +79,7 @@ class ModelDrafter:
         ids = torch.tensor([tree.tokens[n] for n in nodes], device=self.device)[None]
         pos = torch.tensor([self.prefix_len + tree.depth[n] for n in nodes], device=self.device)[None]
         # [F, base + F]: prefix ‖ ancestor slots ‖ self
-        allowed = torch.zeros(len(nodes), base + len(nodes), dtype=torch.bool)
-        allowed[:, : self.prefix_len] = True
-        for row, n in enumerate(nodes):
-            a = tree.parents[n]
-            while a >= 0:
-                allowed[row, self.slots[a]] = True
-                a = tree.parents[a]
-            allowed[row, base + row] = True
+        allowed = tree_slot_mask(tree, nodes, self.slots, self.prefix_len, base, self.device)
         logits = self._forward(ids, pos, self._mask(allowed))
         for row, n in enumerate(nodes):
             self.slots[n] = base + row

@@ -6,7 +6,7 @@ One module, applied recursively (depth d feeds its own output to depth d + 1):
     q(x_{t+2}) = softmax(lm_head(final_norm(h'_t)))            (the target's own norm + head)
 h_t is the target's last hidden state at committed positions and the module's own output h'
 of the parent at tree nodes. Slots, positions and the stable cache are those of
-``treespec.drafters.eagle.FeatureDrafter``; what differs from EAGLE is the normalisation (both
+``treespec.drafters.feature.FeatureDrafter``; what differs from EAGLE is the normalisation (both
 inputs normalised, output through the trunk's final norm) and the training (DeepSeek's
 sequential depths: depth k runs over the whole sequence on depth k - 1's outputs, CE-style
 distillation only, no feature regression; see ``treespec.train``).
@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from treespec.drafters.base import register_drafter
-from treespec.drafters.eagle import FeatureDrafter, FeatureHead, HeadConfig, RMSNorm, Trunk, load_feature_drafter
+from treespec.drafters.feature import (
+    FeatureDrafter, FeatureHead, HeadConfig, RMSNorm, Trunk, load_feature_drafter, register_head,
+)
 
 
 class MTPHead(FeatureHead):
@@ -42,6 +44,9 @@ class MTPHead(FeatureHead):
 
 class MTPDrafter(FeatureDrafter):
     """A FeatureDrafter around an MTPHead (stable cache of the module over committed positions)."""
+
+
+register_head("mtp", lambda cfg, trunk, d2t: MTPHead(cfg, trunk), MTPDrafter)
 
 
 @register_drafter("mtp")

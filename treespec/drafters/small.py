@@ -49,16 +49,13 @@ def export_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def load_small(target, checkpoint: str | Path | None = None) -> ModelDrafter:
-    from treespec.drafters.checkpoint import load_checkpoint
-    from treespec.drafters.eagle import shipped_checkpoint
+    from treespec.drafters.checkpoint import load_checkpoint, restore_module
+    from treespec.drafters.feature import shipped_checkpoint
 
     path = Path(checkpoint) if checkpoint is not None else shipped_checkpoint(target, "small")
     state, header = load_checkpoint(path, target, "small")
-    model = small_model(target, header["arch"])
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if m != "lm_head.weight"]:
-        raise ValueError(f"{path}: checkpoint does not match the small architecture "
-                         f"(missing {missing}, unexpected {unexpected})")
+    model = restore_module(path, "small", header, state, lambda arch: small_model(target, arch),
+                           tied=("lm_head.weight",))
     model.tie_weights()
     return ModelDrafter(model.eval().requires_grad_(False), target.vocab_size)
 

@@ -1,7 +1,7 @@
 """`treespec train {eagle,eagle3,medusa,mtp,small} --minutes N --out DIR`.
 
 Builds the target's feature cache on ShareGPT if needed (resumable, chunked, under
-``$TREESPEC_CACHE/train``), trains with a progress bar, resumes from ``DIR/<kind>.train.pt`` when
+``$TREESPEC_CACHE/train``), trains with a progress bar, resumes from ``DIR/<kind>.train.safetensors`` when
 re-run with the same ``--out``, and writes ``DIR/<kind>.safetensors`` (fp16) + ``DIR/<kind>.json``.
 """
 

@@ -7,8 +7,9 @@
     3. trains with AdamW, linear warm-up then cosine decay over ``total_steps``; with a time budget
        ``total_steps`` is fixed after timing the first steps (and stored, so a resumed run keeps
        the same schedule); the run also stops when the budget is spent;
-    4. every ``save_every_s`` seconds and at the end writes ``<out>/<kind>.train.pt`` (model,
-       optimizer, step, RNG states, loss log): re-running the same command resumes from it;
+    4. every ``save_every_s`` seconds and at the end writes ``<out>/<kind>.train.safetensors``
+       (model, optimizer, RNG state as tensors; step, schedule, loss log as JSON; no pickle):
+       re-running the same command resumes from it;
     5. exports ``<out>/<kind>.safetensors`` (fp16) and evaluates *that file* on the held-out
        sequences (reloaded the way ``load_drafter`` loads it) for the card ``<out>/<kind>.json``.
 """
@@ -17,11 +18,14 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from treespec.drafters.checkpoint import card_path, load_checkpoint, save_checkpoint, target_identity
@@ -127,6 +131,55 @@ def rebuild(recipe, kind: str, state: dict, header: dict, target) -> torch.nn.Mo
     return model.float().eval()
 
 
+def save_train_state(path: Path, st: dict) -> None:
+    """The resumable state without pickle: tensors (model, optimizer moments, RNG) in a
+    safetensors file, everything else (kind, step, schedule, loss log, optimizer hyper-parameters
+    and scalars) as JSON in its metadata. Written to a temp file, then renamed."""
+    # copies: a tied head shares its embedding's storage, which safetensors refuses to alias
+    tensors = {f"model.{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in st["model"].items()}
+    tensors["torch_rng"] = st["torch_rng"].cpu()
+    scalars: dict[str, dict] = {}
+    for index, entry in st["optimizer"]["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer.{index}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    meta = {k: st[k] for k in ("kind", "fingerprint", "step", "total", "elapsed", "log")}
+    meta["optimizer"] = {"param_groups": st["optimizer"]["param_groups"], "scalars": scalars}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, tmp, metadata={"treespec_train": json.dumps(meta)})
+    tmp.replace(path)
+
+
+def load_train_state(path: Path) -> dict | None:
+    """What ``save_train_state`` wrote (None when there is nothing to resume). A legacy pickled
+    ``<kind>.train.pt`` next to it is read with ``torch.load(weights_only=True)``, which never
+    runs code from the file."""
+    legacy = path.with_name(path.name.replace(".train.safetensors", ".train.pt"))
+    if not path.exists():
+        if not legacy.exists():
+            return None
+        try:
+            st = torch.load(legacy, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
+            raise ValueError(f"{legacy} cannot be read with torch.load(weights_only=True) (it holds more than "
+                             f"tensors and plain data: {type(err).__name__}); delete it to train from the start"
+                             ) from None
+        return {**st, "path": legacy}
+    tensors = load_file(path)
+    meta = json.loads(safe_open(str(path), framework="pt").metadata()["treespec_train"])
+    opt_state: dict[int, dict] = {int(i): dict(v) for i, v in meta["optimizer"]["scalars"].items()}
+    for key, value in tensors.items():
+        if key.startswith("optimizer."):
+            _, index, name = key.split(".", 2)
+            opt_state.setdefault(int(index), {})[name] = value
+    return {**{k: meta[k] for k in ("kind", "fingerprint", "step", "total", "elapsed", "log")},
+            "model": {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")},
+            "optimizer": {"state": opt_state, "param_groups": meta["optimizer"]["param_groups"]},
+            "torch_rng": tensors["torch_rng"], "path": path}
+
+
 def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = TrainConfig(),
                   data: DataConfig = DataConfig(), cache_root=None, progress: bool = True,
                   heldout: DataConfig = HELDOUT, interrupt_after: int | None = None) -> dict | None:
@@ -155,7 +208,7 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
     held = load_chunks(held_dir, recipe.layers, chunk_count(heldout))
 
     model = recipe.build(cfg.seed)
-    prior = None
+    prior, init_checksum = None, None
     if cfg.init_from:
         init_state, init_header = load_checkpoint(cfg.init_from, target, kind)
         if init_header["arch"] != recipe.export(model)[1]:
@@ -167,15 +220,16 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
             model.tie_weights()
         if card_path(cfg.init_from).exists():
             prior = json.loads(card_path(cfg.init_from).read_text()).get("train")
+        init_checksum = init_header.get("checksum")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
-    state_path = out / f"{kind}.train.pt"
+    state_path = out / f"{kind}.train.safetensors"
     step, total, elapsed, log = 0, cfg.steps, 0.0, []
-    if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
+    st = load_train_state(state_path)
+    if st is not None:
         if st["kind"] != kind or st["fingerprint"] != target_identity(target)["fingerprint"]:
-            raise ValueError(f"{state_path} belongs to another run ({st['kind']}, {st['fingerprint']}); "
+            raise ValueError(f"{st['path']} belongs to another run ({st['kind']}, {st['fingerprint']}); "
                              "use another --out or delete it")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
@@ -187,10 +241,10 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         next(batches)
 
     def save() -> None:
-        torch.save({"kind": kind, "fingerprint": target_identity(target)["fingerprint"],
-                    "model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "torch_rng": torch.get_rng_state(),
-                    "step": step, "total": total, "elapsed": elapsed, "log": log}, state_path)
+        save_train_state(state_path, {"kind": kind, "fingerprint": target_identity(target)["fingerprint"],
+                                      "model": model.state_dict(), "optimizer": opt.state_dict(),
+                                      "torch_rng": torch.get_rng_state(),
+                                      "step": step, "total": total, "elapsed": elapsed, "log": log})
 
     bar = tqdm(total=total or None, initial=step, desc=f"train {kind}", disable=not progress)
     last_save, timing, this_run = time.perf_counter(), [], 0
@@ -239,7 +293,8 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         "architecture": arch,
         "parameters": int(sum(v.numel() for v in state.values() if v.is_floating_point())),
         "checkpoint_bytes": ckpt.stat().st_size,
-        "target": target_identity(target),
+        "target": {k: v for k, v in target_identity(target).items() if k != "weights"},  # samples: header only
+        "checksum": header["checksum"],
         "data": {"train": {**asdict(data), "cache_key": data.key()},
                  "heldout": {**asdict(heldout), "cache_key": heldout.key(),
                              "sequences_in_card": HELDOUT_CARD_SEQS},
@@ -247,6 +302,8 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
                            "SmolLM2 chat template; features and top-32 distributions from the target",
                  "feature_cache_minutes_this_run": round(data_minutes, 1)},
         "train": {**{k: v for k, v in asdict(cfg).items() if k != "recipe"}, "steps_done": step,
+                  # the warm start by name and checksum: a card never records a machine path
+                  "init_from": Path(cfg.init_from).name, "init_from_checksum": init_checksum,
                   "train_minutes": round(elapsed / 60, 2),
                   "tokens_seen_approx": int(step * cfg.batch_size * data.max_len * 0.92),
                   "warm_start": prior,

@@ -20,11 +20,21 @@ from treespec.trees.base import BuiltTree, TreeBuilder, draw_children
 from treespec.trees.best_first import BestFirstBuilder
 from treespec.trees.chain import ChainBuilder
 from treespec.trees.dynamic import DynamicTreeBuilder
-from treespec.trees.sequoia import SequoiaBuilder, measure_acceptance_vector, optimal_tree
+from treespec.trees.sequoia import SequoiaBuilder, optimal_tree
 from treespec.trees.static import StaticTreeBuilder, default_choices
 
 __all__ = [
     "BestFirstBuilder", "BuiltTree", "ChainBuilder", "DynamicTreeBuilder", "SequoiaBuilder",
     "StaticTreeBuilder", "TreeBuilder", "default_choices", "draw_children",
-    "measure_acceptance_vector", "optimal_tree",
+    "optimal_tree",
 ]
+
+
+def __getattr__(name: str):
+    """``measure_acceptance_vector`` lives in ``treespec.measure`` (it runs the engine, which
+    imports the builders); this old path still resolves, on first use."""
+    if name == "measure_acceptance_vector":
+        from treespec.measure import measure_acceptance_vector
+
+        return measure_acceptance_vector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -99,6 +99,16 @@ def check_width(name: str, width: int, drafter: Drafter) -> None:
                          f"use {name} <= V")
 
 
+def check_finite_draft(logits: torch.Tensor, q: torch.Tensor, drafter: Drafter) -> None:
+    """Refuse NaN / +inf draft logits (and rows without one finite logit): q would be NaN, which
+    torch.multinomial rejects in stochastic modes and top-k silently ranks first otherwise.
+    -inf is allowed (tokens outside a drafter's support)."""
+    if bool(logits.isnan().any() | logits.isposinf().any() | q.isnan().any()):
+        raise ValueError(f"{type(drafter).__name__} returned non-finite draft logits (NaN or +inf, or a "
+                         f"row with every logit -inf); check the drafter's weights (a checkpoint with "
+                         f"non-finite values?) and its inputs")
+
+
 def log_confidence(min_confidence: float) -> float:
     return math.log(min_confidence) if min_confidence > 0 else -math.inf
 
@@ -339,6 +349,10 @@ def expand_nodes(
         raise ValueError(f"drafter.expand must return logits [F={len(nodes)}, V={width}], got shape "
                          f"{tuple(logits.shape)} from {type(drafter).__name__}")
     q = draft_distribution(logits, sampling)
+    check_finite_draft(logits, q, drafter)
+    if generator is not None and q.device != generator.device:
+        q = q.to(generator.device)  # a drafter on another device: draw (and keep q) where p lives
+        ids = None if ids is None else ids.to(generator.device)
     return DraftQ(q, ids, drafter.vocab_size), draw_children(q, k, mode, generator, draws, ids)
 
 
@@ -364,19 +378,22 @@ def finish(
         raise ValueError("the kept node set must contain every kept node's parent") from None
     probs = None
     if mode != "deterministic":
+        # [N, V] on the drafter's device, where q was computed (no host round trip)
         first = next(iter(rows.values()))
         vocab = first.vocab if isinstance(first, DraftQ) else first.shape[-1]
-        probs = torch.zeros(len(keep), vocab, dtype=torch.float32)
+        device = _split_q(first)[0].device
+        probs = torch.zeros(len(keep), vocab, dtype=torch.float32, device=device)
         at = [i for i, o in enumerate(keep) if o in rows]
         if at:
             split = [_split_q(rows[keep[i]]) for i in at]
             ids = split[0][1]
-            values = torch.stack([q for q, _ in split]).float().cpu()
+            values = torch.stack([q for q, _ in split]).float()
             if ids is None:
                 probs[at] = values
             else:  # one flat scatter of every kept row's support (2-D fancy indexing is slower)
-                flat = torch.tensor(at)[:, None] * vocab + ids.cpu()[None, :]
+                flat = torch.tensor(at, device=device)[:, None] * vocab + ids.to(device)[None, :]
                 probs.view(-1).index_copy_(0, flat.reshape(-1), values.reshape(-1))
-    tree = DraftTree.from_builder(torch.tensor(tokens, dtype=torch.long),
-                                  torch.tensor(parents, dtype=torch.long), probs, mode)
-    return BuiltTree(tree, torch.tensor(keep, dtype=torch.long), calls, len(partial))
+    # the tree's structure is host data (builders grow it in Python); the verifier uploads it
+    tree = DraftTree.from_builder(torch.tensor(tokens, dtype=torch.long, device="cpu"),
+                                  torch.tensor(parents, dtype=torch.long, device="cpu"), probs, mode)
+    return BuiltTree(tree, torch.tensor(keep, dtype=torch.long, device="cpu"), calls, len(partial))

@@ -20,8 +20,8 @@ recursion over i encodes. Note: ``budget`` counts the root here (as in every bui
 model (``treespec.cost``) counts draft nodes only. Results are cached per (a, budget, depth).
 
 ``SequoiaBuilder`` is a ``StaticTreeBuilder`` with that shape; in stochastic modes each node
-draws exactly as many children as the shape gives it. ``measure_acceptance_vector`` estimates
-a from real runs.
+draws exactly as many children as the shape gives it. ``treespec.measure.measure_acceptance_vector``
+estimates a from real runs (it runs the engine, so it lives above it).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from treespec.drafters.base import Drafter
 from treespec.trees.base import DraftMode, check_int, check_mode
 from treespec.trees.static import MEDUSA_PRIOR, Choice, StaticTreeBuilder
 
@@ -172,41 +171,11 @@ class SequoiaBuilder(StaticTreeBuilder):
                 f"mode={self.config.mode!r}, expected_tokens={self.expected_tokens:.3f})")
 
 
-def measure_acceptance_vector(
-    drafter: Drafter | str,
-    target,
-    prompts: Sequence[str | Sequence[int]],
-    width: int,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    mode: DraftMode = "deterministic",
-    seed: int = 0,
-) -> tuple[float, ...]:
-    """Estimate a[0..width-1] from real generations.
+def __getattr__(name: str):
+    """``measure_acceptance_vector`` moved to ``treespec.measure`` (it runs the engine, which
+    imports this module); the old path still resolves, on first use."""
+    if name == "measure_acceptance_vector":
+        from treespec.measure import measure_acceptance_vector
 
-    Every step drafts a one-level tree of ``width`` children of the root (the drafter's ranked
-    candidates, or ``width`` draws in a stochastic ``mode``) and records which child, if any,
-    verification accepted. a[i] = (steps accepting child i) / steps. ``target``: a
-    ``treespec.Target``; ``drafter``: a Drafter or a registered name.
-    """
-    from treespec.engine import SpeculativeGenerator  # the engine imports trees: import late
-
-    check_int("width", width)
-    counts = [0] * width
-    steps = 0
-
-    def record(built, acceptance, step) -> None:
-        nonlocal steps
-        steps += 1
-        if acceptance.num_accepted:
-            node = int(acceptance.path[0])
-            counts[node - 1] += 1  # depth-1 nodes are 1..width in trial order
-
-    builder = StaticTreeBuilder([(i,) for i in range(width)], mode)
-    gen = SpeculativeGenerator(target, drafter, builder)
-    for i, prompt in enumerate(prompts):
-        gen.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                     seed=seed + i, on_step=record)
-    if steps == 0:
-        raise ValueError("no verification steps ran; pass at least one prompt")
-    return tuple(c / steps for c in counts)
+        return measure_acceptance_vector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

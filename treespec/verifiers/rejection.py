@@ -90,7 +90,7 @@ def _try_deterministic(row: torch.Tensor, mass: float, xs: list[int], pxs: list[
         if px > 0.0 and (mass - px <= _NULL_MASS * mass or next(us) * mass < px):
             return i, None, i + 1
         mass -= px  # r[x] = 0
-    residual = row.to("cpu", torch.float64, copy=True)
+    residual = row.to(torch.float64, copy=True)  # on the row's device: no V-sized host copy
     residual[xs] = 0.0
     return None, residual, len(xs)
 
@@ -124,8 +124,8 @@ def _try_stochastic(
         if rx * qm >= qx * rm or next(us) * qx * rm < rx * qm:
             return i, None, i + 1
         if r is None:
-            r = p_row.to("cpu", torch.float64, copy=True)
-            q = draft_probs[u].to("cpu", torch.float64, copy=True)
+            r = p_row.to(torch.float64, copy=True)  # float64 rows stay on p's device
+            q = draft_probs[u].to(p_row.device, torch.float64, copy=True)
             spare = torch.empty_like(r)
         rest = torch.sub(r, q, alpha=rm / qm, out=spare).clamp_(min=0.0)  # rm·max(r̂ - q̂, 0)
         rest_mass = float(rest.sum())
@@ -153,7 +153,7 @@ def accept(
     """Verify ``tree`` against the target's processed probabilities; exact in distribution.
 
     ``target_probs[i]`` is p(.|path to i) after the same sampling processing as q. The call
-    draws N float64 uniforms from ``generator`` (a CPU torch.Generator) up front and uses each
+    draws N float64 uniforms from ``generator`` (on any device) up front and uses each
     at most once, so seeded runs repeat exactly. Rows are read where the walk goes: a float64
     sum of p (and q) per visited node, a cumsum for the new token, and full-row float64 work
     only after rejections.
@@ -174,7 +174,8 @@ def accept(
     kid_par, kid_tok = tree._child_index
     p_kid = [0.0] + target_probs[kid_par.to(dev), kid_tok.to(dev)].tolist()
     # At most one uniform per child tried, plus one for the new token.
-    us = iter(torch.rand(n, dtype=torch.float64, generator=generator).tolist())
+    us = iter(torch.rand(n, dtype=torch.float64, generator=generator,
+                         device=dev if generator is None else generator.device).tolist())
     max_d = tree.max_depth
     attempts, accepts = [0] * max_d, [0] * max_d
     path: list[int] = []

@@ -1,0 +1,8 @@
+"""``python -m treespec ...`` runs the ``treespec`` command line."""
+
+import sys
+
+from treespec.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
