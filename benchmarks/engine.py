@@ -4,7 +4,8 @@ Rows, all run side by side prompt by prompt (interleaved, so machine noise hits 
 MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sampled, seeded):
 - plain decoding: HF ``generate`` on the stock model, and for bf16 also on the packed model
   (``treespec.fastpath``: plain bf16 decoding gets faster too, so it is the honest baseline);
-- HF assisted generation with the shipped ``small`` drafter, HF prompt lookup (stock model);
+- HF assisted generation with the shipped ``small`` drafter, HF prompt lookup (stock fp32 model,
+  as a user runs them; ``--all-peers`` adds them in bf16);
 - treespec on the packed target with the shipped eagle3 head: a chain, a best-first tree, and
   ``builder="auto"`` (the cost model with this machine's calibration of the same path).
 fp32 is the exact reference target; bf16 rows run only where the CPU has native bf16 units (a
@@ -82,7 +83,6 @@ def build(args):
         if d == "fp32":
             scorer = stock.model
         eos = list(stock.eos_token_ids)
-        small = treespec.load_drafter("small", stock).model
         eagle3 = treespec.load_drafter("eagle3", packed)
         cal = ensure_calibration(packed, "eagle3")
         gens = {
@@ -95,11 +95,13 @@ def build(args):
         paths[d]["auto"] = f"{gens['treespec auto'].builder.config} (calibration {cal})"
         rows = {
             "HF generate": lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s),
-            "HF assisted (small)": lambda ids, t, s, m=stock.model, e=eos, a=small: hf_generate(
-                m, ids, args.max_new_tokens, e, t, s, assistant=a),
-            "HF prompt lookup": lambda ids, t, s, m=stock.model, e=eos: hf_generate(
-                m, ids, args.max_new_tokens, e, t, s, lookup=args.chain_k),
         }
+        if d == "fp32" or args.all_peers:   # the peers as a user runs them: stock fp32
+            small = treespec.load_drafter("small", stock).model
+            rows["HF assisted (small)"] = lambda ids, t, s, m=stock.model, e=eos, a=small: hf_generate(
+                m, ids, args.max_new_tokens, e, t, s, assistant=a)
+            rows["HF prompt lookup"] = lambda ids, t, s, m=stock.model, e=eos: hf_generate(
+                m, ids, args.max_new_tokens, e, t, s, lookup=args.chain_k)
         if d == "bf16":
             rows["HF generate (packed)"] = lambda ids, t, s, m=packed.model, e=eos: hf_generate(
                 m, ids, args.max_new_tokens, e, t, s)
@@ -232,6 +234,8 @@ def main() -> None:
     ap.add_argument("--chain-k", type=int, default=3, help="chain length and prompt-lookup tokens")
     ap.add_argument("--budget", type=int, default=8, help="best-first tree nodes incl. the root")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--all-peers", action="store_true",
+                    help="also run HF assisted / prompt lookup in bf16 (default: fp32 only, as users run them)")
     ap.add_argument("--note", default="", help="how the machine was used during the run")
     ap.add_argument("--resume", action="store_true", help="continue the run saved at --out")
     ap.add_argument("--out", default=str(RESULTS / "engine"))
