@@ -26,6 +26,7 @@ accepted.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -34,6 +35,11 @@ from treespec.tree import DraftTree
 
 # Residual mass under which a rejection is round-off, not probability (see module docstring).
 _NULL_MASS = 1e-12
+
+# Acceptance rules: token-level (this module, every tree), block (chains) and traversal (trees),
+# the last two in treespec.verifiers.joint. All exact.
+VerifyRule = Literal["token", "block", "traversal"]
+VERIFY_RULES: tuple[str, ...] = ("token", "block", "traversal")
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,7 @@ def accept(
     # [N, V]
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
+    rule: VerifyRule = "token",
 ) -> Acceptance:
     """Verify ``tree`` against the target's processed probabilities; exact in distribution.
 
@@ -157,7 +164,15 @@ def accept(
     at most once, so seeded runs repeat exactly. Rows are read where the walk goes: a float64
     sum of p (and q) per visited node, a cumsum for the new token, and full-row float64 work
     only after rejections.
+
+    ``rule``: "token" (the rules above, every tree and sampling mode), "block" (block
+    verification, chains only) or "traversal" (traversal verification, every tree); the last
+    two accept whole paths on sequence-level probabilities (treespec.verifiers.joint).
     """
+    if not isinstance(rule, str):
+        raise TypeError(f"rule must be one of {VERIFY_RULES} (a str), got {type(rule).__name__}")
+    if rule not in VERIFY_RULES:
+        raise ValueError(f"unknown acceptance rule {rule!r}; choose from {VERIFY_RULES}")
     n = tree.num_nodes
     if target_probs.dim() != 2 or target_probs.shape[0] != n:
         raise ValueError(f"target_probs must have shape [N={n}, V], got {tuple(target_probs.shape)}")
@@ -166,6 +181,11 @@ def accept(
         raise ValueError(f"target_probs has V={vocab} but the tree's vocab is {tree.vocab_size}")
     if tree.vocab_size is None and int(tree.tokens.max()) >= vocab:
         raise ValueError(f"tree tokens exceed target vocab V={vocab}")
+    if rule != "token":
+        from treespec.verifiers.joint import accept_block, accept_traversal
+
+        us = iter(torch.rand(n, dtype=torch.float64, generator=generator).tolist())
+        return (accept_block if rule == "block" else accept_traversal)(tree, target_probs, us)
     tokens = tree._tokens_list
     children = tree.children
     mode = tree.sampling
