@@ -44,56 +44,71 @@ from treespec.verifiers.rejection import _NULL_MASS, Acceptance, _draw, _long_te
 
 
 class _Residual:
-    """α_u and the residual p̂_u (and q̂_u) of one node, float64 copies made at the first update."""
+    """α_u and the residual p̂_u (and q̂_u) of one node.
 
-    def __init__(self, alpha: float, p_row: torch.Tensor, q_row: torch.Tensor | None,
-                 pm: float, qm: float):
-        # p_row, q_row: [V] input rows of node u (q_row None: deterministic children);
-        # pm, qm: their float64 sums (the masses of the unnormalised p̂, q̂)
-        self.alpha, self.p_row, self.q_row, self.pm, self.qm = alpha, p_row, q_row, pm, qm
-        self.p = self.q = None  # [V] float64 unnormalised copies, once updated
+    p̂ is kept unnormalised with mass pm: the input row until the first stochastic update, then
+    a float64 copy; a deterministic update only records the removed token (row work is left to
+    the draw). q̂ is the input row without the tokens in ``q_out`` (without_replacement), mass qm.
+    """
+
+    def __init__(self, alpha: float, p_row: torch.Tensor, q_row: torch.Tensor | None, inner: bool):
+        # p_row, q_row: [V] input rows of node u (q_row None: deterministic children); the
+        # float64 masses pm, qm are summed only if u has children to verify
+        self.alpha, self.p_row, self.q_row = alpha, p_row, q_row
+        self.p: torch.Tensor | None = None  # [V] float64, after the first stochastic update
+        self.p_out: list[int] = []          # tokens removed from p̂ (deterministic updates)
+        self.q_out: list[int] = []          # tokens removed from q̂ (without_replacement)
+        self.pm = self.qm = 1.0
+        if inner:
+            self.pm = float(p_row.sum(dtype=torch.float64))  # row by row: a batched float64
+            if not self.pm > 0.0:                             # sum is ~10x slower
+                raise ValueError("a target_probs row sums to 0; rows must be distributions")
+            if q_row is not None:
+                self.qm = float(q_row.sum(dtype=torch.float64))
 
     def child_alpha(self, x: int, px: float, qx: float) -> float:
         """α_c = min(α p̂(x) / q̂(x), 1); px, qx: the input rows' values at x (q̂ = δ_x if no q)."""
-        p = px if self.p is None else float(self.p[x])
-        q = 1.0 if self.q_row is None else (qx if self.q is None else float(self.q[x]))
+        p = 0.0 if x in self.p_out else (px if self.p is None else float(self.p[x]))
+        q = 1.0 if self.q_row is None else (0.0 if x in self.q_out else qx)
         if not q > 0.0:
             raise ValueError(f"child token {x} has draft probability {q} under its parent's "
                              "draft_probs, so it cannot have been drawn from it; fix the builder "
                              "or the sampling mode")
         return min(self.alpha * (p / self.pm) / (q / self.qm), 1.0)
 
-    def reject(self, x: int, without_replacement: bool) -> None:
+    def reject(self, x: int, px: float, qx: float, without_replacement: bool) -> None:
         """The subtree of the child with token x was rejected: the residual step."""
-        if self.p is None:
-            self.p = self.p_row.to("cpu", torch.float64, copy=True)
         a = self.alpha
-        if a <= 0.0:
-            rest, rest_m = self.p, self.pm  # m = max(0 - q̂, 0) = 0: α stays 0
-        elif self.q_row is None:  # q̂ = δ_x: m = α p̂ with x removed
-            rest, rest_m = self.p, self.pm - float(self.p[x])
-        else:  # m = (α / pm) · max(p - (pm / (α qm)) q, 0)
-            if self.q is None:
-                self.q = self.q_row.to("cpu", torch.float64, copy=True)
-            rest = torch.sub(self.p, self.q, alpha=self.pm / (a * self.qm)).clamp_(min=0.0)
+        if a <= 0.0:  # m = max(0 - q̂, 0) = 0: α stays 0, and nothing below u can be accepted
+            return
+        if self.q_row is None:  # q̂ = δ_x: m = α p̂ with x removed
+            rest_m = self.pm - px
+        else:  # m = (α / pm) · max(p - (pm / (α qm)) q, 0), computed in float64
+            p = self.p if self.p is not None else self.p_row.to("cpu", torch.float64)
+            rest = torch.sub(p, self.q_row.cpu(), alpha=self.pm / (a * self.qm)).clamp_(min=0.0)
+            if self.q_out:  # q̂ is 0 there
+                rest[self.q_out] = p[self.q_out]
             rest_m = float(rest.sum())
         r = a * rest_m / self.pm
         if rest_m > _NULL_MASS * self.pm:
             if self.q_row is None:
-                rest[x] = 0.0
-            self.p, self.pm, self.alpha = rest, rest_m, r / (1.0 - a + r)
+                self.p_out.append(x)
+            else:
+                self.p = rest
+            self.pm, self.alpha = rest_m, r / (1.0 - a + r)
         elif 1.0 - a > _NULL_MASS:
             self.alpha = 0.0  # nothing left to emit here: this node can no longer be accepted
         # else: 1 - α + r ~ 0, the rejection had probability ~0 (round-off): keep the state
         if without_replacement:
-            if self.q is None:
-                self.q = self.q_row.to("cpu", torch.float64, copy=True)
-            qx = float(self.q[x])
-            self.q[x] = 0.0
+            self.q_out.append(x)
             self.qm -= qx
 
     def row(self) -> torch.Tensor:
         """[V] the (unnormalised) distribution the new token is drawn from."""
+        if self.p_out:
+            row = self.p_row.to("cpu", torch.float64, copy=True)
+            row[self.p_out] = 0.0
+            return row
         return self.p_row if self.p is None else self.p
 
 
@@ -111,25 +126,13 @@ def _result(tree: DraftTree, path: list[int], node: _Residual, tests: int, us) -
                       tuple(attempts), tuple(accepts), tests)
 
 
-def _node_values(tree: DraftTree, target_probs: torch.Tensor):
-    """Per node c: p(x_c | parent), q(x_c | parent) (two gathers) and, for nodes with children,
-    the float64 masses of their p and q rows (one batched sum each)."""
-    n = tree.num_nodes
+def _child_values(tree: DraftTree, target_probs: torch.Tensor) -> tuple[list[float], list[float]]:
+    """p(x_c | parent) and q(x_c | parent) of every node c (0.0 for the root): two gathers."""
     par, tok = tree._child_index
     dev = target_probs.device
     p_kid = [0.0] + target_probs[par.to(dev), tok.to(dev)].tolist()
-    inner = sorted(set(tree._parents_list[1:]))
-    pm, qm = [0.0] * n, [1.0] * n
-    for u, m in zip(inner, target_probs[inner].sum(-1, dtype=torch.float64).tolist()):
-        if not m > 0.0:
-            raise ValueError(f"target_probs row {u} sums to 0; rows must be distributions")
-        pm[u] = m
-    if tree.sampling == "deterministic":
-        return p_kid, [1.0] * n, pm, qm, None
-    q = tree.draft_probs
-    for u, m in zip(inner, q[inner].sum(-1, dtype=torch.float64).tolist()):
-        qm[u] = m
-    return p_kid, tree._child_draft_probs, pm, qm, q
+    q_kid = tree._child_draft_probs if tree.sampling != "deterministic" else [1.0] * tree.num_nodes
+    return p_kid, q_kid
 
 
 def accept_block(tree: DraftTree, target_probs: torch.Tensor, us) -> Acceptance:
@@ -138,43 +141,55 @@ def accept_block(tree: DraftTree, target_probs: torch.Tensor, us) -> Acceptance:
     if any(len(k) > 1 for k in tree.children):
         raise ValueError("rule='block' verifies a chain (at most one child per node), but this tree "
                          "branches; use rule='traversal' (trees) or rule='token'")
-    gamma, tokens = tree.num_nodes - 1, tree._tokens_list
-    p_kid, q_kid, pm, qm, q = _node_values(tree, target_probs)
+    gamma, x = tree.num_nodes - 1, tree._tokens_list
+    q = tree.draft_probs if tree.sampling != "deterministic" else None
+    p_kid, q_kid = _child_values(tree, target_probs)
     p, nodes = [1.0], []  # p_i = min(p_{i-1} p̂_{i-1}(x_i) / q̂_{i-1}(x_i), 1)
     for i in range(gamma):
-        nodes.append(_Residual(p[i], target_probs[i], None if q is None else q[i], pm[i], qm[i]))
-        p.append(nodes[i].child_alpha(tokens[i + 1], p_kid[i + 1], q_kid[i + 1]))
+        nodes.append(_Residual(p[i], target_probs[i], None if q is None else q[i], p[i] > 0.0))
+        p.append(nodes[i].child_alpha(x[i + 1], p_kid[i + 1], q_kid[i + 1]))
     if gamma and next(us) < p[gamma]:  # h_γ = p_γ: the whole block is accepted
-        leaf = _Residual(1.0, target_probs[gamma], None, 0.0, 1.0)
+        leaf = _Residual(1.0, target_probs[gamma], None, False)
         return _result(tree, list(range(1, gamma + 1)), leaf, 1, us)
-    for i in range(gamma - 1, -1, -1):  # backward: h_i = r_i / (r_i + 1 - p_i)
-        nodes[i].reject(tokens[i + 1], False)
-        if i == 0 or next(us) < nodes[i].alpha:
-            return _result(tree, list(range(1, i + 1)), nodes[i], gamma - i + (i > 0), us)
-    return _result(tree, [], _Residual(1.0, target_probs[0], None, 0.0, 1.0), 0, us)  # root only
+    for i in range(gamma - 1, 0, -1):  # backward: stop at i w.p. h_i = r_i / (r_i + 1 - p_i)
+        eta = next(us)
+        if eta < p[i]:  # h_i <= p_i: only then is r_i (a pass over the row) needed
+            nodes[i].reject(x[i + 1], p_kid[i + 1], q_kid[i + 1], False)
+            if eta < nodes[i].alpha:
+                return _result(tree, list(range(1, i + 1)), nodes[i], gamma - i + 1, us)
+    root = nodes[0] if gamma else _Residual(1.0, target_probs[0], None, False)
+    if gamma:
+        root.reject(x[1], p_kid[1], q_kid[1], False)  # τ = 0: residual norm(max(p̂ - q̂, 0))
+    return _result(tree, [], root, gamma, us)
 
 
 def accept_traversal(tree: DraftTree, target_probs: torch.Tensor, us) -> Acceptance:
     """Traversal verification of any tree, leaves first (post-order); ``us``: uniforms."""
     # target_probs: [N, V]; row u = p(.|path to u)
     wor = tree.sampling == "without_replacement"
-    tokens, children = tree._tokens_list, tree.children
-    p_kid, q_kid, pm, qm, q = _node_values(tree, target_probs)
+    x, children = tree._tokens_list, tree.children
+    q = tree.draft_probs if tree.sampling != "deterministic" else None
+    p_kid, q_kid = _child_values(tree, target_probs)
     tests = 0
 
     def visit(u: int, alpha: float) -> tuple[list[int], _Residual] | None:
         nonlocal tests
-        node = _Residual(alpha, target_probs[u], None if q is None else q[u], pm[u], qm[u])
-        for c in children[u]:
-            found = visit(c, node.child_alpha(tokens[c], p_kid[c], q_kid[c]))
+        kids = children[u]
+        node = _Residual(alpha, target_probs[u], None if q is None else q[u], bool(kids) and alpha > 0.0)
+        for j, c in enumerate(kids):
+            found = visit(c, node.child_alpha(x[c], p_kid[c], q_kid[c]))
             if found is not None:
                 found[0].insert(0, c)
                 return found
-            node.reject(tokens[c], wor)  # the residual step at u
-        tests += u > 0
-        if u == 0 or next(us) < node.alpha:  # u is a leaf now: accept the path to u w.p. α_u
-            return [], node
-        return None
+            if j + 1 < len(kids) or u == 0:  # the residual step at u (the last one: lazily)
+                node.reject(x[c], p_kid[c], q_kid[c], wor)
+        if u == 0:
+            return [], node  # the root always stops the walk
+        tests += 1
+        eta = next(us)  # u is a leaf now: accept the path to u w.p. α_u (<= α before the step)
+        if kids and eta < node.alpha:
+            node.reject(x[kids[-1]], p_kid[kids[-1]], q_kid[kids[-1]], wor)
+        return ([], node) if eta < node.alpha else None
 
     path, node = visit(0, 1.0)
     return _result(tree, path, node, tests, us)
