@@ -267,3 +267,14 @@ def test_block_in_the_engine_refuses_a_tree_builder(target):
     gen = SpeculativeGenerator(target, "target", DynamicTreeBuilder(10, 3, 3), verify="block")
     with pytest.raises(ValueError, match="rule='block' verifies a chain"):
         gen.generate([4, 2], 8, temperature=1.0, seed=0)
+
+
+def test_cli_verify_flag_offers_every_rule():
+    from treespec.cli import build_parser
+    from treespec.verifiers import VERIFY_RULES
+
+    for rule in VERIFY_RULES:
+        assert build_parser().parse_args(["generate", "--prompt", "hi", "--verify", rule]).verify == rule
+    assert build_parser().parse_args(["generate", "--prompt", "hi"]).verify == "token"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "hi", "--verify", "joint"])
