@@ -1,7 +1,9 @@
 """Sequence-level acceptance: block verification (chains) and traversal verification (trees).
 
 Token-level rules (rejection.py) decide child by child from the root down. These two rules
-decide on whole paths, accept at least as much from the same draft, and stay exact.
+decide on whole paths and stay exact. On a chain block verification accepts the most any
+valid rule can (never less than token level); traversal verification equals it on chains and
+often accepts more than token level on trees, but not always (measure it: accept_rules.py).
 
 Glossary (adds to rejection.py's):
     p̂_u, q̂_u  the target / draft distribution at node u, normalised in float64. q̂_u is the law
@@ -25,11 +27,22 @@ Traversal verification (Weng, Hu et al., NeurIPS 2025, arXiv 2505.12398): the sa
 step on a tree, walked in post-order (children in index order, each child's subtree before
 the child itself, the root last). On a chain it *is* block verification, uniform for uniform.
 
+Sampling modes: both papers draw children from q; with_replacement and without_replacement
+are that. A deterministic child (fixed by the drafter) is a draw from the point mass on its
+token: for block verification that is the paper's setting with q = δ; for traversal with
+several deterministic siblings it is our extension (the induction below never uses how the
+per-child laws relate). Every mode is proven by enumeration, so none is refused; block
+refuses trees that branch.
+
 Why it is exact (induction over subtrees, any draft law per child): a subtree entered with
 weight α_c is accepted with probability α_c and then emits the target's law from c. At u, a
 child drawn from q̂ contributes min(α p̂, q̂) and is rejected with probability 1 - α + r; the
 residual step makes the rest contribute max(α p̂ - q̂, 0); together α p̂.
 tests/test_exact_law_joint.py computes the output law by enumeration for every mode.
+
+Cost: a residual step is one float64 pass over a row; it is skipped when the test it feeds
+cannot pass (h_i <= p_i, and a node's α only decreases: a uniform >= α rejects). Deterministic
+steps are scalar. Block verification still reads every row of the chain once (its mass).
 
 Round-off: a residual mass r below ``_NULL_MASS`` is 0. If then 1 - α_u is also null, the
 rejection itself had probability ~0 and the state is kept; otherwise α_u <- 0.
