@@ -28,9 +28,11 @@ from scipy.stats import chisquare
 
 from treespec.tree import DraftTree
 from treespec.verifiers import VERIFY_RULES, accept
+from treespec.verifiers.joint import accept_block, accept_traversal
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from test_exact_law import L, MAX_DEPTH, World, deterministic_draft, random_shape
+from test_exact_law import _fixed_tree_law as _token_fixed_tree_law
 
 TOL = 1e-9
 MODES = ("deterministic", "with_replacement", "without_replacement")
@@ -291,8 +293,13 @@ def test_accept_matches_exact_law_of_fixed_trees(rule, mode):
         if law.max() > 0.99:  # a tree whose outcome is certain tests nothing
             continue
         V, counts = world.vocab, np.zeros_like(law)
+        run = lambda: accept(tree, target, gen, rule)  # noqa: E731
+        if mode == "deterministic":  # accept runs the token walk (same law): test ours directly
+            fn = accept_block if rule == "block" else accept_traversal
+            run = lambda: fn(tree, target, iter(torch.rand(tree.num_nodes, dtype=torch.float64,  # noqa: E731
+                                                           generator=gen).tolist()))
         for _ in range(draws):
-            out = accept(tree, target, gen, rule).tokens.tolist()
+            out = run().tokens.tolist()
             counts[int(np.ravel_multi_index(out + [V] * (L - len(out)), (V + 1,) * L))] += 1
         assert counts[law == 0.0].sum() == 0, "accept emitted a sequence of probability 0"
         keep = law * draws >= 5
@@ -307,3 +314,22 @@ def test_accept_matches_exact_law_of_fixed_trees(rule, mode):
 
 def test_rules_are_listed():
     assert VERIFY_RULES == ("token", "block", "traversal")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deterministic_trees_have_the_token_law_exactly(mode):
+    """Why ``accept`` runs the token walk for block / traversal on deterministic trees: per
+    fixed tree, the two laws agree to round-off; with drawn children they differ (a check
+    with power)."""
+    worst = 0.0
+    rng = random.Random(f"same-law:{mode}")
+    for _ in range(40):
+        config = rng.choice(["T1", "T0.7_top_p0.8", "greedy"] if mode == "deterministic" else ["T1"])
+        world = World(rng.randrange(2**31), 4, config, rng.choice([None, 0.3, 1.0]), rng.randrange(4))
+        tree, _, ctx_of = _drafted_tree(world, mode, random_shape(rng, budget=9), rng)
+        diff = np.abs(_token_fixed_tree_law(world, mode, tree, ctx_of) - _fixed_tree_law(world, mode, tree, ctx_of))
+        worst = max(worst, float(diff.max()))
+    if mode == "deterministic":
+        assert worst <= TOL
+    else:
+        assert worst > 1e-2

@@ -191,9 +191,9 @@ def test_traversal_on_a_chain_is_block_verification_uniform_for_uniform(mode):
         p = torch.softmax(torch.randn(n, V, dtype=torch.float64) * 2, -1)
         toks = [0] + [int(torch.multinomial(q[i], 1)) for i in range(n - 1)]
         tree = DraftTree(torch.tensor(toks), torch.arange(-1, n - 1), None if mode == "deterministic" else q, mode, V)
-        for seed in range(10):
-            a = accept(tree, p, torch.Generator().manual_seed(seed), "block")
-            b = accept(tree, p, torch.Generator().manual_seed(seed), "traversal")
+        for seed in range(10):  # the functions themselves (accept runs the token walk on deterministic trees)
+            us = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).tolist()
+            a, b = accept_block(tree, p, iter(us)), accept_traversal(tree, p, iter(us))
             assert a.tokens.tolist() == b.tokens.tolist() and a.children_tried == b.children_tried
 
 
@@ -208,8 +208,9 @@ def test_greedy_one_hot_p_all_rules_agree(mode):
         for i in range(n):  # argmax: often a child's token, so paths get accepted
             kids = tree.children[i]
             p[i, int(tree.tokens[rng.choice(kids)]) if kids and rng.random() < 0.7 else rng.randrange(24)] = 1.0
-        out = {r: accept(tree, p, torch.Generator().manual_seed(0), r).tokens.tolist() for r in ("token", "traversal")}
-        assert out["token"] == out["traversal"]
+        token = accept(tree, p, torch.Generator().manual_seed(0), "token").tokens.tolist()
+        assert accept(tree, p, torch.Generator().manual_seed(0), "traversal").tokens.tolist() == token
+        assert accept_traversal(tree, p, iter([0.5] * n)).tokens.tolist() == token
 
 
 def test_refusals_name_what_works():

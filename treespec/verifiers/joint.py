@@ -32,7 +32,9 @@ are that. A deterministic child (fixed by the drafter) is a draw from the point 
 token: for block verification that is the paper's setting with q = δ; for traversal with
 several deterministic siblings it is our extension (the induction below never uses how the
 per-child laws relate). Every mode is proven by enumeration, so none is refused; block
-refuses trees that branch.
+refuses trees that branch. With q̂ = δ_x, α_c = α_u p̂_u(x_c) is the token-level chance of
+reaching c and both rules have exactly the token rule's law (no gain), so ``accept`` runs
+the token walk on deterministic trees; the functions here still handle them.
 
 Why it is exact (induction over subtrees, any draft law per child): a subtree entered with
 weight α_c is accepted with probability α_c and then emits the target's law from c. At u, a
@@ -148,12 +150,17 @@ def _child_values(tree: DraftTree, target_probs: torch.Tensor) -> tuple[list[flo
     return p_kid, q_kid
 
 
-def accept_block(tree: DraftTree, target_probs: torch.Tensor, us) -> Acceptance:
-    """Block verification of a chain (every node has at most one child); ``us``: uniforms."""
-    # target_probs: [N, V]; node i of a chain is x_i, its row is p(.|x_1..x_i)
+def check_chain(tree: DraftTree) -> None:
+    """Block verification's precondition: a chain (every node has at most one child)."""
     if any(len(k) > 1 for k in tree.children):
         raise ValueError("rule='block' verifies a chain (at most one child per node), but this tree "
                          "branches; use rule='traversal' (trees) or rule='token'")
+
+
+def accept_block(tree: DraftTree, target_probs: torch.Tensor, us) -> Acceptance:
+    """Block verification of a chain (every node has at most one child); ``us``: uniforms."""
+    # target_probs: [N, V]; node i of a chain is x_i, its row is p(.|x_1..x_i)
+    check_chain(tree)
     gamma, x = tree.num_nodes - 1, tree._tokens_list
     q = tree.draft_probs if tree.sampling != "deterministic" else None
     p_kid, q_kid = _child_values(tree, target_probs)

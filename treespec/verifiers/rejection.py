@@ -167,7 +167,8 @@ def accept(
 
     ``rule``: "token" (the rules above, every tree and sampling mode), "block" (block
     verification, chains only) or "traversal" (traversal verification, every tree); the last
-    two accept whole paths on sequence-level probabilities (treespec.verifiers.joint).
+    two accept whole paths on sequence-level probabilities (treespec.verifiers.joint). On a
+    deterministic tree they have the token rule's law exactly, so the token walk runs.
     """
     if not isinstance(rule, str):
         raise TypeError(f"rule must be one of {VERIFY_RULES} (a str), got {type(rule).__name__}")
@@ -182,10 +183,16 @@ def accept(
     if tree.vocab_size is None and int(tree.tokens.max()) >= vocab:
         raise ValueError(f"tree tokens exceed target vocab V={vocab}")
     if rule != "token":
-        from treespec.verifiers.joint import accept_block, accept_traversal
+        from treespec.verifiers.joint import accept_block, accept_traversal, check_chain
 
-        us = iter(torch.rand(n, dtype=torch.float64, generator=generator).tolist())
-        return (accept_block if rule == "block" else accept_traversal)(tree, target_probs, us)
+        if rule == "block":
+            check_chain(tree)
+        # Deterministic trees: both rules have exactly the token rule's output law (q̂ = δ_x
+        # makes α_c = α_u p̂_u(x_c), the token-level chance of reaching c; compared per tree
+        # in tests/test_joint_rules.py), and the token walk reads fewer rows: run it.
+        if tree.sampling != "deterministic":
+            us = iter(torch.rand(n, dtype=torch.float64, generator=generator).tolist())
+            return (accept_block if rule == "block" else accept_traversal)(tree, target_probs, us)
     tokens = tree._tokens_list
     children = tree.children
     mode = tree.sampling
