@@ -17,6 +17,13 @@ al. 2025).
     python benchmarks/verification.py --prompts 2 --max-new-tokens 32 --out /tmp/verif   # smoke
     python benchmarks/verification.py --resume benchmarks/results/verification.json
 
+On two cores, one process per sampling, then merge:
+
+    python benchmarks/verification.py --drafter eagle --samplings T1 --out benchmarks/results/verification_t1 &
+    python benchmarks/verification.py --drafter eagle --samplings T0.7_top_p0.9 --out benchmarks/results/verification_t07 &
+    wait; python benchmarks/verification.py --merge benchmarks/results/verification_t1.json \
+        benchmarks/results/verification_t07.json --out benchmarks/results/verification
+
 Results are saved after every prompt (JSON with every per-prompt record, and a Markdown table);
 ``--resume`` continues a cut-short run with its recorded settings. The JSON records the CPU
 model, the command-line flags and the torch thread count.
@@ -152,6 +159,23 @@ def save(out: Path, meta: dict, records: list[dict], cfgs: list[dict]) -> None:
     write_markdown(meta, rows, out.with_suffix(".md"))
 
 
+def merge(paths: list[str], out: Path) -> None:
+    """One report from runs split by sampling (same drafter, prompts and settings otherwise)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    meta = dict(runs[0]["meta"], merged_from=paths)
+    samplings = [s for r in runs for s in r["meta"]["settings"]["samplings"].split(",")]
+    meta["settings"] = dict(meta["settings"], samplings=",".join(samplings))
+    meta["prompts_done"] = min(r["meta"]["prompts_done"] for r in runs)
+    meta["complete"] = all(r["meta"]["complete"] for r in runs)
+    meta["wall_s"] = max(r["meta"]["wall_s"] for r in runs)
+    st = meta["settings"]
+    cfgs = configs([int(k) for k in st["chains"].split(",")], [int(b) for b in st["budgets"].split(",")],
+                   st["chain_mode"], st["tree_mode"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save(out, meta, [rec for r in runs for rec in r["records"] if rec["prompt"] < meta["prompts_done"]], cfgs)
+    print(f"merged {len(paths)} runs into {out}.json and {out}.md")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -169,7 +193,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "verification"))
     ap.add_argument("--resume", metavar="JSON", help="continue a cut-short run (its settings win)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge runs split by --samplings into --out")
     args = ap.parse_args(argv)
+    if args.merge:
+        merge(args.merge, Path(args.out))
+        return
     records, done, earlier = [], 0, None
     if args.resume:
         earlier = json.loads(Path(args.resume).read_text())
