@@ -47,7 +47,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    choices=("deterministic", "with_replacement", "without_replacement"))
     p.add_argument("--verify", default="token", choices=("token", "block", "traversal"),
                    help="acceptance rule: token-level (default), block (chains: --tree chain) or "
-                        "traversal (trees); all exact")
+                        "traversal (trees); all exact. The new rules gain only with drawn children "
+                        "(--draft-mode with_replacement/without_replacement); on deterministic trees "
+                        "(and at T = 0) they are the token rule")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

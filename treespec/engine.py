@@ -183,7 +183,8 @@ class SpeculativeGenerator:
                  "auto" sizes the tree with the cost model and the local calibration
                  (``auto_builder``).
         verify:  the acceptance rule: "token" (default, every tree), "block" (chains) or
-                 "traversal" (trees); all exact (``treespec.verifiers.accept``).
+                 "traversal" (trees); all exact (``treespec.verifiers.accept``). The last two
+                 differ from "token" only on trees with drawn children (stochastic modes).
     """
 
     def __init__(self, target: Target, drafter: Drafter | str,
