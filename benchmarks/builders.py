@@ -12,6 +12,9 @@ On two cores, one process per temperature, then merge:
     python benchmarks/builders.py --temperatures 1 --out benchmarks/results/builders_t1 &
     wait; python benchmarks/builders.py --merge benchmarks/results/builders_t{0,1}.json
 
+``--verify block|traversal`` runs every configuration with that acceptance rule instead of the
+token rule (block verifies chains only: use ``--builders chain``).
+
 A run cut short keeps every configuration on the same first prompts; continue it later with
 ``--resume benchmarks/results/builders_t0.json`` (same drafter, settings and Sequoia vectors).
 
@@ -42,6 +45,7 @@ import torch
 
 from treespec import SpeculativeGenerator, load_drafter, load_target, registered_drafters
 from treespec.drafters.base import TimedDrafter
+from treespec.verifiers import VERIFY_RULES
 from treespec.data import chat_prompt, mtbench_questions
 from treespec.fastpath import machine_info, machine_line
 from treespec.measure import measure_acceptance_vector
@@ -151,7 +155,8 @@ def write_table(results: list[dict], meta: dict, path: Path) -> None:
              f"Target {meta['target']}, drafter **{meta['drafter']}**, "
              f"{meta.get('prompts_done', meta['prompts'])} MT-bench "
              f"prompts x {meta['max_new_tokens']} new tokens, {meta['threads']} CPU thread(s) "
-             f"({meta['machine']}); T = 1 drafting mode: {meta['t1_mode']} (static: ranked). "
+             f"({meta['machine']}); T = 1 drafting mode: {meta['t1_mode']} (static: ranked); "
+             f"acceptance rule: {meta.get('verify', 'token')}. "
              f"Wall time {meta['wall_s'] / 60:.1f} min.\n",
              *([machine_line({**meta["cpu"], "torch_threads": meta["threads"]}) + "\n"] if "cpu" in meta else []),
              "Builder overhead = builder time outside drafter.expand / drafter.expand time "
@@ -244,6 +249,8 @@ def main() -> None:
     ap.add_argument("--t1-mode", default="without_replacement",
                     choices=("deterministic", "with_replacement", "without_replacement"))
     ap.add_argument("--drafter", default=None, help="registered drafter (default: best available)")
+    ap.add_argument("--verify", default="token", choices=VERIFY_RULES,
+                    help="acceptance rule for every configuration (block: chains only)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "builders"))
@@ -264,6 +271,7 @@ def main() -> None:
         args.out = str(Path(args.resume).with_suffix(""))
         args.drafter, args.max_new_tokens, args.t1_mode, args.seed = (
             m["drafter"], m["max_new_tokens"], m["t1_mode"], m["seed"])
+        args.verify = m.get("verify", "token")
         args.budgets = ",".join(map(str, m["budgets"]))
         args.builders = ",".join(m["builders"])
         args.temperatures = ",".join(f"{t:g}" for t in m["temperatures"])
@@ -271,6 +279,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
     builders = args.builders.split(",")
+    if args.verify == "block" and set(builders) - {"chain"}:
+        raise SystemExit(f"--verify block verifies chains only; use --builders chain (got {args.builders})")
     temps = [float(t) for t in args.temperatures.split(",")]
     start = time.perf_counter()
 
@@ -297,6 +307,7 @@ def main() -> None:
     meta = dict(target="smollm2-135m", drafter=name, prompts=len(prompts),
                 max_new_tokens=args.max_new_tokens, budgets=budgets, builders=builders,
                 temperatures=temps, t1_mode=args.t1_mode, threads=args.threads, seed=args.seed,
+                verify=args.verify,
                 machine=f"{platform.machine()} {platform.processor() or ''}".strip(), cpu=machine_info(),
                 torch=torch.__version__, wall_s=0.0, complete=False,
                 sequoia_acceptance={str(k): list(v) for k, v in acceptance.items()})
@@ -318,7 +329,7 @@ def main() -> None:
         configs.append(("none", 1, temp, DynamicTreeBuilder(budget=1)))
         configs += [(b, budget, temp, make(b, budget, mode, acceptance.get(temp)))
                     for budget in budgets for b in builders]
-    gens = [SpeculativeGenerator(target, drafter, c[3]) for c in configs]
+    gens = [SpeculativeGenerator(target, drafter, c[3], verify=args.verify) for c in configs]
     tallies = [Tally() for _ in configs]
     if earlier is not None:
         saved = {(r["builder"], r["budget"], r["temperature"]): r for r in earlier["results"]}

@@ -49,6 +49,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                         "measured by `treespec calibrate --drafter NAME`, else Sequoia's default)")
     p.add_argument("--draft-mode", default="deterministic",
                    choices=("deterministic", "with_replacement", "without_replacement"))
+    p.add_argument("--verify", default="token", choices=("token", "block", "traversal"),
+                   help="acceptance rule: token-level (default), block (chains: --tree chain) or "
+                        "traversal (trees); all exact. The new rules gain only with drawn children "
+                        "(--draft-mode with_replacement/without_replacement); on deterministic trees "
+                        "(and at T = 0) they are the token rule")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -79,7 +84,7 @@ def _build_generator(args, target=None):
     target = target if target is not None else _load_target(args)
     drafter = load_drafter(args.drafter, target)
     if args.budget == "auto":
-        gen = SpeculativeGenerator(target, drafter, "auto")
+        gen = SpeculativeGenerator(target, drafter, "auto", verify=args.verify)
         print(f"[auto tree: {gen.builder.config}]", file=sys.stderr)
         return target, gen
     try:
@@ -90,7 +95,7 @@ def _build_generator(args, target=None):
 
     acceptance = _sequoia_acceptance(args, target.dtype, is_packed(target.model)) if args.tree == "sequoia" else None
     builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode, acceptance)
-    return target, SpeculativeGenerator(target, drafter, builder)
+    return target, SpeculativeGenerator(target, drafter, builder, verify=args.verify)
 
 
 def _sequoia_acceptance(args, dtype: torch.dtype = torch.float32, packed: bool = False) -> tuple[float, ...] | None:

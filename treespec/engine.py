@@ -33,7 +33,7 @@ from treespec.sampling import SamplingConfig
 from treespec.trees.base import BuiltTree, TreeBuilder
 from treespec.trees.chain import ChainBuilder
 from treespec.trees.dynamic import DynamicTreeBuilder
-from treespec.verifiers.rejection import Acceptance, accept
+from treespec.verifiers.rejection import VERIFY_RULES, Acceptance, VerifyRule, accept
 
 # Called after every step with (built tree, acceptance, step index); e.g. to draw trees.
 StepHook = Callable[[BuiltTree, Acceptance, int], None]
@@ -234,10 +234,14 @@ class SpeculativeGenerator:
         builder: a TreeBuilder; default ``DynamicTreeBuilder(budget=16, depth=5, top_k=4)``;
                  "auto" sizes the tree with the cost model and the local calibration
                  (``auto_builder``).
+        verify:  the acceptance rule: "token" (default, every tree), "block" (chains) or
+                 "traversal" (trees); all exact (``treespec.verifiers.accept``). The last two
+                 differ from "token" only on trees with drawn children (stochastic modes).
     """
 
     def __init__(self, target: Target, drafter: Drafter | str,
-                 builder: TreeBuilder | Literal["auto"] | None = None):
+                 builder: TreeBuilder | Literal["auto"] | None = None,
+                 verify: VerifyRule = "token"):
         if not isinstance(target, Target):
             raise TypeError(f"target must be a treespec.Target (use Target.from_hf(model, tokenizer)), "
                             f"got {type(target).__name__}")
@@ -255,10 +259,13 @@ class SpeculativeGenerator:
             builder = auto_builder(target, drafter)
         elif isinstance(builder, str):
             raise ValueError(f"builder must be a TreeBuilder or 'auto', got {builder!r}")
+        if verify not in VERIFY_RULES:
+            raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
         self.target = target
         self.drafter = drafter
         self.builder = builder if builder is not None else DynamicTreeBuilder()
         self._busy = threading.Lock()  # one generation at a time (see _exclusive)
+        self.verify = verify
         nodes = getattr(self.builder, "budget", 1)
         need = verify_memory_bytes(target.model, nodes, nodes)
         if need > HUGE_VERIFY_BYTES:
@@ -402,7 +409,7 @@ class SpeculativeGenerator:
             t1 = clock()
             scored = verifier.score(built.tree)
             t2 = clock()
-            acc = accept(built.tree, scored.probs, gen)
+            acc = accept(built.tree, scored.probs, gen, self.verify)
             t3 = clock()
             keep = torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), acc.path])  # host indices
             verifier.compact(keep)

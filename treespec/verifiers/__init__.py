@@ -1,5 +1,5 @@
 """Verification: acceptance rules (pure tensor math) and the tree-attention target pass."""
 
-from treespec.verifiers.rejection import Acceptance, accept
+from treespec.verifiers.rejection import VERIFY_RULES, Acceptance, VerifyRule, accept
 
-__all__ = ["Acceptance", "accept"]
+__all__ = ["Acceptance", "VERIFY_RULES", "VerifyRule", "accept"]

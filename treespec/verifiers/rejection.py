@@ -25,58 +25,13 @@ accepted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
 from treespec.tree import DraftTree
-
-# Residual mass under which a rejection is round-off, not probability (see module docstring).
-_NULL_MASS = 1e-12
-
-
-@dataclass(frozen=True)
-class Acceptance:
-    """Result of verifying one tree.
-
-    Attributes:
-        path:           LongTensor[A]; accepted node indices, root excluded, root -> leaf order.
-        tokens:         LongTensor[A + 1]; the accepted tokens followed by the one new token
-                        (residual or bonus).
-        depth_attempts: tuple[int, ...] of length D; 1 where the walk stood at depth d with at
-                        least one child to try (so depth d + 1 was attempted).
-        depth_accepts:  tuple[int, ...] of length D; 1 where a child at depth d + 1 was accepted.
-        children_tried: total number of child tokens tested.
-    """
-
-    path: torch.Tensor
-    tokens: torch.Tensor
-    depth_attempts: tuple[int, ...]
-    depth_accepts: tuple[int, ...]
-    children_tried: int
-
-    @property
-    def num_accepted(self) -> int:
-        return int(self.path.numel())
-
-
-def _long_tensor(values: list[int]) -> torch.Tensor:
-    """LongTensor from a short list (via numpy: ~2x cheaper than torch.tensor per call)."""
-    return torch.from_numpy(np.array(values, dtype=np.int64))
-
-
-def _draw(r: torch.Tensor, u: float) -> int:
-    """One token from the unnormalised non-negative vector r [V] (mass > 0), uniform u."""
-    cdf = torch.cumsum(r, 0, dtype=torch.float64)
-    total = cdf[-1].item()
-    if not total > 0.0:
-        raise ValueError("cannot draw from a distribution with zero mass; target_probs has a "
-                         "row that sums to 0")
-    idx = int(torch.searchsorted(cdf, u * total, right=True))
-    if idx >= r.numel():  # u * total rounded up to total: take the last token with mass
-        idx = int(r.nonzero()[-1])
-    return idx
+from treespec.verifiers.acceptance import (  # noqa: F401  (re-exported from here, as before the split)
+    _NULL_MASS, VERIFY_RULES, Acceptance, VerifyRule, _draw, _long_tensor,
+)
+from treespec.verifiers.joint import accept_block, accept_traversal, check_chain
 
 
 def _try_deterministic(row: torch.Tensor, mass: float, xs: list[int], pxs: list[float], us):
@@ -149,6 +104,7 @@ def accept(
     # [N, V]
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
+    rule: VerifyRule = "token",
 ) -> Acceptance:
     """Verify ``tree`` against the target's processed probabilities; exact in distribution.
 
@@ -157,7 +113,16 @@ def accept(
     at most once, so seeded runs repeat exactly. Rows are read where the walk goes: a float64
     sum of p (and q) per visited node, a cumsum for the new token, and full-row float64 work
     only after rejections.
+
+    ``rule``: "token" (the rules above, every tree and sampling mode), "block" (block
+    verification, chains only) or "traversal" (traversal verification, every tree); the last
+    two accept whole paths on sequence-level probabilities (treespec.verifiers.joint). On a
+    deterministic tree they have the token rule's law exactly, so the token walk runs.
     """
+    if not isinstance(rule, str):
+        raise TypeError(f"rule must be one of {VERIFY_RULES} (a str), got {type(rule).__name__}")
+    if rule not in VERIFY_RULES:
+        raise ValueError(f"unknown acceptance rule {rule!r}; choose from {VERIFY_RULES}")
     n = tree.num_nodes
     if target_probs.dim() != 2 or target_probs.shape[0] != n:
         raise ValueError(f"target_probs must have shape [N={n}, V], got {tuple(target_probs.shape)}")
@@ -166,6 +131,16 @@ def accept(
         raise ValueError(f"target_probs has V={vocab} but the tree's vocab is {tree.vocab_size}")
     if tree.vocab_size is None and int(tree.tokens.max()) >= vocab:
         raise ValueError(f"tree tokens exceed target vocab V={vocab}")
+    if rule != "token":
+
+        if rule == "block":
+            check_chain(tree)
+        # Deterministic trees: both rules have exactly the token rule's output law (q̂ = δ_x
+        # makes α_c = α_u p̂_u(x_c), the token-level chance of reaching c; compared per tree
+        # in tests/test_joint_rules.py), and the token walk reads fewer rows: run it.
+        if tree.sampling != "deterministic":
+            us = iter(torch.rand(n, dtype=torch.float64, generator=generator).tolist())
+            return (accept_block if rule == "block" else accept_traversal)(tree, target_probs, us)
     tokens = tree._tokens_list
     children = tree.children
     mode = tree.sampling
