@@ -147,3 +147,48 @@ def unpack_masks(
             raise ValueError(f"request {r}: {nbytes} bytes cannot hold a [{q}, {k}] mask")
         out.append(_unpack_bits(packed[ptr[r]:ptr[r + 1]], q * k).view(q, k))
     return out
+
+
+def padded_tree_masks(
+    trees: Sequence[DraftTree],
+    prefix_lens: Sequence[int],
+    cache_len: int,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """BoolTensor[B, M, S + M] for a right-padded batch of trees over a shared cache of S slots.
+
+    Request b's KV row holds its prefix in slots [0, P_b) (the rest of its first S slots is
+    padding); the trees' rows are appended at S .. S + M - 1, M = max N_b. Real node i of tree b
+    may attend to slots [0, P_b) and to S + j for its ancestors j. A padding row (i >= N_b)
+    attends to its own slot only, so every row has a finite softmax and nothing reads it.
+    """
+    if len(trees) != len(prefix_lens):
+        raise ValueError(f"got {len(trees)} trees but {len(prefix_lens)} prefix lengths")
+    if any(p < 0 or p > cache_len for p in prefix_lens):
+        raise ValueError(f"prefix lengths {list(prefix_lens)} must lie in [0, cache_len={cache_len}]")
+    m = max(t.num_nodes for t in trees)
+    mask = torch.zeros(len(trees), m, cache_len + m, dtype=torch.bool)
+    pad_diag = torch.arange(m)
+    mask[:, pad_diag, cache_len + pad_diag] = True
+    for b, (tree, p) in enumerate(zip(trees, prefix_lens)):
+        n = tree.num_nodes
+        mask[b, :n, :p] = True
+        mask[b, :n, cache_len:cache_len + n] = tree.ancestor_mask
+    return mask if device is None else mask.to(device)
+
+
+def to_hf_mask(
+    mask: torch.Tensor,
+    attn_implementation: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """A bool mask [B, Q, K] as a HF 4-D mask [B, 1, Q, K]: bool, or additive 0 / dtype-min for
+    eager (see ``hf_tree_mask``)."""
+    if mask.dtype != torch.bool or mask.dim() != 3:
+        raise ValueError(f"mask must be a bool tensor [B, Q, K], got {mask.dtype} {tuple(mask.shape)}")
+    if attn_implementation not in _ADDITIVE_MASK_IMPLS:
+        return mask[:, None]
+    if not dtype.is_floating_point:
+        raise ValueError(f"an eager (additive) mask needs a floating dtype, got {dtype}")
+    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return out.masked_fill_(~mask, torch.finfo(dtype).min)[:, None]
