@@ -198,20 +198,25 @@ def test_accept_batch_equals_accept_per_request(rule: str) -> None:
 
 
 def test_accept_batch_is_batch_invariant() -> None:
-    """Request 0's result is the same whatever its batch-mates (their trees, probs, seeds)."""
+    """A request's result is its result alone, whatever its batch-mates (their trees, probs,
+    seeds) and wherever it sits in the batch."""
     rng = random.Random(5)
     tree = random_tree(rng, 9, V, "with_replacement")
-    probs = target_rows(rng, 9, WARM)
-    results = set()
-    for trial in range(6):
-        mates = [random_tree(rng, rng.randint(1, 7), V, "without_replacement") for _ in range(trial)]
-        batch = TreeBatch.from_trees([tree] + mates, [WARM] * (trial + 1))
-        p = torch.cat([probs] + [target_rows(rng, m.num_nodes, WARM) for m in mates])
-        gens = [torch.Generator().manual_seed(77)] + [torch.Generator().manual_seed(rng.randrange(99))
-                                                     for _ in mates]
-        r = accept_batch(batch, p, gens)[0]
-        results.add((tuple(r.path.tolist()), tuple(r.tokens.tolist())))
-    assert len(results) == 1
+    probs = target_rows(rng, 9, SamplingConfig(1.0))
+    alone = set()
+    for trial in range(12):
+        want = accept(tree, probs, torch.Generator().manual_seed(trial))
+        alone.add(tuple(want.tokens.tolist()))
+        mates = [random_tree(rng, rng.randint(1, 7), V, "without_replacement") for _ in range(trial % 4)]
+        at = rng.randint(0, len(mates))
+        trees = mates[:at] + [tree] + mates[at:]
+        rows = [target_rows(rng, t.num_nodes, WARM) for t in trees]
+        rows[at] = probs
+        gens = [torch.Generator().manual_seed(1000 + rng.randrange(99)) for _ in trees]
+        gens[at] = torch.Generator().manual_seed(trial)
+        r = accept_batch(TreeBatch.from_trees(trees, [WARM] * len(trees)), torch.cat(rows), gens)[at]
+        assert torch.equal(r.path, want.path) and torch.equal(r.tokens, want.tokens), f"trial {trial}"
+    assert len(alone) > 1          # the seed matters: a shared or swapped generator would show
 
 
 def test_accept_batch_errors() -> None:
