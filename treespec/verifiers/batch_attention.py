@@ -1,0 +1,215 @@
+"""Batched tree verification: ONE target forward scores the trees of B requests.
+
+The target is a stock HF causal LM and the KV cache a stock ``DynamicCache`` of batch B whose
+rows have different valid lengths (ragged prefixes). Layout, per layer, keys/values
+[B, H_kv, S, d_head]:
+
+    row b:  slots [0, P_b)      request b's committed tokens except its root (valid)
+            slots [P_b, S)      padding: zeros between steps, never attended
+
+S = max P_b. A verify pass appends M = max N_b rows to every row (slots S .. S + M - 1): request
+b's tree nodes in the first N_b, padding after. Each query row gets a 4-D boolean mask over its
+own request's valid slots only (its prefix ‖ its ancestors; a padding row sees only itself) and
+position P_b + depth, so row b computes exactly what ``TreeVerifier`` computes for request b
+alone. ``compact`` then gathers, per row, the root and the accepted path to P_b, P_b + 1, ...,
+zeroes everything past the new valid length and crops the shared length to max(P_b + K_b):
+each row's valid cache equals sequential decoding of its request, nothing of a rejected branch
+survives, and memory is bounded by the longest live request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from treespec.batch import TreeBatch
+from treespec.drafters.base import TargetFeatures
+from treespec.masks import attn_implementation_of, padded_tree_masks, to_hf_mask
+from treespec.sampling import process
+
+
+@dataclass(frozen=True)
+class BatchVerifyOutput:
+    """Target outputs for a TreeBatch, flat in the batch's node order.
+
+    Attributes:
+        logits:   FloatTensor[T, V]; raw target logits of every node (model dtype).
+        probs:    FloatTensor[T, V]; p(.|path to node) processed with the request's config.
+        features: tuple of B TargetFeatures, request b's hidden states [N_b, H] per layer.
+    """
+
+    logits: torch.Tensor
+    probs: torch.Tensor
+    features: tuple[TargetFeatures, ...]
+
+
+class BatchVerifier:
+    """Owns the target's batched KV cache for B requests (row b = request b).
+
+    Invariant between steps: row b's valid slots are request b's committed tokens except the
+    last one (the root of its next tree): ``prefix_lens[b]`` of them, starting at slot 0.
+    """
+
+    def __init__(self, model: torch.nn.Module, target_layers: tuple[int, ...] = ()):
+        self.model = model
+        self.target_layers = tuple(target_layers)
+        self.attn_impl = attn_implementation_of(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache: DynamicCache | None = None
+        self.prefix_lens: list[int] = []
+        self._pending: tuple[int, list[int]] | None = None   # (S, tree sizes) of the last score
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prefix_lens)
+
+    @property
+    def cache_len(self) -> int:
+        """S, the shared (padded) length of every cache row."""
+        return self.cache.get_seq_length() if self.cache is not None else 0
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
+        out = self.model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=to_hf_mask(mask, self.attn_impl, self.dtype),
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=bool(self.target_layers),
+        )
+        return out.logits, out.hidden_states
+
+    def _features(self, hidden, b: int, n: int) -> TargetFeatures:
+        if not self.target_layers:
+            return TargetFeatures.empty()
+        return TargetFeatures({i: hidden[i][b, :n] for i in self.target_layers})
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[torch.Tensor]) -> tuple[TargetFeatures, ...]:
+        """Cache prompt[:-1] of every request (LongTensor[P_b + 1] each) in one right-padded
+        forward; returns each request's features [P_b, H]. The last tokens are the roots."""
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of LongTensor (one per request)")
+        for b, p in enumerate(prompts):
+            if not isinstance(p, torch.Tensor) or p.dtype != torch.long or p.dim() != 1 or p.numel() < 1:
+                raise TypeError(f"prompts[{b}] must be a 1-D LongTensor with at least one token")
+        self.cache = DynamicCache(config=self.model.config)
+        self.prefix_lens = [p.numel() - 1 for p in prompts]
+        self._pending = None
+        s = max(self.prefix_lens)
+        if s == 0:
+            hidden = self.model.config.hidden_size
+            empty = TargetFeatures({i: torch.zeros(0, hidden, device=self.device, dtype=self.dtype)
+                                    for i in self.target_layers})
+            return tuple(empty for _ in prompts)
+        b_ = len(prompts)
+        # [B, S]
+        ids = torch.zeros(b_, s, dtype=torch.long, device=self.device)
+        for b, p in enumerate(prompts):
+            ids[b, :p.numel() - 1] = p[:-1].to(self.device)
+        pos = torch.arange(s, device=self.device).expand(b_, s)
+        q = torch.arange(s, device=self.device)
+        lens = torch.tensor(self.prefix_lens, device=self.device)
+        # [B, S, S]: causal over the row's own tokens; a padding query sees only itself
+        real = (q[None, :, None] < lens[:, None, None]) & (q[None, None, :] <= q[None, :, None]) \
+            & (q[None, None, :] < lens[:, None, None])
+        mask = real | ((q[None, :, None] >= lens[:, None, None]) & (q[None, None, :] == q[None, :, None]))
+        _, hidden = self._forward(ids, pos, mask)
+        pad = (q[None] >= lens[:, None])[:, None, :, None]            # [B, 1, S, 1]
+        for layer in self.cache.layers:     # padding slots hold zeros between steps
+            layer.keys.masked_fill_(pad, 0)
+            layer.values.masked_fill_(pad, 0)
+        return tuple(self._features(hidden, b, p) for b, p in enumerate(self.prefix_lens))
+
+    @torch.inference_mode()
+    def score(self, batch: TreeBatch) -> BatchVerifyOutput:
+        """One forward over every request's tree; appends max N_b rows to the cache (undone by
+        ``compact``)."""
+        if self.cache is None:
+            raise RuntimeError("call prefill() before score()")
+        if not isinstance(batch, TreeBatch):
+            raise TypeError(f"batch must be a TreeBatch, got {type(batch).__name__}")
+        if batch.batch_size != self.batch_size:
+            raise ValueError(f"the batch has {batch.batch_size} requests but the cache holds "
+                             f"{self.batch_size}; call retain() when requests leave")
+        if self._pending is not None:
+            raise RuntimeError("score() called twice without compact(); compact the last scores first")
+        vocab = self.model.config.vocab_size
+        if batch.vocab_size is not None and batch.vocab_size != vocab:
+            raise ValueError(f"the batch's vocab is {batch.vocab_size} but the target's is {vocab}")
+        s, sizes, trees = self.cache_len, batch.sizes, batch.trees
+        m = max(sizes)
+        # [B, M] tokens and positions, right-padded (padding: token 0 at the row's P_b)
+        ids = torch.zeros(len(trees), m, dtype=torch.long, device=self.device)
+        pos = torch.tensor(self.prefix_lens, device=self.device)[:, None].repeat(1, m)
+        for b, (tree, p) in enumerate(zip(trees, self.prefix_lens)):
+            ids[b, :tree.num_nodes] = tree.tokens.to(self.device)
+            pos[b, :tree.num_nodes] += tree.depth.to(self.device)
+        # [B, M, S + M]
+        mask = padded_tree_masks(trees, self.prefix_lens, s, self.device)
+        logits, hidden = self._forward(ids, pos, mask)
+        self._pending = (s, sizes)
+        # [T, V]
+        flat = torch.cat([logits[b, :n] for b, n in enumerate(sizes)])
+        probs = torch.cat([process(logits[b, :n].float(), cfg)
+                           for b, (n, cfg) in enumerate(zip(sizes, batch.configs))])
+        feats = tuple(self._features(hidden, b, n) for b, n in enumerate(sizes))
+        return BatchVerifyOutput(flat, probs, feats)
+
+    @torch.inference_mode()
+    def compact(self, keeps: Sequence[torch.Tensor]) -> None:
+        """Keep, per request, the tree rows ``keeps[b]`` (LongTensor[K_b]: node indices, the root
+        first, e.g. ``RequestAcceptance.keep_src``) at slots P_b .. P_b + K_b - 1; afterwards row
+        b holds P_b + K_b valid slots, zeros after them, and the shared length is the longest."""
+        if self._pending is None:
+            raise RuntimeError("call score() before compact()")
+        s, sizes = self._pending
+        if not isinstance(keeps, (list, tuple)) or len(keeps) != len(sizes):
+            raise ValueError(f"keeps must be a list of {len(sizes)} LongTensors (one per request)")
+        rows = []
+        for b, (keep, n) in enumerate(zip(keeps, sizes)):
+            if not isinstance(keep, torch.Tensor) or keep.dtype != torch.long or keep.dim() != 1:
+                raise TypeError(f"keeps[{b}] must be a 1-D LongTensor of node indices")
+            kl = keep.tolist()
+            if not kl or kl[0] != 0 or any(not 0 < j < n for j in kl[1:]) or kl[1:] != sorted(set(kl[1:])):
+                raise ValueError(f"keeps[{b}] must be the root (0) then increasing node indices < "
+                                 f"N={n}, got {kl}")
+            rows.append(kl)
+        new_lens = [p + len(k) for p, k in zip(self.prefix_lens, rows)]
+        s_new = max(new_lens)
+        # [B, S'] source slot of each destination slot; past a row's valid length: slot 0, zeroed
+        src = torch.zeros(len(rows), s_new, dtype=torch.long)
+        for b, (p, kl) in enumerate(zip(self.prefix_lens, rows)):
+            src[b, :p] = torch.arange(p)
+            src[b, p:p + len(kl)] = s + torch.tensor(kl)
+        src = src.to(self.device)
+        valid = torch.arange(s_new, device=self.device)[None] < torch.tensor(new_lens, device=self.device)[:, None]
+        for layer in self.cache.layers:
+            bsz, heads, _, dim = layer.keys.shape
+            idx = src[:, None, :, None].expand(bsz, heads, s_new, dim)
+            drop = ~valid[:, None, :, None]
+            layer.keys = layer.keys.gather(2, idx).masked_fill_(drop, 0)
+            layer.values = layer.values.gather(2, idx).masked_fill_(drop, 0)
+        self.prefix_lens = new_lens
+        self._pending = None
+
+    def retain(self, rows: Sequence[int]) -> None:
+        """Keep only the requests ``rows`` (in that order), e.g. when others finish; the shared
+        length shrinks to the longest kept row."""
+        if self._pending is not None:
+            raise RuntimeError("compact() the last scores before retain()")
+        rows = [int(r) for r in rows]
+        if not rows or any(not 0 <= r < self.batch_size for r in rows) or len(set(rows)) != len(rows):
+            raise ValueError(f"rows must be distinct request indices in [0, {self.batch_size}), got {rows}")
+        lens = [self.prefix_lens[r] for r in rows]
+        s_new = max(lens)
+        idx = torch.tensor(rows, device=self.device)
+        for layer in self.cache.layers:
+            if layer.is_initialized and layer.keys.numel():
+                layer.keys = layer.keys.index_select(0, idx)[:, :, :s_new]
+                layer.values = layer.values.index_select(0, idx)[:, :, :s_new]
+        self.prefix_lens = lens
