@@ -7,6 +7,8 @@ try:
 except _NotInstalled:  # a source checkout on sys.path without `pip install -e .`
     __version__ = "0+unknown"
 
+from treespec.batch import RequestAcceptance, TreeBatch, VerifyInputs, accept_batch, prepare_verify
+from treespec.batch_engine import generate_batch
 from treespec.analytics import acceptance_rate, expected_chain_tokens, expected_tree_tokens
 from treespec.drafters import load_drafter, registered_drafters
 from treespec.engine import GenerationResult, GenerationStats, SpeculativeGenerator
@@ -17,9 +19,18 @@ from treespec.trees import (
     BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder, optimal_tree,
 )
 from treespec.verifiers import Acceptance, accept
+from treespec.verifiers.batch_attention import BatchVerifier, BatchVerifyOutput
 
 __all__ = [
     "Acceptance",
+    "BatchVerifier",
+    "BatchVerifyOutput",
+    "RequestAcceptance",
+    "TreeBatch",
+    "VerifyInputs",
+    "accept_batch",
+    "generate_batch",
+    "prepare_verify",
     "BestFirstBuilder",
     "SequoiaBuilder",
     "StaticTreeBuilder",
