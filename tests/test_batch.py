@@ -239,3 +239,15 @@ def test_accept_batch_errors() -> None:
         accept_batch(batch, torch.cat([probs, probs[:, :1]], 1), gens)
     with pytest.raises(ValueError, match="unknown acceptance rule"):
         accept_batch(batch, probs, gens, "typical")
+
+
+def test_readme_step_function_example_runs(capsys) -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "prepare_verify" in b]
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "README.md", "exec"), {})
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2                            # one line per request: tokens, src, dst
