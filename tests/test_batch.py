@@ -117,6 +117,11 @@ def test_layout_errors() -> None:
     other = random_tree(rng, 3, V + 1, "with_replacement")
     with pytest.raises(ValueError, match="mixed vocabularies"):
         TreeBatch.from_trees([trees[1], other], [WARM, WARM])
+    f32 = DraftTree(other.tokens % V, other.parents, other.draft_probs[:, :V].float().softmax(-1),
+                    "with_replacement")
+    with pytest.raises(TypeError, match="mixed dtypes"):
+        TreeBatch.from_trees([trees[1], f32], [WARM, WARM])
+    assert make(sampling=list(b.sampling)).sampling == b.sampling     # lists are taken as tuples
     with pytest.raises(IndexError, match="out of range"):
         b.tree(2)
 

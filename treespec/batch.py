@@ -187,6 +187,10 @@ def _validate_layout(batch: TreeBatch) -> None:
     if batch.parents.shape[0] != n:
         raise ValueError(f"parents has {batch.parents.shape[0]} entries but tokens has {n}; they must match")
     b = ptr.numel() - 1
+    if isinstance(batch.sampling, list):
+        object.__setattr__(batch, "sampling", tuple(batch.sampling))
+    if isinstance(batch.has_draft_probs, list):
+        object.__setattr__(batch, "has_draft_probs", tuple(batch.has_draft_probs))
     if not isinstance(batch.sampling, tuple) or len(batch.sampling) != b:
         raise ValueError(f"sampling must be a tuple of {b} modes from {SAMPLING_MODES}, got {batch.sampling!r}")
     object.__setattr__(batch, "configs", _check_configs(batch.configs, b))
