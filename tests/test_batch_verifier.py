@@ -227,3 +227,13 @@ def test_verifier_errors() -> None:
         CONFIGS[:2])
     with pytest.raises(ValueError, match="the batch's vocab is 16 but the target's is 17"):
         bw.score(probs_batch)
+
+
+def test_sliding_window_models_are_refused() -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, sliding_window=4)
+    bv = BatchVerifier(MistralForCausalLM(config).eval())
+    with pytest.raises(NotImplementedError, match="DynamicSlidingWindowLayer"):
+        bv.prefill([torch.tensor([1, 2, 3])])

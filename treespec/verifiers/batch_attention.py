@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from treespec.batch import TreeBatch
 from treespec.drafters.base import TargetFeatures
@@ -98,6 +99,12 @@ class BatchVerifier:
             if not isinstance(p, torch.Tensor) or p.dtype != torch.long or p.dim() != 1 or p.numel() < 1:
                 raise TypeError(f"prompts[{b}] must be a 1-D LongTensor with at least one token")
         self.cache = DynamicCache(config=self.model.config)
+        kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer}
+        if kinds:
+            self.cache = None
+            raise NotImplementedError(f"BatchVerifier gathers full-attention KV rows; this model's cache has "
+                                      f"{sorted(kinds)} layers (sliding window / linear attention), whose "
+                                      "compaction it does not know")
         self.prefix_lens = [p.numel() - 1 for p in prompts]
         self._pending = None
         s = max(self.prefix_lens)
