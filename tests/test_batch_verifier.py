@@ -170,12 +170,20 @@ def test_compaction_equals_sequential_decoding(attn: str, precision: str) -> Non
     assert_rows_equal_sequential(model, bv, committed, atol)
     deep = rejected = 0
     for step in range(8):
-        if step == 4:   # request 1 leaves, the others go on (rows reordered too)
-            keep_rows = [3, 0, 2]
+        if step == 3:   # request 1 leaves, the others go on (rows reordered too)
+            keep_rows = [3, 0, 5, 2, 4]
             bv.retain(keep_rows)
             committed = [committed[r] for r in keep_rows]
             configs = [configs[r] for r in keep_rows]
             gens = [gens[r] for r in keep_rows]
+            assert_rows_equal_sequential(model, bv, committed, atol)
+        if step in (2, 5):   # two requests join: a root-only prompt and one longer than any row
+            longest = max(len(c) for c in committed)
+            joining = [[rng.randrange(V)], [rng.randrange(V) for _ in range(longest + 3)]]
+            bv.add([torch.tensor(c) for c in joining])
+            committed += joining
+            configs += [SamplingConfig(0.0), SamplingConfig(1.0)]
+            gens += [torch.Generator().manual_seed(10 + step), torch.Generator().manual_seed(20 + step)]
             assert_rows_equal_sequential(model, bv, committed, atol)
         trees = [tree_with_path(rng, c[-1], rng.randint(1, 10), greedy_continuation(model, c, rng.randint(1, 4)))
                  for c in committed]
@@ -189,6 +197,31 @@ def test_compaction_equals_sequential_decoding(attn: str, precision: str) -> Non
             rejected += trees[b].num_nodes > r.path.numel() + 1
         assert_rows_equal_sequential(model, bv, committed, atol)
     assert deep >= 5 and rejected >= 5      # deep paths and rejected branches were exercised
+    assert bv.batch_size == 7
+
+
+def test_add_to_an_empty_cache() -> None:
+    """Every first prompt is a root only (nothing cached, layers not even initialised): joining
+    requests then bring the cache's first rows; a later step still verifies exactly."""
+    model = peaky_llama(V, seed=3, hidden_size=32, num_layers=2, std=0.2)
+    bv = BatchVerifier(model)
+    committed = [[3], [5]]
+    bv.prefill([torch.tensor(c) for c in committed])
+    assert bv.cache_len == 0
+    committed += [[1, 2, 3, 4], [9]]
+    bv.add([torch.tensor(c) for c in committed[2:]])
+    assert_rows_equal_sequential(model, bv, committed, 1e-5)
+    rng = random.Random(0)
+    trees = [tree_with_path(rng, c[-1], 5, greedy_continuation(model, c, 2)) for c in committed]
+    batch = TreeBatch.from_trees(trees, [SamplingConfig(0.0)] * 4)
+    out = bv.score(batch)
+    for b, (c, t) in enumerate(zip(committed, trees)):
+        want = verify_alone(model, c, t, SamplingConfig(0.0))
+        s, e = batch.req_indptr[b], batch.req_indptr[b + 1]
+        torch.testing.assert_close(out.probs[s:e], want.probs, atol=1e-5, rtol=0)
+    results = accept_batch(batch, out.probs, [None] * 4)
+    bv.compact([r.keep_src for r in results])
+    assert_rows_equal_sequential(model, bv, [c + r.tokens.tolist() for c, r in zip(committed, results)], 1e-5)
 
 
 def test_verifier_errors() -> None:

@@ -14,7 +14,9 @@ position P_b + depth, so row b computes exactly what ``TreeVerifier`` computes f
 alone. ``compact`` then gathers, per row, the root and the accepted path to P_b, P_b + 1, ...,
 zeroes everything past the new valid length and crops the shared length to max(P_b + K_b):
 each row's valid cache equals sequential decoding of its request, nothing of a rejected branch
-survives, and memory is bounded by the longest live request.
+survives, and memory is bounded by the longest live request. Requests leave between steps
+with ``retain`` (rows selected, length cropped to the longest kept row) and join with ``add``
+(their own prefill forward, rows appended, both sides zero-padded to the longer length).
 """
 
 from __future__ import annotations
@@ -73,12 +75,12 @@ class BatchVerifier:
         """S, the shared (padded) length of every cache row."""
         return self.cache.get_seq_length() if self.cache is not None else 0
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: DynamicCache):
         out = self.model(
             input_ids=ids,
             position_ids=pos,
             attention_mask=to_hf_mask(mask, self.attn_impl, self.dtype),
-            cache=self.cache,
+            cache=cache,
             use_cache=True,
             output_hidden_states=bool(self.target_layers),
         )
@@ -93,26 +95,63 @@ class BatchVerifier:
     def prefill(self, prompts: Sequence[torch.Tensor]) -> tuple[TargetFeatures, ...]:
         """Cache prompt[:-1] of every request (LongTensor[P_b + 1] each) in one right-padded
         forward; returns each request's features [P_b, H]. The last tokens are the roots."""
+        self.cache, self.prefix_lens, feats = self._prefill(prompts)
+        self._pending = None
+        return feats
+
+    @torch.inference_mode()
+    def add(self, prompts: Sequence[torch.Tensor]) -> tuple[TargetFeatures, ...]:
+        """Requests join between steps: prefill ``prompts`` (one forward of their own) and append
+        them as rows B, B + 1, ... of the cache, padded to the longer of the two lengths."""
+        if self.cache is None:
+            return self.prefill(prompts)
+        if self._pending is not None:
+            raise RuntimeError("compact() the last scores before add()")
+        cache, lens, feats = self._prefill(prompts)
+        s = max(self.prefix_lens + lens)
+        old_b, new_b = self.batch_size, len(lens)
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            filled = [x for x in (mine, theirs) if x.is_initialized and x.keys.numel()]
+            if not filled:
+                continue                        # nothing cached anywhere yet (all roots only)
+            _, heads, _, dim = filled[0].keys.shape
+
+            def rows(layer, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+                """A layer's (keys, values) [b, H_kv, S, d] zero-padded to S, empty ones too."""
+                if layer in filled:
+                    k, v = layer.keys, layer.values
+                else:
+                    k = v = filled[0].keys.new_zeros(b, heads, 0, dim)
+                return (torch.nn.functional.pad(k, (0, 0, 0, s - k.shape[2])),
+                        torch.nn.functional.pad(v, (0, 0, 0, s - v.shape[2])))
+
+            (ok, ov), (nk, nv) = rows(mine, old_b), rows(theirs, new_b)
+            if not mine.is_initialized:
+                mine.lazy_initialization(ok, ov)
+            mine.keys, mine.values = torch.cat([ok, nk]), torch.cat([ov, nv])
+        self.prefix_lens = self.prefix_lens + lens
+        return feats
+
+    def _prefill(self, prompts: Sequence[torch.Tensor]):
+        """(a fresh batched cache of prompt[:-1] per row, their lengths, their features)."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of LongTensor (one per request)")
         for b, p in enumerate(prompts):
             if not isinstance(p, torch.Tensor) or p.dtype != torch.long or p.dim() != 1 or p.numel() < 1:
                 raise TypeError(f"prompts[{b}] must be a 1-D LongTensor with at least one token")
-        self.cache = DynamicCache(config=self.model.config)
-        kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer}
+        cache = DynamicCache(config=self.model.config)
+        kinds = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
         if kinds:
-            self.cache = None
             raise NotImplementedError(f"BatchVerifier gathers full-attention KV rows; this model's cache has "
                                       f"{sorted(kinds)} layers (sliding window / linear attention), whose "
                                       "compaction it does not know")
-        self.prefix_lens = [p.numel() - 1 for p in prompts]
-        self._pending = None
-        s = max(self.prefix_lens)
+        lens = [p.numel() - 1 for p in prompts]
+        s = max(lens)
         if s == 0:
             hidden = self.model.config.hidden_size
             empty = TargetFeatures({i: torch.zeros(0, hidden, device=self.device, dtype=self.dtype)
                                     for i in self.target_layers})
-            return tuple(empty for _ in prompts)
+            return cache, lens, tuple(empty for _ in prompts)
         b_ = len(prompts)
         # [B, S]
         ids = torch.zeros(b_, s, dtype=torch.long, device=self.device)
@@ -120,17 +159,17 @@ class BatchVerifier:
             ids[b, :p.numel() - 1] = p[:-1].to(self.device)
         pos = torch.arange(s, device=self.device).expand(b_, s)
         q = torch.arange(s, device=self.device)
-        lens = torch.tensor(self.prefix_lens, device=self.device)
+        n = torch.tensor(lens, device=self.device)
         # [B, S, S]: causal over the row's own tokens; a padding query sees only itself
-        real = (q[None, :, None] < lens[:, None, None]) & (q[None, None, :] <= q[None, :, None]) \
-            & (q[None, None, :] < lens[:, None, None])
-        mask = real | ((q[None, :, None] >= lens[:, None, None]) & (q[None, None, :] == q[None, :, None]))
-        _, hidden = self._forward(ids, pos, mask)
-        pad = (q[None] >= lens[:, None])[:, None, :, None]            # [B, 1, S, 1]
-        for layer in self.cache.layers:     # padding slots hold zeros between steps
+        real = (q[None, :, None] < n[:, None, None]) & (q[None, None, :] <= q[None, :, None]) \
+            & (q[None, None, :] < n[:, None, None])
+        mask = real | ((q[None, :, None] >= n[:, None, None]) & (q[None, None, :] == q[None, :, None]))
+        _, hidden = self._forward(ids, pos, mask, cache)
+        pad = (q[None] >= n[:, None])[:, None, :, None]               # [B, 1, S, 1]
+        for layer in cache.layers:          # padding slots hold zeros between steps
             layer.keys.masked_fill_(pad, 0)
             layer.values.masked_fill_(pad, 0)
-        return tuple(self._features(hidden, b, p) for b, p in enumerate(self.prefix_lens))
+        return cache, lens, tuple(self._features(hidden, b, p) for b, p in enumerate(lens))
 
     @torch.inference_mode()
     def score(self, batch: TreeBatch) -> BatchVerifyOutput:
@@ -158,7 +197,7 @@ class BatchVerifier:
             pos[b, :tree.num_nodes] += tree.depth.to(self.device)
         # [B, M, S + M]
         mask = padded_tree_masks(trees, self.prefix_lens, s, self.device)
-        logits, hidden = self._forward(ids, pos, mask)
+        logits, hidden = self._forward(ids, pos, mask, self.cache)
         self._pending = (s, sizes)
         # [T, V]
         flat = torch.cat([logits[b, :n] for b, n in enumerate(sizes)])
