@@ -245,7 +245,11 @@ def _check_prefix_lens(prefix_lens: object, b: int) -> list[int]:
     return lens
 
 
-def prepare_verify(batch: TreeBatch, prefix_lens: Sequence[int] | torch.Tensor) -> VerifyInputs:
+def prepare_verify(
+    batch: TreeBatch,
+    # [B]
+    prefix_lens: Sequence[int] | torch.Tensor,
+) -> VerifyInputs:
     """Everything an attention kernel with a custom mask needs to score ``batch`` in one pass.
 
     ``prefix_lens``: [B] cached tokens of each request (its KV pages hold P_i slots; the tree's
