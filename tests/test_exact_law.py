@@ -338,6 +338,19 @@ def test_law_check_catches_wrong_rules(mode, rule, monkeypatch):
 
 
 # ---------------------------------------------------------------------- the real accept
+def assert_counts_follow_law(counts: np.ndarray, law: np.ndarray, draws: int, label: str) -> None:
+    """Chi-square of observed outcome ``counts`` against the exact ``law`` (cells with fewer than
+    5 expected draws pooled); nothing of probability 0 may occur."""
+    assert counts[law == 0.0].sum() == 0, f"{label}: accept emitted a sequence of probability 0"
+    keep = law * draws >= 5
+    f_obs = np.append(counts[keep], counts[~keep].sum())
+    f_exp = np.append(law[keep], law[~keep].sum()) * draws
+    if f_exp[-1] == 0:
+        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
+    pvalue = chisquare(f_obs, f_exp * f_obs.sum() / f_exp.sum()).pvalue
+    assert pvalue > 1e-3, f"{label}: accept disagrees with the exact law (p={pvalue:.2e})"
+
+
 def _fixed_tree_law(world: World, mode: str, tree: DraftTree, ctx_of: list[tuple[int, ...]]):
     """Exact law of ``accept``'s emitted tokens for a *fixed* tree, padded to length L.
 
@@ -421,12 +434,5 @@ def test_accept_matches_exact_law_of_fixed_trees(mode):
             out = accept(tree, target, gen).tokens.tolist()
             out += [V] * (L - len(out))
             counts[int(np.ravel_multi_index(out, (V + 1,) * L))] += 1
-        assert counts[law == 0.0].sum() == 0, "accept emitted a sequence of probability 0"
-        keep = law * draws >= 5
-        f_obs = np.append(counts[keep], counts[~keep].sum())
-        f_exp = np.append(law[keep], law[~keep].sum()) * draws
-        if f_exp[-1] == 0:
-            f_obs, f_exp = f_obs[:-1], f_exp[:-1]
-        pvalue = chisquare(f_obs, f_exp * f_obs.sum() / f_exp.sum()).pvalue
-        assert pvalue > 1e-3, f"{mode}: accept disagrees with the exact law (p={pvalue:.2e}, {tree})"
+        assert_counts_follow_law(counts, law, draws, f"{mode}: {tree}")
         checked += 1

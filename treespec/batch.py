@@ -30,7 +30,7 @@ import torch
 
 from treespec.masks import pack_tree_masks
 from treespec.sampling import SamplingConfig
-from treespec.tree import SAMPLING_MODES, DraftTree, Sampling
+from treespec.tree import SAMPLING_MODES, DraftTree, Sampling, check_long_vector
 from treespec.verifiers.acceptance import VERIFY_RULES, Acceptance, VerifyRule
 from treespec.verifiers.rejection import accept
 
@@ -168,13 +168,7 @@ def _check_configs(configs: object, b: int) -> tuple[SamplingConfig, ...]:
 def _validate_layout(batch: TreeBatch) -> None:
     """The CSR layout itself; per-tree rules are DraftTree's (checked per request after this)."""
     for name in ("req_indptr", "tokens", "parents"):
-        t = getattr(batch, name)
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.LongTensor, got {type(t).__name__}")
-        if t.dtype != torch.long:
-            raise ValueError(f"{name} must have dtype torch.long, got {t.dtype}; use .long()")
-        if t.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+        check_long_vector(name, getattr(batch, name))
     ptr, n = batch.req_indptr, batch.tokens.shape[0]
     if ptr.numel() < 2:
         raise ValueError("req_indptr must have B + 1 >= 2 entries (a batch needs a request)")

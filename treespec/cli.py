@@ -32,13 +32,9 @@ def make_builder(name: str, budget: int, depth: int, top_k: int, mode: str = "de
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="target name (default smollm2-135m)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="target weights; auto (default): bfloat16 where the CPU/GPU has native bf16 matrix "
-                        "units, else float32. bfloat16 is its own target (greedy output may differ from "
-                        "fp32 at near-ties); float32 is the exact reference")
-    p.add_argument("--no-pack", action="store_true",
-                   help="keep HF's stock linear layers (default: weights packed once for the CPU's GEMM)")
-    p.add_argument("--device", default="cpu", help="where the target and drafter run: cpu, cuda, cuda:N")
+    from treespec.cost.cli import add_target_args
+
+    add_target_args(p)
     p.add_argument("--drafter", default="eagle3", help="registered drafter name (see treespec.registered_drafters())")
     p.add_argument("--tree", default="dynamic", choices=BUILDERS, help="tree builder")
     p.add_argument("--budget", default="16", help="tree nodes incl. root, or 'auto' (cost model)")

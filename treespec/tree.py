@@ -260,15 +260,20 @@ class DraftTree:
         )
 
 
+def check_long_vector(name: str, t, shape: str = "") -> None:
+    """``t`` must be a 1-D torch.long tensor; else a TypeError/ValueError naming ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.LongTensor, got {type(t).__name__}")
+    if t.dtype != torch.long:
+        raise ValueError(f"{name} must have dtype torch.long, got {t.dtype}; use .long()")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D{' ' + shape if shape else ''}, got shape {tuple(t.shape)}")
+
+
 def _validate(tree: DraftTree, scan_probs: bool = True) -> None:
     tokens, parents, probs = tree.tokens, tree.parents, tree.draft_probs
     for name, t in (("tokens", tokens), ("parents", parents)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.LongTensor, got {type(t).__name__}")
-        if t.dtype != torch.long:
-            raise ValueError(f"{name} must have dtype torch.long, got {t.dtype}; use .long()")
-        if t.dim() != 1:
-            raise ValueError(f"{name} must be 1-D [N], got shape {tuple(t.shape)}")
+        check_long_vector(name, t, "[N]")
     n = tokens.shape[0]
     if n < 1:
         raise ValueError("a DraftTree needs at least the root node (N >= 1)")

@@ -101,15 +101,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="comma-separated registered drafters to measure for real (pass times by width and "
                           "positional acceptance on 4 held-out MT-bench prompts); implies --weights pretrained. "
                           "builder='auto' then uses them")
-    cal.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"),
-                     help="weights as the engine will run them (each dtype has its own default file); "
-                          "auto: bfloat16 where the CPU/GPU has native bf16 units, else float32 (float16 is "
-                          "API-only: calibrate it with treespec.cost.calibrate)")
-    cal.add_argument("--no-pack", action="store_true",
-                     help="measure the stock linear layers instead of the packed fast path (own file)")
-    cal.add_argument("--device", default="cpu", help="where to measure: cpu, cuda, cuda:N (the engine's device)")
+    add_target_args(cal)
     cal.add_argument("--out", type=Path, default=None, help="output JSON (default: the model's default path)")
     cal.set_defaults(func=_calibrate)
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    """--dtype, --no-pack and --device, the same for every command that loads a target (so
+    `calibrate` measures by default exactly what `generate` and `demo` run; each dtype and
+    linear path has its own calibration file)."""
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="target weights; auto (default): bfloat16 where the CPU/GPU has native bf16 matrix "
+                        "units, else float32. bfloat16 is its own target (greedy output may differ from "
+                        "fp32 at near-ties); float32 is the exact reference (float16 is API-only)")
+    p.add_argument("--no-pack", action="store_true",
+                   help="keep HF's stock linear layers (default: weights packed once for the CPU's GEMM)")
+    p.add_argument("--device", default="cpu", help="where the target (and drafter) run: cpu, cuda, cuda:N")
 
 
 def _drafter(args: argparse.Namespace) -> DrafterSpec:
