@@ -195,3 +195,30 @@ def test_every_benchmark_records_the_machine() -> None:
     assert scripts
     missing = [p.name for p in scripts if "machine_info()" not in p.read_text()]
     assert not missing, f"benchmarks without machine_info(): {missing}"
+
+
+def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
+    """`make demo` on a machine without a calibration measures one (saying so, with a progress
+    bar), stores it under the dtype- and path-specific name, and reuses it the next time."""
+    import io
+
+    from treespec.cli import ensure_calibration
+    from treespec.cost import Calibration, default_calibration_path
+    from treespec.fastpath import is_packed
+    from treespec.models import tiny_llama
+
+    from _engine_helpers import word_tokenizer
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    words = [f"w{i}" for i in range(30)]
+    model = tiny_llama(vocab_size=len(words) + 2, max_position_embeddings=1024)
+    pack_linears(model)
+    target = Target.from_hf(model, word_tokenizer(words), name="tiny-demo")
+    out = io.StringIO()
+    path = ensure_calibration(target, "lookup", out=out)
+    assert path == default_calibration_path("tiny-demo", torch.float32, is_packed(model))
+    assert "measuring it once" in out.getvalue() and "calibrating" in out.getvalue()
+    cal = Calibration.load(path)
+    assert "lookup" in cal.acceptance and cal.target(16) > 0
+    again = io.StringIO()
+    assert ensure_calibration(target, "lookup", out=again) == path and again.getvalue() == ""

@@ -186,7 +186,9 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr):
 
     try:
         ns = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-        cal = calibrate(target.model, target.name, ns=ns, context=128, n_rep=5, progress=step)
+        layers = target.model.config.num_hidden_layers
+        cal = calibrate(target.model, target.name, ns=ns, context=128, n_rep=5,
+                        early_exit_layers=min(4, layers), progress=step)
         held_out = [q.turns[0] for q in mtbench_questions()[-4:]]   # the demo uses the first ones
         cal = calibrate_drafter(cal, drafter_name, target, held_out, progress=step)
     finally:
