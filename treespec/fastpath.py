@@ -47,6 +47,8 @@ __all__ = [
     "machine_line",
     "native_bf16",
     "pack_linears",
+    "pack_weight",
+    "packed_linear",
     "packing_available",
     "resolve_dtype",
     "unpack_linears",
@@ -169,6 +171,25 @@ def packing_available() -> bool:
             and hasattr(ops, "_linear_pointwise"))
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] copied once into oneDNN's blocked layout (an opaque CPU tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, min_rows: int = 1,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through ``packed`` (:func:`pack_weight` of ``weight``) when
+    x has >= ``min_rows`` rows in the packed dtype on the CPU without autograd; else the stock op."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (packed is None or rows < min_rows or x.dtype != packed.dtype or x.device.type != "cpu"
+            or weight.dtype != packed.dtype or torch.is_grad_enabled() and x.requires_grad):
+        return F.linear(x, weight, bias)
+    bias = None if bias is None else bias.detach()
+    # [rows, in] -> [rows, out]
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, weight.shape[1]), packed, bias, "none", [], "")
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` whose weight is packed once for oneDNN's GEMM (CPU, fp32 or bf16).
 
@@ -191,27 +212,17 @@ class PackedLinear(nn.Module):
         self._pack()
 
     def _pack(self) -> None:
-        # [out, in] in oneDNN's blocked layout (an opaque mkldnn tensor; not module state)
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        self._packed_dtype = self.weight.dtype
+        self._packed = pack_weight(self.weight)
         self._version = self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(x.shape[-1], 1)
-        if (rows < self.min_rows or x.dtype != self._packed_dtype or x.device.type != "cpu"
-                or self.weight.dtype != self._packed_dtype or torch.is_grad_enabled() and x.requires_grad):
-            return F.linear(x, self.weight, self.bias)
         if self.weight._version != self._version:
             self._pack()
-        bias = None if self.bias is None else self.bias.detach()
-        # [rows, in] -> [rows, out]
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, self.in_features), self._packed, bias,
-                                               "none", [], "")
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return packed_linear(x, self.weight, self._packed, self.min_rows, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, packed={self._packed_dtype}, min_rows={self.min_rows}")
+                f"bias={self.bias is not None}, packed={self._packed.dtype}, min_rows={self.min_rows}")
 
     def unpacked(self) -> nn.Linear:
         """A plain ``nn.Linear`` sharing this module's parameters."""
