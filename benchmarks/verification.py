@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--samplings", default=",".join(SAMPLINGS), help=f"subset of {list(SAMPLINGS)}")
     ap.add_argument("--drafter", default=None, help="registered drafter (default: best available)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"),
+                    help="target weights (float32: the exact reference, same tau on every machine)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "verification"))
     ap.add_argument("--resume", metavar="JSON", help="continue a cut-short run (its settings win)")
@@ -206,12 +208,13 @@ def main(argv: list[str] | None = None) -> None:
         for k in ("max_new_tokens", "chains", "budgets", "chain_mode", "tree_mode", "samplings", "drafter",
                   "threads", "seed"):
             setattr(args, k, m["settings"][k])
+        args.dtype = m["settings"].get("dtype", "float32")
         args.prompts = max(args.prompts, m["prompts"]) if "--prompts" in argv else m["prompts"]
         args.out = str(Path(args.resume).with_suffix(""))
         records, done = earlier["records"], m["prompts_done"]
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    target = load_target("smollm2-135m")
+    target = load_target("smollm2-135m", dtype=args.dtype)
     questions = mtbench_questions()
     name, drafter = pick_drafter(target, args.drafter, questions[-4].turns[0])
     prompts = [torch.tensor(chat_prompt(target.tokenizer, q.turns[0])) for q in questions[: args.prompts]]
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     gens[0].generate(prompts[0], max_new_tokens=4)  # warm-up
     settings = dict(max_new_tokens=args.max_new_tokens, chains=",".join(map(str, chains)),
                     budgets=",".join(map(str, budgets)), chain_mode=args.chain_mode, tree_mode=args.tree_mode,
-                    samplings=",".join(samplings), drafter=name, threads=args.threads, seed=args.seed)
+                    samplings=",".join(samplings), drafter=name, threads=args.threads, seed=args.seed,
+                    dtype=str(target.dtype).removeprefix("torch."), speed_path=target.speed_path)
     meta = dict(target="smollm2-135m", drafter=name, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
                 chain_mode=args.chain_mode, tree_mode=args.tree_mode, settings=settings,
                 cpu=cpu_model(), machine=platform.machine(), torch=torch.__version__, machine_info=machine_info(),
