@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from accept import N_NODES, SCENARIOS, VOCAB, make_case, summarise, time_calls  # noqa: E402
 
-from treespec.fastpath import machine_info  # noqa: E402
+from treespec.fastpath import machine_info, machine_line  # noqa: E402
 from treespec.tree import SAMPLING_MODES, DraftTree  # noqa: E402
 from treespec.verifiers import accept  # noqa: E402
 
@@ -79,6 +79,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['cpu']}; torch {meta['torch']}, {meta['threads']} thread(s); median of "
              f"{meta['reps']} calls; float32 rows; load average {meta['loadavg_before']:.1f} before, "
              f"{meta['loadavg_after']:.1f} after (shared machine).", "",
+             *([machine_line({**meta["machine"], "torch_threads": meta["threads"]}), ""] if "machine" in meta else []),
              "Deterministic trees run the token walk under every rule (same output law, see "
              "treespec/verifiers/rejection.py). Block verification reads every row of the chain once "
              "(its float64 mass, for exact normalisation) where the token rule stops reading at its first "
