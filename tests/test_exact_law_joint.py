@@ -31,6 +31,7 @@ from treespec.verifiers.joint import accept_block, accept_traversal
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from test_exact_law import L, MAX_DEPTH, World, assert_counts_follow_law, deterministic_draft, random_shape
+from test_exact_law import _drafted_tree as _token_drafted_tree
 from test_exact_law import _fixed_tree_law as _token_fixed_tree_law
 
 TOL = 1e-9
@@ -213,31 +214,8 @@ def test_law_check_catches_wrong_rules(rule, mutant, mode):
 
 # ------------------------------------------------------------------ the real accept
 def _drafted_tree(world: World, mode: str, shape: tuple, rng: random.Random):
-    """One drafted tree (as the enumeration drafts) and every node's context."""
-    tokens, parents, ctx_of = [world.root], [-1], [(world.root,)]
-
-    def grow(i: int, shape: tuple) -> None:
-        ctx = ctx_of[i]
-        if mode == "deterministic":
-            xs = deterministic_draft(world, ctx, len(shape), "random")
-        else:
-            weights, xs = list(world.q(ctx)), []
-            for _ in shape:
-                if sum(weights) <= 0.0:
-                    break
-                xs.append(rng.choices(range(world.vocab), weights)[0])
-                if mode == "without_replacement":
-                    weights[xs[-1]] = 0.0
-        for x, sub in zip(xs, shape):
-            tokens.append(x)
-            parents.append(i)
-            ctx_of.append(ctx + (x,))
-            grow(len(tokens) - 1, sub)
-
-    grow(0, shape)
-    probs = None if mode == "deterministic" else torch.tensor([world.q(c) for c in ctx_of], dtype=torch.float64)
-    tree = DraftTree(torch.tensor(tokens), torch.tensor(parents), probs, mode, world.vocab)
-    return tree, torch.tensor([world.p(c) for c in ctx_of], dtype=torch.float64), ctx_of
+    """One drafted tree (as the enumeration drafts) from ``world``'s root, and every node's context."""
+    return _token_drafted_tree(world, mode, shape, world.root, rng)
 
 
 def _fixed_tree_law(world: World, mode: str, tree: DraftTree, ctx_of) -> np.ndarray:
