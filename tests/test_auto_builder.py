@@ -4,7 +4,7 @@ import pytest
 
 from treespec.cost import Calibration, Curve, model_shape
 from treespec.drafters import LookupDrafter
-from treespec.engine import SpeculativeGenerator, auto_builder
+from treespec.engine import CalibrationMismatchWarning, SpeculativeGenerator, auto_builder
 from treespec.models import tiny_target
 from treespec.trees import ChainBuilder, DynamicTreeBuilder
 
@@ -42,7 +42,8 @@ def test_auto_builder_runs_in_the_engine(tmp_path, monkeypatch):
         SpeculativeGenerator(target, LookupDrafter(16), "auto")
     from treespec.cost import default_calibration_path
     cal.save(default_calibration_path(target.name))
-    gen = SpeculativeGenerator(target, LookupDrafter(16), "auto")
+    with pytest.warns(CalibrationMismatchWarning, match="measured on 'test'.*treespec calibrate"):
+        gen = SpeculativeGenerator(target, LookupDrafter(16), "auto")  # device="test": not here
     assert gen.generate([1, 2, 3], max_new_tokens=5).token_ids.numel() <= 5
     with pytest.raises(ValueError, match="'auto'"):
         SpeculativeGenerator(target, LookupDrafter(16), "big")
@@ -100,3 +101,51 @@ def test_calibrate_drafter_measures_pass_times_and_acceptance(tmp_path):
         calibrate_drafter(cal, "target", target, [])
     with pytest.raises(ValueError, match="widths must be positive ints"):
         calibrate_drafter(cal, "target", target, prompts, widths=(0,))
+
+
+def test_a_calibration_of_this_machine_is_used_without_a_warning(tmp_path, monkeypatch):
+    import dataclasses
+    import warnings
+
+    import torch
+
+    from treespec.cost import default_calibration_path, machine_mismatch
+    from treespec.cost.calibration import _device_description
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    target = tiny_target(vocab_size=16)
+    here = dataclasses.replace(_calibration(lambda n: max(1.0, n / 8), drafter_s=0.01),
+                               device=_device_description(), threads=torch.get_num_threads())
+    assert machine_mismatch(here) is None
+    here.save(default_calibration_path(target.name))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CalibrationMismatchWarning)
+        SpeculativeGenerator(target, LookupDrafter(16), "auto")
+
+
+def test_machine_mismatch_names_what_differs():
+    """A cached calibration follows a home directory to other machines: AVX-512 curves on an
+    AVX2 part (the same "AMD EPYC" name covers both), another torch, another thread count."""
+    import dataclasses
+
+    import torch
+
+    from treespec.cost import machine_mismatch
+    from treespec.cost.calibration import _device_description
+
+    now = _device_description()
+    hardware, rest = now.split("; ", 1)
+    cal = dataclasses.replace(_calibration(lambda n: 1.0, 0.01), device=now, threads=torch.get_num_threads())
+    assert machine_mismatch(cal) is None
+    other_flags = hardware.split(" [")[0] + " [avx2 fma avx512f amx_bf16]"
+    assert other_flags != hardware
+    why = machine_mismatch(dataclasses.replace(cal, device=f"{other_flags}; {rest}"))
+    assert why is not None and "amx_bf16" in why and hardware in why
+    why = machine_mismatch(dataclasses.replace(cal, device=f"{hardware}; torch 0.1; 1 threads"))
+    assert why is not None and "torch 0.1" in why
+    why = machine_mismatch(dataclasses.replace(cal, threads=torch.get_num_threads() + 1))
+    assert why is not None and "thread" in why
+    # files written before the flags were recorded: the CPU model name decides
+    old = dataclasses.replace(cal, device=f"{hardware.split(' [')[0]}; {rest}")
+    assert machine_mismatch(old) is None
+    assert machine_mismatch(dataclasses.replace(old, device=f"Some Other CPU; {rest}")) is not None

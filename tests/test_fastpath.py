@@ -9,6 +9,7 @@ must leave parameters, ties and state untouched; the dtype choice must follow th
 from __future__ import annotations
 
 import copy
+import json
 import random
 
 import pytest
@@ -222,3 +223,11 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
     assert "lookup" in cal.acceptance and cal.target(16) > 0
     again = io.StringIO()
     assert ensure_calibration(target, "lookup", out=again) == path and again.getvalue() == ""
+    # the same cache seen from another machine (a shared home directory): measured again
+    data = json.loads(path.read_text())
+    data["device"] = "Another CPU [avx2 fma avx512f amx_bf16]; " + data["device"].split("; ", 1)[1]
+    path.write_text(json.dumps(data))
+    moved = io.StringIO()
+    assert ensure_calibration(target, "lookup", out=moved) == path
+    assert "does not fit this machine" in moved.getvalue() and "Another CPU" in moved.getvalue()
+    assert Calibration.load(path).device != data["device"]

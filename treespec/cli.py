@@ -165,18 +165,23 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr):
     cached if this machine has none for this model, dtype and linear path. Returns its path."""
     from tqdm.auto import tqdm
 
-    from treespec.cost import Calibration, calibrate, default_calibration_path
+    from treespec.cost import Calibration, calibrate, default_calibration_path, machine_mismatch
     from treespec.data import mtbench_questions
     from treespec.fastpath import is_packed
     from treespec.measure import calibrate_drafter
 
     dtype = next(target.model.parameters()).dtype
     path = default_calibration_path(target.name, dtype, is_packed(target.model))
-    if path.exists() and drafter_name in Calibration.load(path).acceptance:
-        return path
-    print(f"[no calibration of {target.name} ({target.speed_path.split(' (')[0]}) with drafter "
-          f"{drafter_name!r} on this machine: measuring it once, about a minute; cached at {path}]",
-          file=out, flush=True)
+    why = (f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) with drafter "
+           f"{drafter_name!r} on this machine")
+    if path.exists():
+        cached = Calibration.load(path)
+        stale = machine_mismatch(cached, target.device)
+        if stale is None and drafter_name in cached.acceptance:
+            return path
+        if stale is not None:  # e.g. a home directory shared by an AVX-512 and an AVX2 machine
+            why = f"the cached calibration of {target.name} does not fit this machine ({stale})"
+    print(f"[{why}: measuring it once, about a minute; cached at {path}]", file=out, flush=True)
     # target curve, two generic drafter curves, the drafter's pass times, its acceptance
     bar = tqdm(total=5, desc="calibrating", unit="stage", file=out)
 

@@ -144,7 +144,7 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     overrides the acceptance. Budget 0 gives a root-only tree: plain decoding, one token per
     target forward.
     """
-    from treespec.cost import DEFAULT_BETA, Calibration, auto_budget, default_calibration_path
+    from treespec.cost import DEFAULT_BETA, Calibration, auto_budget, default_calibration_path, machine_mismatch
 
     from treespec.fastpath import is_packed
 
@@ -159,6 +159,12 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
                              f"{target.name} --weights pretrained --dtype {dtype_name}"
                              f"{'' if packed else ' --no-pack'}` first")
         calibration = Calibration.load(path)
+        why = machine_mismatch(calibration, target.device)
+        if why is not None:
+            warnings.warn(f"builder='auto': the calibration at {path} may not fit this machine ({why}); "
+                          f"the tree it picks can be far from the best here. Recalibrate: `treespec "
+                          f"calibrate --model {target.name} --weights pretrained --dtype {dtype_name}`",
+                          CalibrationMismatchWarning, stacklevel=3)
     if calibration.shape.bytes_per_weight != dtype.itemsize:
         raise ValueError(f"the calibration measured {calibration.shape.bytes_per_weight:g}-byte weights but the "
                          f"target runs {dtype_name} ({dtype.itemsize} bytes); calibrate with --dtype {dtype_name}")
@@ -179,6 +185,11 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
         return ChainBuilder(choice.budget)
     width = max(choice.level_sizes)
     return DynamicTreeBuilder(budget=choice.n_nodes, depth=choice.depth, top_k=max(2, min(8, width)))
+
+
+class CalibrationMismatchWarning(UserWarning):
+    """builder="auto" was sized with a calibration measured on another machine, torch or
+    thread count (``treespec.cost.machine_mismatch``)."""
 
 
 HUGE_VERIFY_BYTES = 1 << 30   # warn above this (SpeculativeGenerator)

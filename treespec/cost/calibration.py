@@ -41,6 +41,7 @@ __all__ = [
     "Curve",
     "calibrate",
     "default_calibration_path",
+    "machine_mismatch",
     "measure",
     "measure_interleaved",
     "verify_passes",
@@ -366,18 +367,43 @@ def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) ->
     return [make(n) for n in ns]
 
 
-def _device_description() -> str:
+def _device_description(device: Any = None) -> str:
+    """What a measurement ran on: the GPU, or the CPU model with its relevant flags (a name like
+    "AMD EPYC" covers AVX2-only and AVX-512 parts alike), plus torch and the thread count."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}; torch {torch.__version__}; {torch.get_num_threads()} threads"
+    from treespec.fastpath import cpu_info
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        hardware = torch.cuda.get_device_name(dev)
+    else:
+        cpu = cpu_info()
+        hardware = f"{cpu.model} [{' '.join(cpu.flags) or 'no AVX2'}]"
+    return f"{hardware}; torch {torch.__version__}; {torch.get_num_threads()} threads"
+
+
+def machine_mismatch(calibration: Calibration, device: Any = None) -> str | None:
+    """Why ``calibration`` does not describe this machine (None if it does): another CPU or GPU,
+    another torch, or another thread count. Its curves are timings of *that* machine, so a tree
+    sized by them here can be far from the best (an AVX-512 curve on an AVX2 part, say)."""
+    import torch
+
+    def parts(desc: str) -> tuple[str, str]:
+        hardware, _, rest = desc.partition("; ")
+        return hardware, rest.rsplit("; ", 1)[0]  # (hardware, "torch X")
+
+    (hw_then, torch_then), (hw_now, torch_now) = parts(calibration.device), parts(_device_description(device))
+    if "[" not in hw_then:  # written before the flags were recorded: compare the model names
+        hw_now = hw_now.split(" [")[0]
+    if hw_then != hw_now:
+        return f"it was measured on {hw_then!r}, this is {hw_now!r}"
+    if torch_then != torch_now:
+        return f"it was measured with {torch_then}, this is {torch_now}"
+    threads = torch.get_num_threads()
+    if calibration.threads and calibration.threads != threads:
+        return f"it was measured with {calibration.threads} thread(s), this process runs {threads}"
+    return None
 
 
 def calibrate(
@@ -452,7 +478,7 @@ def _calibrate(model: Any, name: str, shape: ModelShape, ns: Sequence[int], draf
         target=target,
         drafters=drafters,
         drafter_layers=drafter_layers,
-        device=_device_description(),
+        device=_device_description(next(model.parameters()).device),
         threads=torch.get_num_threads(),
         clock=getattr(clock, "__name__", str(clock)),
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
