@@ -136,6 +136,13 @@ def write_markdown(meta: dict, rows: list[dict], path: Path) -> None:
              f"{meta['chain_mode']}, trees {meta['tree_mode']}. Wall time {meta['wall_s'] / 60:.1f} min. "
              f"Flags: `{' '.join(meta['argv'])}`.", "",
              "Means over prompts ± standard error; gain = paired per-prompt ratio new / token - 1.", ""]
+    spans = [m for m in meta.get("machines", []) if m["prompts"][1] > m["prompts"][0]]
+    if len(spans) > 1:
+        where = "; ".join(f"{m.get('samplings', '')} prompts {a + 1}-{b} on {m['cpu']} "
+                          f"({', '.join(m['machine_info']['cpu_flags'])})".lstrip()
+                          for m in spans for a, b in [m["prompts"]])
+        lines += [f"**Resumed on another machine**: {where}. τ does not depend on the machine; absolute "
+                  "tokens/s mix machines, the paired per-prompt gains compare like with like.", ""]
     if not meta.get("complete"):
         lines += [f"**Partial run**: {meta['prompts_done']} of {meta['prompts']} prompts.", ""]
     for s in SAMPLINGS:
@@ -169,6 +176,11 @@ def merge(paths: list[str], out: Path) -> None:
     meta["prompts_done"] = min(r["meta"]["prompts_done"] for r in runs)
     meta["complete"] = all(r["meta"]["complete"] for r in runs)
     meta["wall_s"] = max(r["meta"]["wall_s"] for r in runs)
+    if any(len(r["meta"].get("machines", [])) > 1 for r in runs):  # one split run resumed elsewhere
+        meta["machines"] = [dict(m, samplings=r["meta"]["settings"]["samplings"]) for r in runs
+                            for m in r["meta"].get("machines") or
+                            [dict(cpu=r["meta"]["cpu"], machine_info=r["meta"]["machine_info"],
+                                  prompts=[0, r["meta"]["prompts_done"]])]]
     st = meta["settings"]
     cfgs = configs([int(k) for k in st["chains"].split(",")], [int(b) for b in st["budgets"].split(",")],
                    st["chain_mode"], st["tree_mode"])
@@ -237,6 +249,13 @@ def main(argv: list[str] | None = None) -> None:
                 torch_threads=torch.get_num_threads(), omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
                 argv=["benchmarks/verification.py", *argv], prompts_done=done, complete=False,
                 wall_s_before=earlier["meta"]["wall_s"] if earlier else 0.0, wall_s=0.0)
+    # A resumed run may continue on another machine: tau is the same everywhere, tokens/s is not
+    # (the paired per-prompt gains stay fair). Say which prompts ran where.
+    spans = list(earlier["meta"].get("machines", [])) if earlier else []
+    if earlier and not spans:
+        spans = [dict(cpu=earlier["meta"]["cpu"], machine_info=earlier["meta"]["machine_info"], prompts=[0, done])]
+    spans.append(dict(cpu=meta["cpu"], machine_info=meta["machine_info"], prompts=[done, done]))
+    meta["machines"] = spans
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"drafter {name}; {len(prompts)} prompts x {args.max_new_tokens} tokens; {len(cfgs)} configurations",
@@ -250,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
             records.append(dict(key=c["key"], prompt=i, steps=st.steps, emitted=st._emitted, new_tokens=st.new_tokens,
                                 decode_s=st.decode_time, accept_s=st.accept_time, mean_nodes=st.tree_nodes / st.steps))
         meta.update(prompts_done=i + 1, wall_s=meta["wall_s_before"] + time.perf_counter() - start)
+        spans[-1]["prompts"][1] = i + 1
         save(out, meta, records, cfgs)  # after every prompt: a cut-short run keeps its prompts
         print(f"prompt {i + 1}/{len(prompts)} in {time.perf_counter() - t0:.0f} s", flush=True)
     meta.update(complete=True, wall_s=meta["wall_s_before"] + time.perf_counter() - start)

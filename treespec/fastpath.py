@@ -153,6 +153,8 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "onednn": torch.backends.mkldnn.is_available(),
+        # Other processes on a shared machine slow every timing: say how busy it was.
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
