@@ -117,7 +117,8 @@ class BatchModelDrafter:
         if not self.keys:
             self.cache = DynamicCache(config=self.model.config)
             return
-        keep = torch.tensor([i for i in range(len(self.keys) + 1) if i != b], device=self.device)
+        rows = [i for i in range(len(self.keys) + 1) if i != b]
+        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
         width = max(r.used for r in self.rows.values())
         self._each_kv(lambda x: x.index_select(0, keep)[:, :, :width])
 
