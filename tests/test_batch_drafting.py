@@ -20,6 +20,7 @@ from treespec import (
 )
 from treespec.batch_engine import generate_batch
 from treespec.drafters import LookupDrafter, ModelDrafter
+from treespec.drafters.base import PartialTree
 from treespec.drafters.batched import BatchDrafter, LoopBatchDrafter, as_batch_drafter
 from treespec.drafters.batch_feature import BatchFeatureDrafter
 from treespec.drafters.batch_model import BatchModelDrafter
@@ -209,3 +210,45 @@ def _features(target, ids: torch.Tensor, drafter, last: int | None = None):
         rows = hs[layer][0] if hs is not None else torch.zeros(0, h, dtype=target.dtype)
         out[layer] = rows[-last:] if last else rows
     return TargetFeatures(out)
+
+
+class BuildOnly:
+    """A builder with ``build`` only (no ``grow``): a batch drives it one request at a time."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.budget = inner.budget
+
+    def build(self, drafter, root_token, sampling, generator):
+        return self.inner.build(drafter, root_token, sampling, generator)
+
+
+def test_a_builder_without_grow_still_works_in_a_batch() -> None:
+    target = target_of(torch.float64)
+    builder = BuildOnly(DynamicTreeBuilder(budget=9, depth=3, top_k=3, mode="without_replacement"))
+    prompts = prompts_of(4)
+    configs = [SamplingConfig(1.0)] * 4
+    outs = generate_batch(target, single_drafter("eagle", target), builder, prompts, LIMITS, configs, [1, 2, 3, 4])
+    for b, (p, m) in enumerate(zip(prompts, LIMITS)):
+        assert outs[b] == alone(target, "eagle", builder, p, m, configs[b], b + 1), f"request {b}"
+
+
+def test_loop_batch_drafter_errors() -> None:
+    target = target_of()
+    loop = as_batch_drafter(LookupDrafter(V))
+    loop.begin(0, torch.tensor([1, 2]), None)
+    with pytest.raises(ValueError, match="already begun"):
+        loop.begin(0, torch.tensor([1, 2]), None)
+    with pytest.raises(KeyError, match="never begun"):
+        loop.expand_batch([(5, PartialTree.rooted(2), [0])])
+    with pytest.raises(ValueError, match="appears twice"):
+        loop.expand_batch([(0, PartialTree.rooted(2), [0]), (0, PartialTree.rooted(2), [0])])
+    with pytest.raises(ValueError, match="non-empty list"):
+        loop.expand_batch([])
+    loop.drop(0)
+    with pytest.raises(KeyError, match="never begun"):
+        loop.commit(0, torch.tensor([], dtype=torch.long), torch.tensor([3]), None)
+    with pytest.raises(TypeError, match="must be a Drafter or a BatchDrafter"):
+        as_batch_drafter(object())
+    batched = as_batch_drafter(single_drafter("small", target))
+    assert as_batch_drafter(batched) is batched
