@@ -229,7 +229,8 @@ def plot(data: dict, path: Path) -> None:
             ax.set_ylabel(ylabel)
             ax.set_title(f"T = {temp}")
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
         axes[1][j].axhline(1.0, color="k", lw=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -64,7 +64,8 @@ def target_of(dtype=torch.float32):
 def single_drafter(kind: str, target):
     """A fresh single-request drafter of ``kind`` (seeded: every call gives the same weights)."""
     if kind == "small":
-        return ModelDrafter(peaky_llama(V, seed=7, hidden_size=16, num_layers=2, std=0.3, dtype=target.dtype), V)
+        model = peaky_llama(V, seed=7, hidden_size=16, num_layers=2, std=0.3, dtype=target.dtype)
+        return ModelDrafter(model, V)
     if kind == "medusa":
         return random_medusa(target, num_heads=3, seed=1, scale=0.3)
     if kind == "lookup":
@@ -228,7 +229,8 @@ def test_a_builder_without_grow_still_works_in_a_batch() -> None:
     builder = BuildOnly(DynamicTreeBuilder(budget=9, depth=3, top_k=3, mode="without_replacement"))
     prompts = prompts_of(4)
     configs = [SamplingConfig(1.0)] * 4
-    outs = generate_batch(target, single_drafter("eagle", target), builder, prompts, LIMITS, configs, [1, 2, 3, 4])
+    outs = generate_batch(target, single_drafter("eagle", target), builder, prompts, LIMITS, configs,
+                          [1, 2, 3, 4])
     for b, (p, m) in enumerate(zip(prompts, LIMITS)):
         assert outs[b] == alone(target, "eagle", builder, p, m, configs[b], b + 1), f"request {b}"
 

@@ -221,7 +221,8 @@ class SpeculativeServer:
             stats.new_tokens += len(chunk)
             stats.tree_nodes += x.tree.num_nodes
             if chunk[-1] in self.eos or len(r.out) >= r.max_new_tokens:
-                self.finished[r.rid] = RequestResult(tuple(r.out), "eos" if chunk[-1] in self.eos else "length")
+                reason = "eos" if chunk[-1] in self.eos else "length"
+                self.finished[r.rid] = RequestResult(tuple(r.out), reason)
                 done.append(row)
         self._leave(done)
         stats.steps += 1

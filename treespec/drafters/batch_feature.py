@@ -183,8 +183,8 @@ class BatchFeatureDrafter:
                 a = tree.parents[a]
             sees.append(cols)
         feat = torch.stack([row.g[tree.parents[n]] for n in nodes])
-        return RowInputs([tree.tokens[n] for n in nodes], [row.root_pos + tree.depth[n] for n in nodes],
-                         row.committed, sees), feat
+        positions = [row.root_pos + tree.depth[n] for n in nodes]
+        return RowInputs([tree.tokens[n] for n in nodes], positions, row.committed, sees), feat
 
     @staticmethod
     def _after_root(row: _Row, f: int) -> None:

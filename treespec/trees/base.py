@@ -64,7 +64,7 @@ class TreeBuilder(Protocol):
     Optional, for batches: ``grow(drafter, root_token, sampling, generator)``, the same search
     as a generator that yields an ``ExpandCall`` instead of calling the drafter and is sent
     back its (logits, ids). ``build`` is then ``run_alone(grow(...), drafter)``, and a batch
-    driver (``treespec.batch_drafting.build_batch``) answers the calls of every request with
+    driver (``treespec.trees.batch.build_batch``) answers the calls of every request with
     ONE batched drafter forward. Every treespec builder has it; a builder without it still
     works in a batch, one drafter call per request.
     """
@@ -343,7 +343,8 @@ class ExpandCall:
     nodes: list[int]
 
 
-def drafter_logits(drafter: Drafter, tree: PartialTree, nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def drafter_logits(drafter: Drafter, tree: PartialTree,
+                   nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logits [F, Vd], target ids [Vd] or None = all V): the drafter's ``expand_compact`` when
     it has one, else its ``expand``."""
     compact = getattr(drafter, "expand_compact", None)
