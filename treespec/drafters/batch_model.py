@@ -12,6 +12,7 @@ accepted nodes that were fed) after the prefix; ``drop`` removes the row.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -48,6 +49,8 @@ class BatchModelDrafter:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.cache = DynamicCache(config=model.config)
+        # HF causal LMs take logits_to_keep [B, K]: the LM head runs on the needed positions only
+        self.slices_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.keys: list[Key] = []
         self.rows: dict[Key, _Row] = {}
         self.calls = 0
@@ -68,10 +71,20 @@ class BatchModelDrafter:
         for key, tree, nodes in calls:
             inputs[self.keys.index(key)] = self._row_inputs(key, tree, nodes)
         ids, pos, allowed = batch_inputs(inputs, s, self.device)
+        counts = [0 if r is None else len(r.tokens) for r in inputs]
+        roots = {self.keys.index(key) for key, _, nodes in calls if nodes == [0]}
+        # [B, K] positions whose logits are needed: a root run's last token, every tree node
+        wanted = [[c - 1] if b in roots else list(range(c)) for b, c in enumerate(counts)]
+        width = max(len(w) for w in wanted)
+        keep = torch.tensor([w + [w[-1]] * (width - len(w)) if w else [0] * width for w in wanted],
+                            device=self.device)
+        extra = {"logits_to_keep": keep} if self.slices_logits else {}
         self.calls += 1
         out = self.model(input_ids=ids, position_ids=pos, cache=self.cache, use_cache=True,
-                         attention_mask=to_hf_mask(allowed, self.attn_impl, self.dtype))
-        counts = [0 if r is None else len(r.tokens) for r in inputs]
+                         attention_mask=to_hf_mask(allowed, self.attn_impl, self.dtype), **extra)
+        # [B, K, V]: row b's needed logits first
+        logits = out.logits if self.slices_logits else out.logits.gather(
+            1, keep[:, :, None].expand(-1, -1, out.logits.shape[-1]))
         used = [self.rows[k].used for k in self.keys]
         self._settle(settle_moves(used, counts, s), [u + c for u, c in zip(used, counts)])
         answers = []
@@ -79,16 +92,14 @@ class BatchModelDrafter:
             b = self.keys.index(key)
             row, f = self.rows[key], counts[b]
             if nodes == [0]:            # root: the last fed committed token
-                logits = out.logits[b, f - 1:f]
                 row.prefix += f - 1
                 row.slots = {0: row.prefix}
                 row.pending = []
             else:
-                logits = out.logits[b, :f]
                 for r, n in enumerate(nodes):
                     row.slots[n] = row.used + r
             row.used += f
-            answers.append((logits.float(), None))
+            answers.append((logits[b, :len(nodes)].float(), None))
         return answers
 
     @torch.inference_mode()
