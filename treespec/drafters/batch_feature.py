@@ -23,7 +23,6 @@ from treespec.drafters.base import PartialTree, TargetFeatures
 from treespec.drafters.batched import (
     DraftAnswer, DraftCall, Key, RowInputs, batch_inputs, check_calls,
 )
-from treespec.drafters.feature import FeatureHead
 
 
 @dataclass
@@ -44,7 +43,8 @@ class BatchFeatureDrafter:
     needs_target_hidden = True
     path_independent = False
 
-    def __init__(self, head: FeatureHead, vocab_size: int):
+    def __init__(self, head: torch.nn.Module, vocab_size: int):
+        """``head``: a ``treespec.drafters.feature.FeatureHead`` (not imported: feature.py imports us)."""
         self.head = head.eval().requires_grad_(False)
         self.vocab_size = int(vocab_size)
         self.target_layers = head.target_layers
