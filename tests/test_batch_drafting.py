@@ -252,5 +252,14 @@ def test_loop_batch_drafter_errors() -> None:
         loop.commit(0, torch.tensor([], dtype=torch.long), torch.tensor([3]), None)
     with pytest.raises(TypeError, match="must be a Drafter or a BatchDrafter"):
         as_batch_drafter(object())
-    batched = as_batch_drafter(single_drafter("small", target))
+    template = single_drafter("small", target)
+    batched = as_batch_drafter(template)
     assert as_batch_drafter(batched) is batched
+    # a looped model drafter: per-request state, the model shared (not copied)
+    looped = LoopBatchDrafter.of(template)
+    for key in (0, 1):
+        looped.begin(key, torch.tensor([1, 2, key]), None)
+    a, b = looped.drafters[0], looped.drafters[1]
+    assert a.model is b.model is template.model and a.cache is not b.cache
+    looped.expand_batch([(0, PartialTree.rooted(0), [0]), (1, PartialTree.rooted(1), [0])])
+    assert looped.calls == 2 and a.prefix_len == b.prefix_len == 2

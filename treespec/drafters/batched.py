@@ -133,11 +133,12 @@ class LoopBatchDrafter:
         self.needs_target_hidden = needs_target_hidden
         self.target_layers = tuple(target_layers)
         self.drafters: dict[Key, Drafter] = {}
+        self.calls = 0                       # drafter calls: one per request per round
 
     @classmethod
     def of(cls, template: Drafter) -> "LoopBatchDrafter":
-        """Each request gets a fresh ``copy.deepcopy`` of ``template`` (taken before its begin)."""
-        out = cls(lambda key: copy.deepcopy(template), template.vocab_size, template.needs_target_hidden,
+        """Each request gets its own copy of ``template`` (``fresh_copy``), begun on its prompt."""
+        out = cls(lambda key: fresh_copy(template), template.vocab_size, template.needs_target_hidden,
                   tuple(template.target_layers))
         out.path_independent = bool(template.path_independent)
         for attr in ("cost_kind", "registry_name"):
@@ -156,6 +157,7 @@ class LoopBatchDrafter:
 
     def expand_batch(self, calls: Sequence[DraftCall]) -> list[DraftAnswer]:
         check_calls(calls, self.drafters.__contains__)
+        self.calls += len(calls)
         out = []
         for key, tree, nodes in calls:
             d = self.drafters[key]
@@ -176,6 +178,14 @@ class LoopBatchDrafter:
             return self.drafters[key]
         except KeyError:
             raise KeyError(f"request {key!r} was never begun (or was dropped)") from None
+
+
+def fresh_copy(drafter: Drafter) -> Drafter:
+    """A copy of ``drafter`` for another request: its modules and tensor attributes (weights,
+    tables) are shared, everything else (per-request state) is deep-copied; ``begin`` then
+    resets the state as for any new request."""
+    shared = {id(v): v for v in vars(drafter).values() if isinstance(v, (torch.nn.Module, torch.Tensor))}
+    return copy.deepcopy(drafter, shared)
 
 
 def _own_layers(drafter: Drafter, features: TargetFeatures) -> TargetFeatures:
