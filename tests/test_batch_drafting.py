@@ -148,7 +148,9 @@ def test_one_drafter_forward_per_round_for_all_requests(kind: str) -> None:
 @pytest.mark.parametrize("kind", ("small", "eagle", "medusa"))
 def test_draft_rows_match_the_single_drafter(kind: str) -> None:
     """Driven with the same trees and commits, the batched drafter's q rows equal the single
-    drafters' (float64, 1e-12) and the trees are identical, while requests leave mid-run."""
+    drafters' (float64, 1e-12), the trees are identical, and after every commit each request's
+    row of the batched draft cache holds the single drafter's committed cache, while requests
+    leave mid-run."""
     target = target_of(torch.float64)
     rng = random.Random(3)
     prompts = prompts_of(3)
@@ -180,6 +182,7 @@ def test_draft_rows_match_the_single_drafter(kind: str) -> None:
             singles[b].commit(src, toks, f)
             batched.commit(b, src, toks, f)
             roots[b] = int(toks[-1])
+            _assert_same_cache(batched, singles[b], b)
         if step == 1:                         # a request leaves mid-run
             batched.drop(1)
             del singles[1]
@@ -263,3 +266,20 @@ def test_loop_batch_drafter_errors() -> None:
     assert a.model is b.model is template.model and a.cache is not b.cache
     looped.expand_batch([(0, PartialTree.rooted(0), [0]), (1, PartialTree.rooted(1), [0])])
     assert looped.calls == 2 and a.prefix_len == b.prefix_len == 2
+
+
+def _assert_same_cache(batched, single, key) -> None:
+    """The batched drafter's row of request ``key`` holds the single drafter's committed cache."""
+    if isinstance(batched, BatchFeatureDrafter):
+        row, b = batched.rows[key], batched.keys.index(key)
+        k, v = single.committed_cache()
+        assert row.committed == k.shape[2]
+        torch.testing.assert_close(batched.k[b:b + 1, :, :row.committed], k, atol=1e-12, rtol=0)
+        torch.testing.assert_close(batched.v[b:b + 1, :, :row.committed], v, atol=1e-12, rtol=0)
+    elif isinstance(batched, BatchModelDrafter):
+        row, b = batched.rows[key], batched.keys.index(key)
+        assert row.prefix == single.prefix_len and row.pending == single.pending
+        for mine, theirs in zip(batched.cache.layers, single.cache.layers):
+            if theirs.is_initialized:
+                torch.testing.assert_close(mine.keys[b:b + 1, :, :row.prefix], theirs.keys, atol=1e-12, rtol=0)
+                torch.testing.assert_close(mine.values[b:b + 1, :, :row.prefix], theirs.values, atol=1e-12, rtol=0)
