@@ -64,3 +64,20 @@ def test_readme_drafter_example_runs_on_a_tiny_target(capsys):
     # the engine truncates what it returns, not what verification accepted)
     text = prompt + out
     assert gen.drafter.history[: len(text)] == text and len(gen.drafter.history) < len(text) + 8
+
+
+def test_readme_server_example_runs_on_a_tiny_target(capsys):
+    """The "Many requests at once" server block, with a tiny random target and an untrained
+    EAGLE-3 head in place of SmolLM2's shipped one."""
+    from treespec.drafters.eagle import random_feature_drafter
+    from treespec.models import tiny_target
+
+    code = next(b for b in python_blocks() if "SpeculativeServer(" in b)
+    assert code.count('"eagle3"') == 1
+    tiny = tiny_target(vocab_size=32, seed=0)
+    tiny.model.generation_config.eos_token_id = None
+    namespace: dict = {"target": tiny, "drafter": random_feature_drafter(tiny, "eagle3", seed=1, draft_vocab=16)}
+    exec(compile(code.replace('"eagle3"', "drafter"), str(README), "exec"), namespace)
+    server = namespace["server"]
+    assert [len(server.finished[r].tokens) for r in (0, 1)] == [8, 6]
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("length (")

@@ -14,6 +14,7 @@ from treespec.drafters import load_drafter, registered_drafters
 from treespec.engine import GenerationResult, GenerationStats, SpeculativeGenerator
 from treespec.models import Target, load_target
 from treespec.sampling import SamplingConfig, logits_to_probs
+from treespec.server import RequestResult, SpeculativeServer
 from treespec.tree import DraftTree
 from treespec.trees import (
     BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder, optimal_tree,
@@ -26,6 +27,8 @@ __all__ = [
     "BatchVerifier",
     "BatchVerifyOutput",
     "RequestAcceptance",
+    "RequestResult",
+    "SpeculativeServer",
     "TreeBatch",
     "VerifyInputs",
     "accept_batch",

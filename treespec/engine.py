@@ -133,8 +133,31 @@ def drafter_cost_kind(drafter: Drafter) -> str:
     return "eagle" if drafter.needs_target_hidden else "early_exit"
 
 
+def target_calibration(target: Target):
+    """The local calibration of ``target`` (its dtype, packed or not); a clear error without one."""
+    from treespec.cost import Calibration, default_calibration_path, machine_mismatch
+    from treespec.fastpath import is_packed
+
+    dtype_name = str(next(target.model.parameters()).dtype).removeprefix("torch.")
+    packed = is_packed(target.model)
+    path = default_calibration_path(target.name, dtype_name, packed)
+    if not path.exists():
+        raise ValueError(f"builder='auto' needs a calibration of {target.name!r} ({dtype_name}"
+                         f"{', packed' if packed else ''}) at {path}; run `treespec calibrate --model "
+                         f"{target.name} --weights pretrained --dtype {dtype_name}"
+                         f"{'' if packed else ' --no-pack'}` first")
+    calibration = Calibration.load(path)
+    why = machine_mismatch(calibration, target.device)
+    if why is not None:
+        warnings.warn(f"builder='auto': the calibration at {path} may not fit this machine ({why}); "
+                      f"the tree it picks can be far from the best here. Recalibrate: `treespec "
+                      f"calibrate --model {target.name} --weights pretrained --dtype {dtype_name}`",
+                      CalibrationMismatchWarning, stacklevel=4)
+    return calibration
+
+
 def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=None,
-                 max_budget: int = 64) -> TreeBuilder:
+                 max_budget: int = 64, batch: int = 1) -> TreeBuilder:
     """The tree the cost model predicts fastest on this machine (``builder="auto"``).
 
     Uses the local calibration (``treespec calibrate``). When the calibration measured this
@@ -142,29 +165,15 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     pass times and its measured positional acceptance vector are used; otherwise the generic
     pass of its cost kind and the kind's default β. ``acceptance`` (β or a positional vector)
     overrides the acceptance. Budget 0 gives a root-only tree: plain decoding, one token per
-    target forward.
+    target forward. ``batch``: the number of requests verified together (``SpeculativeServer``
+    asks with its current batch size; the tree shrinks as the verify pass turns compute-bound).
     """
-    from treespec.cost import DEFAULT_BETA, Calibration, auto_budget, default_calibration_path, machine_mismatch
-
-    from treespec.fastpath import is_packed
+    from treespec.cost import DEFAULT_BETA, auto_budget
 
     dtype = next(target.model.parameters()).dtype
     dtype_name = str(dtype).removeprefix("torch.")
     if calibration is None:
-        packed = is_packed(target.model)
-        path = default_calibration_path(target.name, dtype_name, packed)
-        if not path.exists():
-            raise ValueError(f"builder='auto' needs a calibration of {target.name!r} ({dtype_name}"
-                             f"{', packed' if packed else ''}) at {path}; run `treespec calibrate --model "
-                             f"{target.name} --weights pretrained --dtype {dtype_name}"
-                             f"{'' if packed else ' --no-pack'}` first")
-        calibration = Calibration.load(path)
-        why = machine_mismatch(calibration, target.device)
-        if why is not None:
-            warnings.warn(f"builder='auto': the calibration at {path} may not fit this machine ({why}); "
-                          f"the tree it picks can be far from the best here. Recalibrate: `treespec "
-                          f"calibrate --model {target.name} --weights pretrained --dtype {dtype_name}`",
-                          CalibrationMismatchWarning, stacklevel=3)
+        calibration = target_calibration(target)
     if calibration.shape.bytes_per_weight != dtype.itemsize:
         raise ValueError(f"the calibration measured {calibration.shape.bytes_per_weight:g}-byte weights but the "
                          f"target runs {dtype_name} ({dtype.itemsize} bytes); calibrate with --dtype {dtype_name}")
@@ -178,7 +187,7 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
         kind = "early_exit" if "early_exit" in calibration.drafters else next(iter(calibration.drafters))
     if acceptance is None:
         acceptance = calibration.acceptance.get(name, DEFAULT_BETA.get(generic, 0.6))
-    choice = auto_budget(calibration, acceptance, kind, max_budget=max_budget)
+    choice = auto_budget(calibration, acceptance, kind, max_budget=max_budget, batch=batch)
     if choice.budget == 0:
         return DynamicTreeBuilder(budget=1, depth=1, top_k=1)
     if choice.is_chain:

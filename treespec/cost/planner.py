@@ -199,14 +199,16 @@ def auto_budget(
     drafter_kind: str,
     max_budget: int = 64,
     max_depth: int = 16,
+    batch: int = 1,
 ) -> TreeChoice:
     """The engine's ``budget="auto"``: best tree on this machine from its calibration.
 
-    Batch 1 at the calibration's context, using the measured target curve and the measured
-    pass time of ``drafter_kind`` (``Calibration.drafters``; "lookup" costs 0).
+    ``batch`` sequences (the server passes its current batch size) at the calibration's
+    context, using the measured target curve and the measured pass time of ``drafter_kind``
+    (``Calibration.drafters``; "lookup" costs 0).
     """
     cost = CalibratedCost(calibration, drafter_kind)
-    return best_choice(plan_curve(cost, acceptance, 1, calibration.context, max_budget, max_depth))
+    return best_choice(plan_curve(cost, acceptance, batch, calibration.context, max_budget, max_depth))
 
 
 @dataclass(frozen=True)

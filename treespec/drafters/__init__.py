@@ -8,6 +8,7 @@ import torch
 from treespec.drafters.base import (
     Drafter, PartialTree, TargetFeatures, drafter_factory, register_drafter, registered_drafters,
 )
+from treespec.drafters.batched import BatchDrafter, LoopBatchDrafter, as_batch_drafter
 from treespec.drafters.lookup import LookupConfig, LookupDrafter
 from treespec.drafters.model import ModelDrafter, early_exit_model
 # Trained drafters (checkpoints under checkpoints/<target>/); importing registers their names.
@@ -15,6 +16,7 @@ from treespec.drafters.eagle import EagleDrafter  # noqa: E402  "eagle", "eagle3
 from treespec.drafters import medusa, mtp, small  # noqa: E402,F401  "medusa", "mtp", "small"
 
 __all__ = [
+    "BatchDrafter", "LoopBatchDrafter", "as_batch_drafter",
     "Drafter", "EagleDrafter", "LookupConfig", "LookupDrafter", "ModelDrafter", "PartialTree", "TargetFeatures", "drafter_factory",
     "early_exit_model", "load_drafter", "register_drafter", "registered_drafters",
 ]

@@ -18,6 +18,11 @@ Lifecycle driven by the engine:
                                          root excluded) and ``tokens`` (their tokens + the new
                                          token, which becomes the next root). ``features`` covers
                                          the old root and the accepted nodes.
+
+Batched form (``treespec.drafters.batched``): the same lifecycle per request key under one
+object, with ``expand_batch`` answering every request's call of a drafting round in ONE
+forward. A drafter offers it through an optional ``batched()`` method (the model drafters do);
+any other drafter is looped per request.
 """
 
 from __future__ import annotations

@@ -328,6 +328,13 @@ class FeatureDrafter:
         O(V) passes (softmax, top-k, draws) on Vd columns instead of V."""
         return self._expand_draft(tree, nodes).float(), self.d2t
 
+    def batched(self):
+        """The batched form (``treespec.drafters.batched``): one head forward for every request
+        of a step, the head shared."""
+        from treespec.drafters.batch_feature import BatchFeatureDrafter
+
+        return BatchFeatureDrafter(self.head, self.vocab_size)
+
     def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
         toks = [int(t) for t in tokens.tolist()]
         if features.length != len(toks):

@@ -97,6 +97,10 @@ class MedusaDrafter:
         ks = torch.tensor([min(tree.depth[n] + 1, k_max) - 1 for n in nodes], device=self.rows.device)
         return self.rows.index_select(0, ks)
 
+    def batched(self) -> "BatchMedusaDrafter":
+        """The batched form: one heads + LM-head pass for every request of a step."""
+        return BatchMedusaDrafter(self.heads, self.lm_head, self.vocab_size)
+
     def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
         rows = features.hidden[self.target_layers[0]]
         if rows.shape[0] != tokens.numel():
@@ -104,6 +108,66 @@ class MedusaDrafter:
         self.f = rows[-1].to(next(self.heads.parameters()))
         self.root_token = int(tokens[-1])
         self.rows = None
+
+
+class BatchMedusaDrafter:
+    """Medusa for many requests (``treespec.drafters.batched``): per request only f (and this
+    tree's [K, V] rows); the requests whose tree needs its rows get them from ONE pass of the
+    K heads and the LM head over [R, K, H]."""
+
+    needs_target_hidden = True
+    path_independent = True
+
+    def __init__(self, heads: MedusaHeads, lm_head: nn.Module, vocab_size: int):
+        self.one = MedusaDrafter(heads, lm_head, vocab_size)   # checks and begin/commit rules
+        self.heads, self.lm_head = self.one.heads, lm_head
+        self.vocab_size, self.target_layers = self.one.vocab_size, self.one.target_layers
+        self.state: dict = {}                 # key -> (f [H], root token, rows [K, V] | None)
+        self.calls = 0
+
+    def begin(self, key, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
+        if key in self.state:
+            raise ValueError(f"request {key!r} was already begun")
+        self.one.begin(prompt_ids, features)
+        self.state[key] = (self.one.f, self.one.root_token, None)
+
+    @torch.inference_mode()
+    def expand_batch(self, calls):
+        from treespec.drafters.batched import check_calls
+
+        check_calls(calls, self.state.__contains__)
+        for key, tree, _ in calls:
+            if tree.tokens[0] != self.state[key][1]:
+                raise ValueError(f"root token {tree.tokens[0]} is not the last committed token "
+                                 f"{self.state[key][1]}")
+        need = [key for key, _, _ in calls if self.state[key][2] is None]
+        if need:
+            self.calls += 1
+            k_max = self.heads.cfg.num_heads
+            f = torch.stack([self.state[key][0] for key in need])                 # [R, H]
+            z = torch.stack([self.heads(f, k) for k in range(1, k_max + 1)], 1)   # [R, K, H]
+            for key, rows in zip(need, self.lm_head(z).float()):                 # [K, V] each
+                self.state[key] = self.state[key][:2] + (rows,)
+        out = []
+        for key, tree, nodes in calls:
+            rows = self.state[key][2]
+            ks = torch.tensor([min(tree.depth[n] + 1, rows.shape[0]) - 1 for n in nodes], device=rows.device)
+            out.append((rows.index_select(0, ks), None))
+        return out
+
+    def commit(self, key, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
+        self._get(key)
+        self.one.commit(path, tokens, features)
+        self.state[key] = (self.one.f, self.one.root_token, None)
+
+    def drop(self, key) -> None:
+        self._get(key)
+        del self.state[key]
+
+    def _get(self, key):
+        if key not in self.state:
+            raise KeyError(f"request {key!r} was never begun (or was dropped)")
+        return self.state[key]
 
 
 def random_medusa(target, num_heads: int = 4, seed: int = 0, scale: float = 0.1) -> MedusaDrafter:

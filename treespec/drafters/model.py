@@ -99,6 +99,13 @@ class ModelDrafter:
         self._keep(fed)
         self.slots = {}
 
+    def batched(self):
+        """The batched form (``treespec.drafters.batched``): one forward of this drafter's model
+        for every request of a step, weights shared."""
+        from treespec.drafters.batch_model import BatchModelDrafter
+
+        return BatchModelDrafter(self.model, self.vocab_size, self.cost_kind)
+
     # ------------------------------------------------------------------ internals
     def _expand_root(self, root_token: int) -> torch.Tensor:
         if self.slots:

@@ -14,9 +14,14 @@ drafter call per depth level (per round for best-first), never one per node.
 "without_replacement" (sequential draws); each mode is verified with its exact rule. A greedy
 target always gets deterministic candidates. ``min_confidence`` (dynamic, best-first) stops
 growth once the best frontier's path probability is below it.
+
+Batches: every builder's ``grow`` is ``build`` as a generator of drafter calls; ``build_batch``
+(``treespec.trees.batch``) grows the trees of many requests with ONE batched drafter call per
+round (``treespec.drafters.batched``).
 """
 
-from treespec.trees.base import BuiltTree, TreeBuilder, draw_children
+from treespec.trees.base import BuiltTree, ExpandCall, TreeBuilder, draw_children, run_alone
+from treespec.trees.batch import BuildJob, build_batch
 from treespec.trees.best_first import BestFirstBuilder
 from treespec.trees.chain import ChainBuilder
 from treespec.trees.dynamic import DynamicTreeBuilder
@@ -24,7 +29,8 @@ from treespec.trees.sequoia import SequoiaBuilder, optimal_tree
 from treespec.trees.static import StaticTreeBuilder, default_choices
 
 __all__ = [
-    "BestFirstBuilder", "BuiltTree", "ChainBuilder", "DynamicTreeBuilder", "SequoiaBuilder",
+    "BestFirstBuilder", "BuildJob", "BuiltTree", "ChainBuilder", "ExpandCall", "build_batch",
+    "run_alone", "DynamicTreeBuilder", "SequoiaBuilder",
     "StaticTreeBuilder", "TreeBuilder", "default_choices", "draw_children",
     "optimal_tree",
 ]

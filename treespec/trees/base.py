@@ -59,7 +59,15 @@ class BuiltTree:
 
 class TreeBuilder(Protocol):
     """Grows a draft tree for one step. ``budget``: the most tree nodes it returns, root included
-    (the engine reserves that much context)."""
+    (the engine reserves that much context).
+
+    Optional, for batches: ``grow(drafter, root_token, sampling, generator)``, the same search
+    as a generator that yields an ``ExpandCall`` instead of calling the drafter and is sent
+    back its (logits, ids). ``build`` is then ``run_alone(grow(...), drafter)``, and a batch
+    driver (``treespec.trees.batch.build_batch``) answers the calls of every request with
+    ONE batched drafter forward. Every treespec builder has it; a builder without it still
+    works in a batch, one drafter call per request.
+    """
 
     @property
     def budget(self) -> int: ...
@@ -326,6 +334,42 @@ def _distinct_draws(
     return out
 
 
+@dataclass(frozen=True)
+class ExpandCall:
+    """What a growing builder asks its drafter for: draft logits of ``nodes`` of ``tree``, in
+    ONE call. The driver answers with ``drafter_logits``'s pair (logits [F, Vd], ids | None)."""
+
+    tree: PartialTree
+    nodes: list[int]
+
+
+def drafter_logits(drafter: Drafter, tree: PartialTree,
+                   nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits [F, Vd], target ids [Vd] or None = all V): the drafter's ``expand_compact`` when
+    it has one, else its ``expand``."""
+    compact = getattr(drafter, "expand_compact", None)
+    if compact is not None:
+        return compact(tree, nodes)
+    return drafter.expand(tree, nodes), None
+
+
+def expand_step(
+    drafter: Drafter,
+    tree: PartialTree,
+    nodes: list[int],
+    sampling: SamplingConfig,
+    mode: DraftMode,
+    k: int,
+    generator: torch.Generator | None,
+    draws: int | None = None,
+):
+    """``expand_nodes`` as a step of a growing builder: yields one ``ExpandCall`` and draws the
+    children from the logits it is sent back (``q, exps = yield from expand_step(...)``).
+    ``drafter`` is only read for its vocabulary size and name (errors)."""
+    logits, ids = yield ExpandCall(tree, nodes)
+    return draft_children(drafter, logits, ids, nodes, sampling, mode, k, generator, draws)
+
+
 def expand_nodes(
     drafter: Drafter,
     tree: PartialTree,
@@ -339,11 +383,23 @@ def expand_nodes(
     """ONE batched drafter call for ``nodes``; returns q (``DraftQ``, rows [F, ...]) and each
     node's Expansion (k planned slots; ``draws`` of them drawn up front in stochastic modes,
     default all). Uses the drafter's ``expand_compact`` when it has one."""
-    compact = getattr(drafter, "expand_compact", None)
-    if compact is not None:
-        logits, ids = compact(tree, nodes)
-    else:
-        logits, ids = drafter.expand(tree, nodes), None
+    logits, ids = drafter_logits(drafter, tree, nodes)
+    return draft_children(drafter, logits, ids, nodes, sampling, mode, k, generator, draws)
+
+
+def draft_children(
+    drafter: Drafter,
+    # [F, Vd]
+    logits: torch.Tensor,
+    ids: torch.Tensor | None,
+    nodes: list[int],
+    sampling: SamplingConfig,
+    mode: DraftMode,
+    k: int,
+    generator: torch.Generator | None,
+    draws: int | None = None,
+) -> tuple[DraftQ, list[Expansion]]:
+    """q and each node's Expansion from the draft logits of ``nodes`` (see ``expand_nodes``)."""
     width = drafter.vocab_size if ids is None else ids.numel()
     if logits.dim() != 2 or logits.shape[0] != len(nodes) or logits.shape[1] != width:
         raise ValueError(f"drafter.expand must return logits [F={len(nodes)}, V={width}], got shape "
@@ -354,6 +410,17 @@ def expand_nodes(
         q = q.to(generator.device)  # a drafter on another device: draw (and keep q) where p lives
         ids = None if ids is None else ids.to(generator.device)
     return DraftQ(q, ids, drafter.vocab_size), draw_children(q, k, mode, generator, draws, ids)
+
+
+def run_alone(steps, drafter: Drafter) -> BuiltTree:
+    """Drive a builder's ``grow`` generator with one drafter: each ``ExpandCall`` it yields is
+    answered by ``drafter_logits``; returns the BuiltTree the generator returns."""
+    try:
+        call = next(steps)
+        while True:
+            call = steps.send(drafter_logits(drafter, call.tree, call.nodes))
+    except StopIteration as done:
+        return done.value
 
 
 def finish(

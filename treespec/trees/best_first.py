@@ -36,7 +36,7 @@ from treespec.drafters.base import Drafter, PartialTree
 from treespec.sampling import SamplingConfig
 from treespec.trees.base import (
     BuiltTree, DraftMode, DraftQ, Expansion, check_confidence, check_int, check_mode, effective_mode,
-    expand_nodes, finish, log_confidence,
+    expand_step, finish, log_confidence, run_alone,
 )
 
 
@@ -89,16 +89,21 @@ class BestFirstBuilder:
 
     def build(self, drafter: Drafter, root_token: int, sampling: SamplingConfig,
               generator: torch.Generator | None) -> BuiltTree:
+        return run_alone(self.grow(drafter, root_token, sampling, generator), drafter)
+
+    def grow(self, drafter: Drafter, root_token: int, sampling: SamplingConfig,
+             generator: torch.Generator | None):
+        """``build`` as a generator of drafter calls (``TreeBuilder``)."""
         mode = effective_mode(self.config.mode, sampling)
         tree = PartialTree.rooted(root_token)
         if self.config.budget == 1:
             return finish(tree, {}, mode)
         grow = self._deterministic if mode == "deterministic" else self._stochastic
-        return grow(drafter, tree, sampling, mode, generator)
+        return (yield from grow(drafter, tree, sampling, mode, generator))
 
     # ------------------------------------------------------------------ deterministic
     def _deterministic(self, drafter: Drafter, tree: PartialTree, sampling: SamplingConfig,
-                       mode: DraftMode, generator: torch.Generator | None) -> BuiltTree:
+                       mode: DraftMode, generator: torch.Generator | None):
         cfg, keep = self.config, self.config.budget - 1
         floor = log_confidence(cfg.min_confidence)
 
@@ -110,7 +115,7 @@ class BestFirstBuilder:
         expanded: set[int] = set()
         batch, rounds = [0], 0
         while batch:
-            _, exps = expand_nodes(drafter, tree, batch, sampling, mode, keep, generator)
+            _, exps = yield from expand_step(drafter, tree, batch, sampling, mode, keep, generator)
             rounds += 1
             expanded.update(batch)
             worst = key(top[-1])[:2] if len(top) == keep else None
@@ -132,7 +137,7 @@ class BestFirstBuilder:
 
     # ------------------------------------------------------------------ stochastic
     def _stochastic(self, drafter: Drafter, tree: PartialTree, sampling: SamplingConfig,
-                    mode: DraftMode, generator: torch.Generator | None) -> BuiltTree:
+                    mode: DraftMode, generator: torch.Generator | None):
         cfg = self.config
         floor = log_confidence(cfg.min_confidence)
         rows: dict[int, DraftQ] = {}
@@ -141,10 +146,10 @@ class BestFirstBuilder:
         leaves: set[int] = set()   # drafted, unexpanded, expandable nodes
         top1: list[float] = []     # top-1 draft probability of every expanded node
 
-        def expand(batch: list[int]) -> None:
+        def expand(batch: list[int]):
             # plan budget - 1 slots per node but draw only a few: most nodes get few children
-            q, new = expand_nodes(drafter, tree, batch, sampling, mode, cfg.budget - 1, generator,
-                                  draws=min(cfg.budget - 1, DRAWS_AHEAD * cfg.max_width))
+            q, new = yield from expand_step(drafter, tree, batch, sampling, mode, cfg.budget - 1, generator,
+                                            draws=min(cfg.budget - 1, DRAWS_AHEAD * cfg.max_width))
             for node, row, exp in zip(batch, q, new):
                 rows[node], exps[node] = row, exp
                 leaves.discard(node)
@@ -179,7 +184,7 @@ class BestFirstBuilder:
                 if j + 1 < len(exp.slot_logq):
                     push(node, j + 1)
 
-        expand([0])
+        yield from expand([0])
         rounds = 1
         while True:
             more = rounds < cfg.max_rounds
@@ -187,6 +192,6 @@ class BestFirstBuilder:
             if len(tree) >= cfg.budget or not more or not leaves:
                 break
             batch = sorted(leaves, key=lambda n: (-tree.score[n], n))[: cfg.max_width]
-            expand(batch)
+            yield from expand(batch)
             rounds += 1
         return finish(tree, rows, mode, calls=rounds)

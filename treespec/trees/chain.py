@@ -9,7 +9,7 @@ import torch
 from treespec.drafters.base import Drafter, PartialTree
 from treespec.sampling import SamplingConfig
 from treespec.trees.base import (
-    BuiltTree, DraftMode, DraftQ, check_int, check_mode, effective_mode, expand_nodes, finish,
+    BuiltTree, DraftMode, DraftQ, check_int, check_mode, effective_mode, expand_step, finish, run_alone,
 )
 
 
@@ -48,12 +48,17 @@ class ChainBuilder:
 
     def build(self, drafter: Drafter, root_token: int, sampling: SamplingConfig,
               generator: torch.Generator | None) -> BuiltTree:
+        return run_alone(self.grow(drafter, root_token, sampling, generator), drafter)
+
+    def grow(self, drafter: Drafter, root_token: int, sampling: SamplingConfig,
+             generator: torch.Generator | None):
+        """``build`` as a generator of drafter calls (``TreeBuilder``)."""
         mode = effective_mode(self.config.mode, sampling)
         tree = PartialTree.rooted(root_token)
         rows: dict[int, DraftQ] = {}
         node = 0
         for _ in range(self.config.k):
-            q, (exp,) = expand_nodes(drafter, tree, [node], sampling, mode, 1, generator)
+            q, (exp,) = yield from expand_step(drafter, tree, [node], sampling, mode, 1, generator)
             rows[node] = q[0]
             if not exp.tokens:
                 break

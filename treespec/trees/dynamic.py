@@ -34,7 +34,7 @@ from treespec.drafters.base import Drafter, PartialTree
 from treespec.sampling import SamplingConfig
 from treespec.trees.base import (
     BuiltTree, DraftMode, DraftQ, Expansion, check_confidence, check_int, check_mode, check_width,
-    effective_mode, expand_nodes, finish, log_confidence,
+    effective_mode, expand_step, finish, log_confidence, run_alone,
 )
 
 
@@ -77,6 +77,11 @@ class DynamicTreeBuilder:
 
     def build(self, drafter: Drafter, root_token: int, sampling: SamplingConfig,
               generator: torch.Generator | None) -> BuiltTree:
+        return run_alone(self.grow(drafter, root_token, sampling, generator), drafter)
+
+    def grow(self, drafter: Drafter, root_token: int, sampling: SamplingConfig,
+             generator: torch.Generator | None):
+        """``build`` as a generator of drafter calls (``TreeBuilder``)."""
         cfg = self.config
         check_width("top_k", cfg.top_k, drafter)
         mode = effective_mode(cfg.mode, sampling)
@@ -88,7 +93,7 @@ class DynamicTreeBuilder:
         frontier, calls = [0], 0
         profile: list[list[float]] = [[] for _ in range(cfg.top_k)]  # slot_logq[j] seen so far
         for level in range(1, cfg.depth + 1):
-            q, exps = expand_nodes(drafter, tree, frontier, sampling, mode, cfg.top_k, generator)
+            q, exps = yield from expand_step(drafter, tree, frontier, sampling, mode, cfg.top_k, generator)
             calls += 1
             rows.update(zip(frontier, q))
             if mode == "deterministic":

@@ -29,7 +29,8 @@ import torch
 from treespec.drafters.base import Drafter, PartialTree
 from treespec.sampling import SamplingConfig
 from treespec.trees.base import (
-    BuiltTree, DraftMode, DraftQ, check_int, check_mode, check_width, effective_mode, expand_nodes, finish,
+    BuiltTree, DraftMode, DraftQ, check_int, check_mode, check_width, effective_mode, expand_step, finish,
+    run_alone,
 )
 
 Choice = tuple[int, ...]
@@ -139,6 +140,11 @@ class StaticTreeBuilder:
 
     def build(self, drafter: Drafter, root_token: int, sampling: SamplingConfig,
               generator: torch.Generator | None) -> BuiltTree:
+        return run_alone(self.grow(drafter, root_token, sampling, generator), drafter)
+
+    def grow(self, drafter: Drafter, root_token: int, sampling: SamplingConfig,
+             generator: torch.Generator | None):
+        """``build`` as a generator of drafter calls (``TreeBuilder``)."""
         mode = effective_mode(self.config.mode, sampling)
         width = self._max_rank + 1 if mode == "deterministic" else self._max_kids
         check_width("the largest child rank + 1" if mode == "deterministic"
@@ -152,7 +158,7 @@ class StaticTreeBuilder:
             if not inner:
                 break
             nodes = [n for _, n in inner]
-            q, exps = expand_nodes(drafter, tree, nodes, sampling, mode, width, generator)
+            q, exps = yield from expand_step(drafter, tree, nodes, sampling, mode, width, generator)
             calls += 1
             rows.update(zip(nodes, q))
             nxt: dict[Choice, int] = {}

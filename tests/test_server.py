@@ -1,0 +1,200 @@
+"""SpeculativeServer: continuous batching. Requests join and leave between steps (EOS, limit,
+cancel); per-request sampling, limits and budgets share one batch; after every step each row's
+valid KV cache (target and drafter) equals sequential decoding of that request; each request's
+output equals its run alone (greedy; seeded T > 0 bit for bit in float64)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, SpeculativeServer
+from treespec.cost import Calibration, Curve, model_shape
+from treespec.drafters import LookupDrafter, ModelDrafter
+from treespec.drafters.eagle import random_feature_drafter
+from treespec.models import tiny_target
+from treespec.sampling import SamplingConfig
+
+from _engine_helpers import assert_cache_equal, fresh_cache, one_thread, peaky_llama  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+V = 32
+
+
+def target_of(dtype=torch.float32):
+    t = tiny_target(vocab_size=V, seed=0, dtype=dtype)
+    t.model.generation_config.eos_token_id = None
+    return t
+
+
+def drafter_of(kind: str, target):
+    if kind == "small":
+        return ModelDrafter(peaky_llama(V, seed=7, hidden_size=16, num_layers=2, std=0.3, dtype=target.dtype), V)
+    return random_feature_drafter(target, kind, seed=1, draft_vocab=V // 2)
+
+
+def alone(target, kind, builder, prompt, limit, config, seed) -> list[int]:
+    gen = SpeculativeGenerator(target, drafter_of(kind, target), builder)
+    return gen.generate(prompt, limit, temperature=config.temperature, top_p=config.top_p,
+                        seed=seed).token_ids.tolist()
+
+
+def row_cache(cache, b: int, length: int):
+    """Row b's first ``length`` KV columns of a batched DynamicCache, as a batch-1 cache."""
+    from transformers import DynamicCache
+
+    out = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        out.update(layer.keys[b:b + 1, :, :length], layer.values[b:b + 1, :, :length], i)
+    return out
+
+
+@pytest.mark.parametrize("kind", ("small", "eagle3"))
+def test_requests_join_and_leave_mid_run(kind: str) -> None:
+    """Float64 target and drafter. Requests join at steps 0, 2 and 3, with greedy and sampled
+    configs, different limits and budgets; one is cancelled mid-run. Every request equals its
+    run alone (the cancelled one: a prefix of it); after every step every live row's target
+    cache (and, for the model drafter, its draft cache) equals a plain forward over that
+    request's committed tokens."""
+    target = target_of(torch.float64)
+    server = SpeculativeServer(target, drafter_of(kind, target), DynamicTreeBuilder(budget=8, depth=3, top_k=3))
+    rng = random.Random(5)
+    specs = {}          # rid -> (prompt, limit, config, seed, builder)
+    joins = {0: [(4, 10, SamplingConfig(0.0), 1, None), (9, 7, SamplingConfig(1.0), 2, None)],
+             2: [(1, 12, SamplingConfig(0.7, top_p=0.9), 3, ChainBuilder(3, "with_replacement")),
+                 (6, 9, SamplingConfig(0.0), 4, DynamicTreeBuilder(budget=4, depth=2, top_k=2))],
+             3: [(3, 15, SamplingConfig(1.0), 5, None)]}
+    streamed: dict[int, list[int]] = {}
+    cancelled = None
+    for step in range(60):
+        for n, limit, cfg, seed, builder in joins.get(step, []):
+            prompt = torch.tensor([rng.randrange(V) for _ in range(n)])
+            rid = server.add_request(prompt, cfg, limit, seed, builder)
+            specs[rid] = (prompt, limit, cfg, seed, builder or server.builder)
+        if step == 4:
+            cancelled = server.live[1]
+            server.cancel(cancelled)
+            assert cancelled not in server.live and server.finished[cancelled].reason == "cancelled"
+        if not server.live and not server.queued:
+            break
+        for rid, chunk in server.step().items():
+            streamed.setdefault(rid, []).extend(chunk)
+        _check_caches(server, specs, streamed, kind)
+    assert not server.live and set(server.finished) == set(specs)
+    for rid, (prompt, limit, cfg, seed, builder) in specs.items():
+        want = alone(target, kind, builder, prompt, limit, cfg, seed)
+        got = list(server.finished[rid].tokens)
+        assert got == streamed.get(rid, []), rid
+        if rid == cancelled:
+            assert got == want[:len(got)] and len(got) < limit
+        else:
+            assert got == want and server.finished[rid].reason == "length", rid
+
+
+def _check_caches(server, specs, streamed, kind) -> None:
+    ver = server.verifier
+    assert ver.batch_size == len(server.live)
+    if not server.live:
+        return
+    assert ver.cache_len == max(ver.prefix_lens)             # memory: the longest live row
+    for b, rid in enumerate(server.live):
+        committed = specs[rid][0].tolist() + streamed.get(rid, [])
+        assert ver.prefix_lens[b] == len(committed) - 1
+        ref = fresh_cache(server.target.model, committed[:-1])
+        assert_cache_equal(row_cache(ver.cache, b, ver.prefix_lens[b]), ref, len(committed) - 1, atol=1e-10)
+        if kind == "small":
+            d = server.drafter
+            row = d.rows[rid]
+            ref = fresh_cache(d.model, committed[:row.prefix])
+            assert_cache_equal(row_cache(d.cache, d.keys.index(rid), row.prefix), ref, row.prefix, atol=1e-10)
+            assert d.cache.get_seq_length() == max(r.used for r in d.rows.values())   # bounded by live rows
+    assert sorted(getattr(server.drafter, "keys", server.live)) == sorted(server.live)
+
+
+def test_greedy_server_equals_plain_decoding_with_eos() -> None:
+    """Float32, requests stopping at EOS and at their limits at different steps."""
+    from test_verifier import greedy_continuation
+
+    target = target_of()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(V) for _ in range(n)] for n in (2, 7, 12)]
+    refs = [greedy_continuation(target.model, p, 12) for p in prompts]
+    eos = refs[0][4]
+    target.model.generation_config.eos_token_id = eos
+    server = SpeculativeServer(target, drafter_of("eagle", target), DynamicTreeBuilder(budget=8, depth=3, top_k=3))
+    rids = [server.add_request(p, max_new_tokens=m) for p, m in zip(prompts, (12, 5, 12))]
+    server.run()
+    for rid, ref, m in zip(rids, refs, (12, 5, 12)):
+        want = ref[:m]
+        if eos in want:
+            want = want[:want.index(eos) + 1]
+        res = server.finished[rid]
+        assert list(res.tokens) == want
+        assert res.reason == ("eos" if want[-1] == eos else "length")
+    assert {server.finished[r].reason for r in rids} == {"eos", "length"}
+    assert server.verifier.batch_size == 0 and server.drafter.keys == []
+
+
+def test_bad_input_is_refused_and_never_corrupts_the_others() -> None:
+    target = target_of()
+    server = SpeculativeServer(target, drafter_of("small", target), ChainBuilder(3))
+    good = server.add_request([1, 2, 3], max_new_tokens=6)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        server.add_request([1, 2], seed=1.5)
+    with pytest.raises(TypeError, match="sampling must be a SamplingConfig"):
+        server.add_request([1, 2], sampling=0.7)
+    with pytest.raises(TypeError, match="prompt_ids must be"):
+        server.add_request("hello")
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        server.add_request([])
+    with pytest.raises(ValueError, match=r"lie in \[0, 32\)"):
+        server.add_request([1, 40])
+    with pytest.raises(ValueError, match="max_new_tokens must be an int > 0"):
+        server.add_request([1, 2], max_new_tokens=0)
+    with pytest.raises(ValueError, match="does not fit the context window"):
+        server.add_request([1] * 200, max_new_tokens=100)
+    with pytest.raises(ValueError, match="unknown request id 99"):
+        server.cancel(99)
+    server.step()
+    other = server.add_request([4, 5], max_new_tokens=4)
+    server.cancel(other)
+    with pytest.raises(ValueError, match="already finished \\(cancelled\\)"):
+        server.cancel(other)
+    server.run()
+    with pytest.raises(ValueError, match="already finished \\(length\\)"):
+        server.cancel(good)
+    from test_verifier import greedy_continuation
+
+    assert list(server.finished[good].tokens) == greedy_continuation(target.model, [1, 2, 3], 6)
+    with pytest.raises(ValueError, match="drafter vocab size 16 != target vocab size 32"):
+        SpeculativeServer(target, LookupDrafter(16))
+    with pytest.raises(ValueError, match="builder must be a TreeBuilder or 'auto'"):
+        SpeculativeServer(target, LookupDrafter(V), "big")
+    assert server.step() == {}
+
+
+def _calibration() -> Calibration:
+    """Verify flat up to 8 tokens then linear: speculation pays at batch 1, not at batch 8."""
+    ns = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    return Calibration(
+        model="toy", shape=model_shape("smollm2-135m", bytes_per_weight=4), context=64,
+        target=Curve.fit(ns, [max(1.0, n / 8) for n in ns]),
+        drafters={"early_exit": Curve.fit(ns, [0.01 * n for n in ns])},
+        drafter_layers={"early_exit": 2}, device="test",
+    )
+
+
+def test_auto_budget_follows_the_current_batch_size() -> None:
+    target = target_of()
+    server = SpeculativeServer(target, LookupDrafter(V), "auto", calibration=_calibration())
+    rids = [server.add_request([1, 2, 3 + i], max_new_tokens=3 + 3 * i) for i in range(8)]
+    server.step()
+    assert len(server.live) == 8 and server._auto[8].budget == 1    # batch 8: no speculation
+    server.run()
+    assert set(server.finished) == set(rids)
+    one = SpeculativeServer(target, LookupDrafter(V), "auto", calibration=_calibration())
+    one.add_request([1, 2, 3], max_new_tokens=4)
+    one.step()
+    assert one._auto[1].budget > 1                                   # batch 1: a tree

@@ -1,0 +1,302 @@
+"""SpeculativeServer: continuous batching of tree-speculative requests on one target.
+
+Requests join and leave between steps; every step serves all live requests with ONE batched
+drafter forward per drafting round and ONE target forward:
+
+    admit      queued requests: one prefill forward (``BatchVerifier.add``), ``drafter.begin``
+    build      build_batch(drafter, jobs)      per request its own builder (budget), root,
+                                               sampling config and generator
+    verify     verifier.score(TreeBatch)       ONE target forward, p per request's config
+    accept     accept_batch(..., generators)   per request, its own generator
+    compact    verifier.compact(keep plans); drafter.commit(key, ...)
+    leave      EOS / max_new_tokens / cancel: verifier.retain(live rows), drafter.drop(key)
+
+Each request draws only from its own generator, in the order ``SpeculativeGenerator`` does
+(its tree's draws, then its acceptance), and sees only its own cache rows: its output is its
+output alone whatever joins or leaves around it (exact law always; identical tokens greedy,
+and at T > 0 whenever the batched forwards round like the single ones, see
+``treespec.drafters.batched``). Memory: the target and drafter caches hold live requests only.
+
+``budget="auto"`` (``builder="auto"``): each step the cost model picks the tree for the
+CURRENT batch size (``auto_builder(..., batch=B)``; verification turns compute-bound as B grows,
+so the tree shrinks to a chain, then to none).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import torch
+
+from treespec.batch import TreeBatch, accept_batch
+from treespec.device import synchronize
+from treespec.drafters import load_drafter
+from treespec.drafters.base import Drafter, TargetFeatures
+from treespec.drafters.batched import BatchDrafter, as_batch_drafter
+from treespec.engine import auto_builder, check_builder, check_seed, target_calibration
+from treespec.models import Target
+from treespec.sampling import SamplingConfig
+from treespec.trees.base import TreeBuilder
+from treespec.trees.batch import BuildJob, build_batch
+from treespec.trees.dynamic import DynamicTreeBuilder
+from treespec.verifiers.acceptance import VERIFY_RULES, VerifyRule
+from treespec.verifiers.batch_attention import BatchVerifier
+
+AUTO_MAX_BUDGET = 64          # the largest tree budget="auto" may pick (context is reserved for it)
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """A finished request: its new tokens (EOS included when hit) and why it stopped."""
+
+    tokens: tuple[int, ...]
+    reason: Literal["eos", "length", "cancelled"]
+
+
+@dataclass
+class ServerStats:
+    """Counters and timings since the server started (seconds)."""
+
+    steps: int = 0                 # target verify forwards
+    new_tokens: int = 0
+    tree_nodes: int = 0            # verified nodes, roots included
+    drafter_calls: int = 0         # batched drafter forwards
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    accept_time: float = 0.0
+    other_time: float = 0.0
+
+    @property
+    def decode_time(self) -> float:
+        return self.draft_time + self.verify_time + self.accept_time + self.other_time
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: torch.Tensor            # LongTensor[P]
+    sampling: SamplingConfig
+    max_new_tokens: int
+    generator: torch.Generator
+    builder: TreeBuilder | None     # None: budget="auto"
+    root: int
+    out: list[int] = field(default_factory=list)
+
+
+class SpeculativeServer:
+    """Continuous batching (see the module docstring).
+
+    Args:
+        target:  a ``treespec.Target``.
+        drafter: a registered name, a Drafter (its batched form is used, ``as_batch_drafter``)
+                 or a BatchDrafter.
+        builder: the default tree of a request: a TreeBuilder, "auto" (cost model at the current
+                 batch size; needs ``treespec calibrate``) or None (DynamicTreeBuilder()).
+        verify:  the acceptance rule ("token", "block", "traversal").
+        calibration: for "auto": a ``treespec.cost.Calibration`` (default: the local one).
+    """
+
+    def __init__(self, target: Target, drafter: "str | Drafter | BatchDrafter",
+                 builder: TreeBuilder | Literal["auto"] | None = None, verify: VerifyRule = "token",
+                 calibration=None):
+        if not isinstance(target, Target):
+            raise TypeError(f"target must be a treespec.Target, got {type(target).__name__}")
+        if isinstance(drafter, str):
+            drafter = load_drafter(drafter, target)
+        self.drafter = as_batch_drafter(drafter)
+        if self.drafter.vocab_size != target.vocab_size:
+            raise ValueError(f"drafter vocab size {self.drafter.vocab_size} != target vocab size "
+                             f"{target.vocab_size}; they must share one vocabulary")
+        if verify not in VERIFY_RULES:
+            raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
+        self.target, self.verify = target, verify
+        self.calibration = calibration
+        self.builder = self._check_builder(builder) if builder is not None else DynamicTreeBuilder()
+        self.layers = tuple(self.drafter.target_layers) if self.drafter.needs_target_hidden else ()
+        self.verifier = BatchVerifier(target.model, self.layers)
+        self.eos = set(target.eos_token_ids)
+        self.stats = ServerStats()
+        self.finished: dict[int, RequestResult] = {}
+        self._queued: list[_Request] = []
+        self._live: list[_Request] = []           # row b of the caches = _live[b]
+        self._ids = itertools.count()
+        self._auto: dict[int, TreeBuilder] = {}   # batch size -> the cost model's builder
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def live(self) -> tuple[int, ...]:
+        """Ids of the requests being decoded (queued ones join at the next step)."""
+        return tuple(r.rid for r in self._live)
+
+    @property
+    def queued(self) -> tuple[int, ...]:
+        return tuple(r.rid for r in self._queued)
+
+    def add_request(self, prompt_ids: "torch.Tensor | Sequence[int]", sampling: SamplingConfig | None = None,
+                    max_new_tokens: int = 128, seed: int | None = None,
+                    builder: TreeBuilder | Literal["auto"] | None = None) -> int:
+        """Queue a request (it joins at the next ``step``); returns its id.
+
+        ``sampling`` defaults to greedy; ``seed`` seeds its own generator (None: fresh random);
+        ``builder`` overrides the server's tree for this request (its own budget, or "auto").
+        """
+        ids = _prompt_ids(prompt_ids, self.target.vocab_size)
+        sampling = SamplingConfig(0.0) if sampling is None else sampling
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be an int > 0, got {max_new_tokens!r}")
+        seed = check_seed(seed)
+        chosen = self.builder if builder is None else self._check_builder(builder)
+        budget = AUTO_MAX_BUDGET + 1 if chosen == "auto" else chosen.budget
+        limit = self.target.max_context
+        if ids.numel() + max_new_tokens + budget > limit:
+            raise ValueError(f"the request does not fit the context window ({limit}: prompt {ids.numel()}, "
+                             f"max_new_tokens {max_new_tokens}, tree budget {budget}); shorten it")
+        gen = torch.Generator(device=self.target.device)
+        gen.manual_seed(seed) if seed is not None else gen.seed()
+        rid = next(self._ids)
+        self._queued.append(_Request(rid, ids, sampling, max_new_tokens, gen,
+                                     None if chosen == "auto" else chosen, int(ids[-1])))
+        return rid
+
+    def cancel(self, rid: int) -> None:
+        """Stop request ``rid`` now (queued or live); its tokens so far go to ``finished``."""
+        for pool in (self._queued, self._live):
+            for i, r in enumerate(pool):
+                if r.rid == rid:
+                    if pool is self._live:
+                        self._leave([i])
+                    else:
+                        pool.pop(i)
+                    self.finished[rid] = RequestResult(tuple(r.out), "cancelled")
+                    return
+        if rid in self.finished:
+            raise ValueError(f"request {rid!r} already finished ({self.finished[rid].reason}); nothing to cancel")
+        raise ValueError(f"unknown request id {rid!r}")
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> dict[int, list[int]]:
+        """Admit queued requests, then one speculative step for every live request; returns
+        each live request's new tokens (never past its limit; finished ones move to
+        ``finished``). Empty when nothing is live or queued."""
+        self._admit()
+        if not self._live:
+            return {}
+        stats, device = self.stats, self.target.device
+
+        def clock() -> float:
+            synchronize(device)
+            return time.perf_counter()
+
+        t0 = clock()
+        calls = getattr(self.drafter, "calls", 0)
+        jobs = [BuildJob(r.rid, r.builder or self._auto_builder(), r.root, r.sampling, r.generator)
+                for r in self._live]
+        built = build_batch(self.drafter, jobs)
+        t1 = clock()
+        batch = TreeBatch.from_trees([x.tree for x in built], [r.sampling for r in self._live])
+        scored = self.verifier.score(batch)
+        t2 = clock()
+        results = accept_batch(batch, scored.probs, [r.generator for r in self._live], self.verify)
+        t3 = clock()
+        self.verifier.compact([x.keep_src for x in results])
+        out, done = {}, []
+        for row, (r, x, acc) in enumerate(zip(self._live, built, results)):
+            feats = scored.features[row].select(acc.keep_src) if self.layers else TargetFeatures.empty()
+            self.drafter.commit(r.rid, x.source[acc.path], acc.tokens, feats)
+            new = acc.tokens.tolist()
+            chunk = []
+            for t in new:
+                chunk.append(t)
+                if t in self.eos or len(r.out) + len(chunk) >= r.max_new_tokens:
+                    break
+            r.out += chunk
+            r.root = new[-1]
+            out[r.rid] = chunk
+            stats.new_tokens += len(chunk)
+            stats.tree_nodes += x.tree.num_nodes
+            if chunk[-1] in self.eos or len(r.out) >= r.max_new_tokens:
+                reason = "eos" if chunk[-1] in self.eos else "length"
+                self.finished[r.rid] = RequestResult(tuple(r.out), reason)
+                done.append(row)
+        self._leave(done)
+        stats.steps += 1
+        stats.drafter_calls += getattr(self.drafter, "calls", calls) - calls
+        t4 = clock()
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        stats.accept_time += t3 - t2
+        stats.other_time += t4 - t3
+        return out
+
+    def run(self) -> dict[int, RequestResult]:
+        """Step until nothing is live or queued; returns ``finished``."""
+        while self._live or self._queued:
+            self.step()
+        return self.finished
+
+    # ------------------------------------------------------------------ internals
+    def _check_builder(self, builder) -> "TreeBuilder | Literal['auto']":
+        if builder == "auto":
+            if self.calibration is None:
+                self.calibration = target_calibration(self.target)
+            return "auto"
+        if isinstance(builder, str):
+            raise ValueError(f"builder must be a TreeBuilder or 'auto', got {builder!r}")
+        check_builder(builder)
+        return builder
+
+    def _auto_builder(self) -> TreeBuilder:
+        b = len(self._live)
+        if b not in self._auto:
+            self._auto[b] = auto_builder(self.target, self.drafter, self.calibration,
+                                         max_budget=AUTO_MAX_BUDGET, batch=b)
+        return self._auto[b]
+
+    def _admit(self) -> None:
+        if not self._queued:
+            return
+        joining, self._queued = self._queued, []
+        t0 = time.perf_counter()
+        feats = self.verifier.add([r.prompt for r in joining])
+        for r, f in zip(joining, feats):
+            self.drafter.begin(r.rid, r.prompt, f if self.layers else TargetFeatures.empty())
+        self._live += joining
+        synchronize(self.target.device)
+        self.stats.prefill_time += time.perf_counter() - t0
+
+    def _leave(self, rows: list[int]) -> None:
+        """Drop cache rows ``rows`` (finished or cancelled requests)."""
+        if not rows:
+            return
+        for i in rows:
+            self.drafter.drop(self._live[i].rid)
+        keep = [i for i in range(len(self._live)) if i not in rows]
+        if keep:
+            self.verifier.retain(keep)
+        else:                                      # nothing live: a fresh, empty cache
+            self.verifier = BatchVerifier(self.target.model, self.layers)
+        self._live = [self._live[i] for i in keep]
+
+
+def _prompt_ids(prompt_ids, vocab: int) -> torch.Tensor:
+    """LongTensor[P] (on the host) of a request's prompt; clear errors otherwise."""
+    if isinstance(prompt_ids, torch.Tensor):
+        ids = prompt_ids
+    elif isinstance(prompt_ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt_ids):
+        ids = torch.tensor(prompt_ids, dtype=torch.long)
+    else:
+        raise TypeError(f"prompt_ids must be a LongTensor or a list of ints, got {type(prompt_ids).__name__}")
+    if ids.dtype != torch.long or ids.dim() != 1:
+        raise TypeError(f"prompt_ids must be a 1-D LongTensor, got {ids.dtype} {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError("prompt_ids is empty; pass at least one token id")
+    if bool((ids < 0).any()) or bool((ids >= vocab).any()):
+        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+    return ids.cpu()
