@@ -78,20 +78,27 @@ class LookupDrafter:
         self.history.extend(int(t) for t in tokens.tolist())
 
     def _votes(self, ctx: np.ndarray) -> dict[int, int]:
-        cfg, n_ctx = self.config, ctx.shape[0]
-        for n in range(min(cfg.max_ngram, n_ctx - 1), cfg.min_ngram - 1, -1):
-            suffix = ctx[n_ctx - n:]
-            # windows starting at s = 0 .. n_ctx - n - 1 (an occurrence must have a follower)
-            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                votes: dict[int, int] = {}
-                for s in hits[::-1][: cfg.max_matches]:
-                    tok = int(ctx[s + n])
-                    votes[tok] = votes.get(tok, 0) + 1
-                return votes
-        return {}
+        cfg = self.config
+        return suffix_votes(ctx, cfg.max_ngram, cfg.min_ngram, cfg.max_matches)[1]
 
+
+def suffix_votes(ctx: np.ndarray, max_ngram: int, min_ngram: int, max_matches: int) -> tuple[int, dict[int, int]]:
+    """(n, votes): the longest suffix n-gram of ``ctx`` (max_ngram down to min_ngram tokens) that
+    occurred earlier, and token -> count of what followed its ``max_matches`` most recent earlier
+    occurrences (most recent first). (0, {}) when no suffix of those lengths recurs."""
+    n_ctx = ctx.shape[0]
+    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
+        suffix = ctx[n_ctx - n:]
+        # windows starting at s = 0 .. n_ctx - n - 1 (an occurrence must have a follower)
+        windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            votes: dict[int, int] = {}
+            for s in hits[::-1][:max_matches]:
+                tok = int(ctx[s + n])
+                votes[tok] = votes.get(tok, 0) + 1
+            return n, votes
+    return 0, {}
 
 @register_drafter("lookup")
 def _lookup_factory(target, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 8) -> LookupDrafter:
