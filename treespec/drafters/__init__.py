@@ -9,13 +9,14 @@ from treespec.drafters.base import (
     Drafter, PartialTree, TargetFeatures, drafter_factory, register_drafter, registered_drafters,
 )
 from treespec.drafters.lookup import LookupConfig, LookupDrafter
+from treespec.drafters.hybrid import HybridConfig, HybridDrafter  # "hybrid", "lookup+eagle3", "lookup+eagle"
 from treespec.drafters.model import ModelDrafter, early_exit_model
 # Trained drafters (checkpoints under checkpoints/<target>/); importing registers their names.
 from treespec.drafters.eagle import EagleDrafter  # noqa: E402  "eagle", "eagle3"
 from treespec.drafters import medusa, mtp, small  # noqa: E402,F401  "medusa", "mtp", "small"
 
 __all__ = [
-    "Drafter", "EagleDrafter", "LookupConfig", "LookupDrafter", "ModelDrafter", "PartialTree", "TargetFeatures", "drafter_factory",
+    "Drafter", "EagleDrafter", "HybridConfig", "HybridDrafter", "LookupConfig", "LookupDrafter", "ModelDrafter", "PartialTree", "TargetFeatures", "drafter_factory",
     "early_exit_model", "load_drafter", "register_drafter", "registered_drafters",
 ]
 
