@@ -87,6 +87,33 @@ def test_lambda_learns_the_lookups_hit_rate_per_match_length() -> None:
     assert fixed.weight(2) == 0.5 and fixed.trials == [0] * 5
 
 
+def test_expand_compact_agrees_with_expand() -> None:
+    """With an EAGLE-3 head (draft ids 0..11 of 32) the compact columns are draft ids ∪ committed
+    tokens, and q there equals ``expand``'s; ``expand`` is -inf everywhere else."""
+    target = peaky_target(32, seed=0, num_layers=2, std=0.3)
+    prompt = torch.tensor([3, 20, 25, 3, 20, 25, 3, 20])
+    feats = TargetFeatures({l: torch.randn(len(prompt) - 1, 16) for l in (2, 1, 0)})
+    pair = []
+    for _ in range(2):
+        hybrid = HybridDrafter(random_feature_drafter(target, "eagle3", draft_vocab=12), HybridConfig(min_ngram=1))
+        hybrid.begin(prompt, feats)
+        pair.append(hybrid)
+    trees = [PartialTree.rooted(20) for _ in pair]
+    for t in trees:
+        t.add(t.add(0, 25), 3)
+    full = torch.cat([pair[0].expand(trees[0], [0]), pair[0].expand(trees[0], [1]), pair[0].expand(trees[0], [2])])
+    parts = [pair[1].expand_compact(trees[1], [n]) for n in (0, 1, 2)]
+    ids = parts[0][1]
+    assert all(torch.equal(i, ids) for _, i in parts)
+    assert ids.tolist() == list(range(12)) + [20, 25]
+    compact = torch.cat([lg for lg, _ in parts])
+    torch.testing.assert_close(compact.exp(), full[:, ids].exp(), atol=1e-6, rtol=0)
+    outside = torch.ones(32, dtype=torch.bool)
+    outside[ids] = False
+    assert bool(full[:, outside].isneginf().all())
+    assert pair[1].lookup_nodes == 3 and float(full[0, 25].exp()) > 0.25  # "20" -> 25 by lookup
+
+
 def test_expand_before_begin_or_on_a_stale_root_is_an_error() -> None:
     hybrid = HybridDrafter(TableDrafter(10), HybridConfig())
     with pytest.raises(ValueError, match="begin"):

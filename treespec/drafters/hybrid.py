@@ -103,6 +103,8 @@ class HybridDrafter:
         self.trials = [0] * (config.max_ngram + 1)
         self.lookup_nodes = 0
         self.calls = 0
+        self._support_key: tuple | None = None   # (history length, draft ids) of _support_cache
+        self._support_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         return f"HybridDrafter(head={type(self.head).__name__}, config={self.config})"
@@ -114,15 +116,54 @@ class HybridDrafter:
         self.hits = [0] * (self.config.max_ngram + 1)
         self.trials = [0] * (self.config.max_ngram + 1)
         self.lookup_nodes = 0
+        self._support_key = None
 
     def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
         """FloatTensor[F, V]: log of λ·v + (1 − λ)·q_head for each node (-inf: q = 0)."""
+        self._check_root(tree)
+        # [F, V] the head's own q
+        q = self.head.expand(tree, nodes).float().softmax(-1)
+        return self._mix(q, tree, nodes, None).log()
+
+    def expand_compact(self, tree: PartialTree, nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``expand`` on the columns ``ids`` only: (logits [F, S], ids LongTensor[S] | None).
+
+        With a reduced-vocabulary head (EAGLE-3) q is zero outside its draft ids and the tokens
+        the lookup can vote for, which all occur in the context: committed tokens (fixed while
+        a tree is built) or path tokens (drawn from these very columns). So ids = draft ids ∪
+        committed tokens, sorted; the builders' O(V) passes run on S columns instead of V.
+        """
+        compact = getattr(self.head, "expand_compact", None)
+        if compact is None:
+            return self.expand(tree, nodes), None
+        self._check_root(tree)
+        logits, head_ids = compact(tree, nodes)
+        q = logits.float().softmax(-1)
+        if head_ids is None:
+            return self._mix(q, tree, nodes, None).log(), None
+        support, cols = self._support(head_ids)
+        # [F, S] the head's q on the support's columns
+        wide = q.new_zeros(q.shape[0], support.numel())
+        wide[:, cols] = q
+        return self._mix(wide, tree, nodes, support).log(), support
+
+    def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
+        self.head.commit(path, tokens, features)
+        for t in tokens.tolist():
+            if self.config.adapt:
+                self._score(int(t))
+            self.history.append(int(t))
+
+    # ------------------------------------------------------------------ internals
+    def _check_root(self, tree: PartialTree) -> None:
         if not self.history or tree.tokens[0] != self.history[-1]:
             raise ValueError("the tree's root is not the last committed token: call begin() before "
                              "expand(), and commit() after every verified tree")
         self.calls += 1
-        # [F, V] the head's own q
-        q = self.head.expand(tree, nodes).float().softmax(-1)
+
+    def _mix(self, q: torch.Tensor, tree: PartialTree, nodes: list[int], support: torch.Tensor | None) -> torch.Tensor:
+        """λ·v + (1 − λ)·q per row. q: FloatTensor[F, W], the head's q on W columns: token ids
+        (support None) or ``support``'s ids."""
         keep = torch.ones(len(nodes), dtype=q.dtype)
         rows: list[int] = []
         toks: list[int] = []
@@ -139,21 +180,30 @@ class HybridDrafter:
             toks += list(votes)
             mass += [lam * c / total for c in votes.values()]
             self.lookup_nodes += lam > 0.0
-        # [F, V] the mixture: scale each row's head part, then add the lookup's point masses
+        # [F, W]: scale each row's head part, then add the lookup's point masses
         mix = q * keep.to(q.device)[:, None]
         if rows:
-            index = (torch.tensor(rows, device=q.device), torch.tensor(toks, device=q.device))
+            cols = torch.tensor(toks, device=q.device)
+            if support is not None:
+                cols = torch.searchsorted(support, cols).clamp_max(support.numel() - 1)
+                if not torch.equal(support[cols], torch.tensor(toks, device=q.device)):
+                    raise RuntimeError("a lookup token outside the compact support (a path token not "
+                                       "drawn from these columns?)")
+            index = (torch.tensor(rows, device=q.device), cols)
             mix.index_put_(index, torch.tensor(mass, dtype=q.dtype, device=q.device), accumulate=True)
-        return mix.log()
+        return mix
 
-    def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
-        self.head.commit(path, tokens, features)
-        for t in tokens.tolist():
-            if self.config.adapt:
-                self._score(int(t))
-            self.history.append(int(t))
+    def _support(self, head_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(support LongTensor[S], cols LongTensor[Vd]): sorted draft ids ∪ committed tokens, and
+        where each draft id sits in it; cached until the history grows."""
+        key = (len(self.history), head_ids.data_ptr(), head_ids.numel())
+        if self._support_key != key or self._support_cache is None:
+            seen = torch.tensor(self.history, dtype=torch.long, device=head_ids.device)
+            support = torch.unique(torch.cat((head_ids.long(), seen)))  # sorted
+            self._support_cache = support, torch.searchsorted(support, head_ids.long())
+            self._support_key = key
+        return self._support_cache
 
-    # ------------------------------------------------------------------ internals
     def weight(self, n: int) -> float:
         """λ at match length n: the prior ``weight`` or, adapting, the running hit rate."""
         cfg = self.config
