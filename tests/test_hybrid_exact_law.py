@@ -118,7 +118,7 @@ class HybridTables:
         return self._head_q[ctx]
 
     def lookup_top(self, ctx: tuple[int, ...]) -> int | None:
-        _, votes = self.drafter._votes(self.drafter.history + list(ctx[1:]))
+        _, votes = self.drafter.lookup_votes(list(ctx[1:]))
         return max(votes, key=votes.get) if votes else None
 
 

@@ -34,11 +34,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from treespec.drafters.base import Drafter, PartialTree, TargetFeatures, register_drafter
-from treespec.drafters.lookup import LookupDrafter, suffix_votes
+from treespec.drafters.lookup import LookupDrafter, SuffixIndex
 
 
 @dataclass(frozen=True)
@@ -74,6 +73,7 @@ class HybridDrafter:
     Attributes:
         head:          the wrapped model drafter (expanded on every node the builder asks for).
         history:       the committed tokens (prompt included); history[-1] is the root.
+        index:         their n-gram index (``SuffixIndex``): one lookup per node costs O(path).
         hits, trials:  per match length n, the lookup's committed-text record (top vote right /
                        matched positions).
         lookup_nodes:  expanded nodes where the lookup proposed (λ > 0), since ``begin``.
@@ -98,7 +98,7 @@ class HybridDrafter:
         self.cost_kind = getattr(head, "cost_kind", None) or ("eagle" if head.needs_target_hidden
                                                               else "early_exit")
         self.device = getattr(head, "device", None)
-        self.history: list[int] = []
+        self.index = SuffixIndex(config.max_ngram, config.min_ngram, config.max_matches)
         self.hits = [0] * (config.max_ngram + 1)
         self.trials = [0] * (config.max_ngram + 1)
         self.lookup_nodes = 0
@@ -112,7 +112,9 @@ class HybridDrafter:
     # ------------------------------------------------------------------ protocol
     def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
         self.head.begin(prompt_ids, features)
-        self.history = [int(t) for t in prompt_ids.tolist()]
+        cfg = self.config
+        self.index = SuffixIndex(cfg.max_ngram, cfg.min_ngram, cfg.max_matches)
+        self.index.extend(prompt_ids.tolist())
         self.hits = [0] * (self.config.max_ngram + 1)
         self.trials = [0] * (self.config.max_ngram + 1)
         self.lookup_nodes = 0
@@ -152,7 +154,15 @@ class HybridDrafter:
         for t in tokens.tolist():
             if self.config.adapt:
                 self._score(int(t))
-            self.history.append(int(t))
+            self.index.extend([t])
+
+    @property
+    def history(self) -> list[int]:
+        return self.index.tokens
+
+    def lookup_votes(self, path: list[int]) -> tuple[int, dict[int, int]]:
+        """(match length n, votes) of the lookup after the root and ``path`` (tokens below it)."""
+        return self.index.votes(path)
 
     # ------------------------------------------------------------------ internals
     def _check_root(self, tree: PartialTree) -> None:
@@ -170,7 +180,7 @@ class HybridDrafter:
         mass: list[float] = []
         for r, node in enumerate(nodes):
             path = [tree.tokens[n] for n in tree.path_to(node)[1:]]  # the root is history[-1]
-            n, votes = self._votes(self.history + path)
+            n, votes = self.index.votes(path)
             if not votes:
                 continue
             lam = self.weight(n)
@@ -211,13 +221,9 @@ class HybridDrafter:
             return cfg.weight
         return (self.hits[n] + cfg.weight * cfg.prior_strength) / (self.trials[n] + cfg.prior_strength)
 
-    def _votes(self, ctx: list[int]) -> tuple[int, dict[int, int]]:
-        cfg = self.config
-        return suffix_votes(np.asarray(ctx, dtype=np.int64), cfg.max_ngram, cfg.min_ngram, cfg.max_matches)
-
     def _score(self, token: int) -> None:
         """Record whether the lookup's top vote on the committed text predicted ``token``."""
-        n, votes = self._votes(self.history)
+        n, votes = self.index.votes([])
         if votes:
             self.trials[n] += 1
             self.hits[n] += max(votes, key=votes.get) == token  # ties: the most recent follower
