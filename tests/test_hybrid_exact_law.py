@@ -10,7 +10,10 @@ enumerate every drafting outcome (the top-m children, i.i.d. draws, or draws wit
 replacement, all from that q) and every accept / reject branch (``verify_law``), and check that
 the law of the first L emitted tokens equals the target's to 1e-9.
 
-Two deliberately wrong merges must fail the same check: the lookup's top token spliced in as the
+The same q through the block and traversal rules' own enumerations
+(tests/test_exact_law_joint.py) matches the target's law to 1e-9 as well.
+
+Two deliberately wrong merges must fail the token check: the lookup's top token spliced in as the
 first child with the rest drawn from the head while the tree reports the head's q ("splice"),
 and children drawn from the mixture while the tree reports the head's q ("report_head").
 """
@@ -29,7 +32,8 @@ from treespec.sampling import SamplingConfig
 from treespec.trees.base import draft_distribution
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
-from test_exact_law import CONFIGS, L, TOL, World, draft_outcomes, random_shape, verify_law
+from test_exact_law import CONFIGS, L, MAX_DEPTH, TOL, World, draft_outcomes, random_shape, verify_law
+from test_exact_law_joint import Traversal, _block_law
 
 WORLDS_PER_CASE = 40
 CASES = [
@@ -214,3 +218,37 @@ def test_no_match_means_the_heads_own_q() -> None:
     ref = draft_distribution(head.expand(tree, [0]), SamplingConfig(0.7))
     torch.testing.assert_close(q, ref, atol=1e-6, rtol=0)
     assert hybrid.lookup_nodes == 0
+
+
+class HybridWorld:
+    """A World whose q is the hybrid's (what the joint rules' enumerations read)."""
+
+    def __init__(self, world: World, tables: HybridTables):
+        self.p, self.target, self.q = world.p, world.target, tables.q
+        self.vocab, self.root, self.seed = world.vocab, world.root, world.seed
+
+
+JOINT_CASES = [
+    ("block", "deterministic", "T1"),
+    ("block", "with_replacement", "T1"),
+    ("block", "without_replacement", "T0.7_top_p0.8"),
+    ("traversal", "deterministic", "greedy"),
+    ("traversal", "with_replacement", "T1.3_top_k3_min_p0.2"),
+    ("traversal", "without_replacement", "T1"),
+]
+
+
+@pytest.mark.parametrize("rule,mode,config", JOINT_CASES)
+def test_hybrid_q_keeps_the_joint_rules_exact(rule, mode, config) -> None:
+    worst, lookup_contexts = 0.0, 0
+    rng = random.Random(f"hybrid-joint:{rule}:{mode}:{config}")
+    for world, tables, shape in _worlds(f"{rule}:{mode}", config, 20):
+        hw = HybridWorld(world, tables)
+        if rule == "block":
+            law = _block_law(hw, mode, rng.randint(1, MAX_DEPTH), "topk")
+        else:
+            law = Traversal(hw, mode, "topk").node(shape, (world.root,), 1.0, L)
+        worst = max(worst, float(np.abs(law - world.target((world.root,), L)).max()))
+        lookup_contexts += tables.lookup_contexts
+    assert worst <= TOL, f"{rule} {mode}/{config}: the hybrid's output law differs from the target's by {worst:.3e}"
+    assert lookup_contexts >= 10, f"the lookup proposed at only {lookup_contexts} contexts"
