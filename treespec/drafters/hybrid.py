@@ -16,7 +16,10 @@ At every node the drafter reports ONE distribution, the mixture
 as its logits (log q). Builders process it like any drafter's logits and draw the children
 from exactly the q they put in the tree, so every acceptance rule (token, block, traversal) in
 every sampling mode is exact by the rules' own proofs: they hold for any q children are drawn
-from. λ and v depend only on the committed text and the node's path, never on a draw.
+from. λ and v depend only on the committed text and the node's path, never on a draw. The builders
+apply the target's processing (temperature, top-k / top-p) to these logits as to any drafter's,
+so at T != 1 the recorded q is the processed mixture; it is still what the children are drawn
+from, so exactness is untouched (only how well q matches p changes).
 What the mixture does: when the text repeats, λ is high, the lookup's token is the top child
 (deterministic) or the likely first draw, and its path keeps matching, so the tree grows a long
 lookup chain; the head's candidates stay as siblings (without replacement: the next draws) and
