@@ -8,6 +8,7 @@ prompt (interleaved, so machine noise hits all methods alike).
     python benchmarks/drafters.py                                  # full: 80 prompts x 128 tokens
     python benchmarks/drafters.py --prompts 5 --max-new-tokens 64  # reduced (labelled as such)
     python benchmarks/drafters.py --resume benchmarks/results/drafters.json   # continue a cut-short run
+    python benchmarks/hybrid.py                                    # lookup, eagle3 and the hybrid (20 x 128)
 
 Results are written after every prompt, so a run stopped early keeps its prompts, and
 ``--resume`` continues it (the full run takes many hours on a 2-core CPU).
@@ -34,20 +35,26 @@ import treespec.drafters.eagle  # noqa: F401  (registers eagle, eagle3)
 import treespec.drafters.medusa  # noqa: F401
 import treespec.drafters.mtp  # noqa: F401
 import treespec.drafters.small  # noqa: F401
+import treespec.drafters.hybrid  # noqa: F401  (registers hybrid = lookup + eagle3)
 from treespec.data import chat_prompt, mtbench_questions
 from treespec.fastpath import machine_info, machine_line
 
 RESULTS = Path(__file__).parent / "results"
-DRAFTERS = ("eagle", "eagle3", "medusa", "mtp", "small")
-DEFAULT_TREES = ("chain4", "tree16", "tree32", "tree64")  # the issue's grid; tree4/tree8 on request
-# name -> builder factory; dynamic trees follow EAGLE-2's depth / top-k growth with the budget
+DRAFTERS = ("eagle", "eagle3", "medusa", "mtp", "small", "lookup", "hybrid")
+DEFAULT_TREES = ("chain4", "tree16", "tree32", "tree64")  # the issue's grid; others on request
+FULL_PROMPTS = 80  # this script's full configuration: 80 prompts x 128 tokens
+# name -> builder factory; dynamic trees follow EAGLE-2's depth / top-k growth with the budget,
+# best-first trees benchmarks/builders.py's settings (the best τ there at budget 64)
 TREES = {
     "chain4": lambda: treespec.ChainBuilder(4),
+    "chain8": lambda: treespec.ChainBuilder(8),
     "tree4": lambda: treespec.DynamicTreeBuilder(budget=4, depth=3, top_k=2),
     "tree8": lambda: treespec.DynamicTreeBuilder(budget=8, depth=4, top_k=4),
     "tree16": lambda: treespec.DynamicTreeBuilder(budget=16, depth=5, top_k=4),
     "tree32": lambda: treespec.DynamicTreeBuilder(budget=32, depth=6, top_k=6),
     "tree64": lambda: treespec.DynamicTreeBuilder(budget=64, depth=6, top_k=8),
+    "best16": lambda: treespec.BestFirstBuilder(budget=16, max_width=4, max_rounds=7),
+    "best64": lambda: treespec.BestFirstBuilder(budget=64, max_width=8, max_rounds=7),
 }
 
 
@@ -115,8 +122,11 @@ class Pool:
         return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(doc: str = __doc__, defaults: dict | None = None, full_prompts: int = FULL_PROMPTS,
+         title: str = "Trained drafters on SmolLM2-135M") -> None:
+    """Run the benchmark; ``defaults`` overrides argument defaults (``benchmarks/hybrid.py``), and
+    ``full_prompts`` x 128 tokens is the configuration not labelled REDUCED."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=80, help="MT-bench first turns (of 80)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--drafters", default=",".join(DRAFTERS))
@@ -130,6 +140,7 @@ def main() -> None:
     ap.add_argument("--note", default="shared 2-core CPU", help="the machine's state, for the table")
     ap.add_argument("--resume", metavar="JSON",
                     help="continue a cut-short run from its JSON (same settings; writes back to it)")
+    ap.set_defaults(**(defaults or {}))
     args = ap.parse_args()
     earlier = json.loads(Path(args.resume).read_text()) if args.resume else None
     if earlier is not None:
@@ -144,7 +155,7 @@ def main() -> None:
     drafters = [d for d in args.drafters.split(",") if d]
     trees = [t for t in args.trees.split(",") if t]
     temps = [float(t) for t in args.temperatures.split(",")]
-    reduced = args.prompts < 80 or args.max_new_tokens < 128
+    reduced = args.prompts < full_prompts or args.max_new_tokens < 128
     target = treespec.load_target("smollm2-135m", dtype=getattr(torch, args.dtype))
     gens = {(d, t): treespec.SpeculativeGenerator(target, treespec.load_drafter(d, target), TREES[t]())
             for d in drafters for t in trees}
@@ -175,15 +186,17 @@ def main() -> None:
                 res = gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=temp, seed=seed)
                 pools.setdefault((d, t, temp), Pool()).add_stats(res.stats)
         minutes = minutes_before + (time.time() - start) / 60
-        save(out, report(args, drafters, trees, temps, reduced, pools, i + 1, len(questions), minutes))
+        save(out, report(args, drafters, trees, temps, reduced, pools, i + 1, len(questions), minutes,
+                         full_prompts, title))
         print(f"[{i + 1}/{len(questions)}] {time.time() - start:.0f} s", flush=True)
     result = report(args, drafters, trees, temps, reduced, pools, len(questions), len(questions),
-                    minutes_before + (time.time() - start) / 60)
+                    minutes_before + (time.time() - start) / 60, full_prompts, title)
     save(out, result)
     print(markdown(result))
 
 
-def report(args, drafters, trees, temps, reduced, pools, done: int, total: int, minutes: float) -> dict:
+def report(args, drafters, trees, temps, reduced, pools, done: int, total: int, minutes: float,
+           full_prompts: int = FULL_PROMPTS, title: str = "Trained drafters on SmolLM2-135M") -> dict:
     """Rows (vanilla first per temperature) plus everything needed to resume."""
     rows = []
     for temp in temps:
@@ -197,13 +210,13 @@ def report(args, drafters, trees, temps, reduced, pools, done: int, total: int, 
         "config": {"prompts": total, "max_new_tokens": args.max_new_tokens, "drafters": drafters,
                    "trees": {t: repr(TREES[t]().config) for t in trees}, "temperatures": temps,
                    "threads": args.threads, "seed": args.seed, "reduced": reduced,
-                   "dtype": args.dtype},
+                   "dtype": args.dtype, "full_prompts": full_prompts, "title": title},
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "torch": torch.__version__, "note": args.note, **machine_info(), "torch_threads": args.threads},
         "prompts_done": done,
         "wall_minutes": round(minutes, 1),
-        # time the full configuration (80 prompts x 128 tokens) would take at this run's pace
-        "estimated_full_hours": round(minutes / 60 * (80 / done) * (128 / args.max_new_tokens), 1),
+        # time the full configuration (full_prompts x 128 tokens) would take at this run's pace
+        "estimated_full_hours": round(minutes / 60 * (full_prompts / done) * (128 / args.max_new_tokens), 1),
         "rows": rows,
         "pools": [[d, t, temp, pool.state()] for (d, t, temp), pool in pools.items()],
     }
@@ -221,11 +234,12 @@ def markdown(result: dict) -> str:
     if done < c["prompts"]:
         title += f", PARTIAL: {done} of {c['prompts']} prompts measured"
     lines = [
-        f"# Trained drafters on SmolLM2-135M ({title})",
+        f"# {c.get('title', 'Trained drafters on SmolLM2-135M')} ({title})",
         "",
         f"{done} MT-bench first turns x {c['max_new_tokens']} new tokens, T in {c['temperatures']}, "
         f"{c['threads']} torch thread(s), {c.get('dtype', 'float32')} weights, {result['machine']['note']}; wall {result['wall_minutes']} min "
-        f"(the full 80 x 128 configuration would take ~{result['estimated_full_hours']} h at this pace).",
+        f"(the full {c.get('full_prompts', 80)} x 128 configuration would take ~{result['estimated_full_hours']} h "
+        f"at this pace).",
         "τ = tokens per target forward; acceptance by depth = accepted / attempted drafts at each depth; "
         "tokens/s includes prefill; speedup is against vanilla HF decoding at the same T in the same run.",
         *([machine_line(result["machine"])] if "cpu_model" in result["machine"] else []),

@@ -58,6 +58,11 @@ def untrained_stand_in(name: str, target):
             from treespec.drafters.medusa import random_medusa
 
             return random_medusa(target)
+        if name in ("hybrid", "lookup+eagle3", "lookup+eagle"):
+            from treespec.drafters import HybridDrafter
+            from treespec.drafters.eagle import random_feature_drafter
+
+            return HybridDrafter(random_feature_drafter(target, "eagle" if name == "lookup+eagle" else "eagle3"))
         if name == "small":
             from treespec.drafters.small import small_model
 

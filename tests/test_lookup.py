@@ -1,12 +1,16 @@
 """Prompt-lookup drafter: n-gram votes, proper distributions, bad config."""
 
 import math
+import random
+
+import numpy as np
 
 import pytest
 import torch
 
 from treespec.drafters import LookupConfig, LookupDrafter, PartialTree
 from treespec.drafters.base import TargetFeatures
+from treespec.drafters.lookup import SuffixIndex, suffix_votes
 
 
 def test_longest_ngram_votes_for_its_followers():
@@ -46,3 +50,20 @@ def test_no_match_is_uniform_and_commit_appends():
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LookupConfig(**kwargs)
+
+
+def test_suffix_index_gives_the_scans_votes_in_the_same_order():
+    """The hybrid's incremental index answers exactly like the full scan (n, votes, vote order),
+    matches reaching into the path and the suffix's own position included."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        vocab = rng.choice([2, 3, 5, 50])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        path = [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))]
+        max_ngram = rng.randrange(1, 5)
+        args = (max_ngram, rng.randrange(1, max_ngram + 1), rng.randrange(1, 6))
+        index = SuffixIndex(*args)
+        index.extend(tokens[: len(tokens) // 2])
+        index.extend(tokens[len(tokens) // 2:])
+        got, want = index.votes(path), suffix_votes(np.array(tokens + path), *args)
+        assert got == want and list(got[1].items()) == list(want[1].items()), (tokens, path, args)

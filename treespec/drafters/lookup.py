@@ -78,23 +78,78 @@ class LookupDrafter:
         self.history.extend(int(t) for t in tokens.tolist())
 
     def _votes(self, ctx: np.ndarray) -> dict[int, int]:
-        cfg, n_ctx = self.config, ctx.shape[0]
-        for n in range(min(cfg.max_ngram, n_ctx - 1), cfg.min_ngram - 1, -1):
-            suffix = ctx[n_ctx - n:]
-            # windows starting at s = 0 .. n_ctx - n - 1 (an occurrence must have a follower)
-            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                votes: dict[int, int] = {}
-                for s in hits[::-1][: cfg.max_matches]:
-                    tok = int(ctx[s + n])
-                    votes[tok] = votes.get(tok, 0) + 1
-                return votes
-        return {}
+        cfg = self.config
+        return suffix_votes(ctx, cfg.max_ngram, cfg.min_ngram, cfg.max_matches)[1]
 
+
+def suffix_votes(ctx: np.ndarray, max_ngram: int, min_ngram: int, max_matches: int) -> tuple[int, dict[int, int]]:
+    """(n, votes): the longest suffix n-gram of ``ctx`` (max_ngram down to min_ngram tokens) that
+    occurred earlier, and token -> count of what followed its ``max_matches`` most recent earlier
+    occurrences (most recent first). (0, {}) when no suffix of those lengths recurs."""
+    n_ctx = ctx.shape[0]
+    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
+        suffix = ctx[n_ctx - n:]
+        # windows starting at s = 0 .. n_ctx - n - 1 (an occurrence must have a follower)
+        windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            votes: dict[int, int] = {}
+            for s in hits[::-1][:max_matches]:
+                tok = int(ctx[s + n])
+                votes[tok] = votes.get(tok, 0) + 1
+            return n, votes
+    return 0, {}
 
 @register_drafter("lookup")
 def _lookup_factory(target, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 8) -> LookupDrafter:
     """Prompt lookup over the target's vocabulary."""
     return LookupDrafter(target.vocab_size, LookupConfig(max_ngram, min_ngram, max_matches))
 
+
+
+class SuffixIndex:
+    """``suffix_votes`` of (committed tokens + a short path) without rescanning the committed
+    tokens: every n-gram of them (min_ngram..max_ngram tokens) is indexed by its start positions
+    as tokens are appended, so a query costs O(n · (path + n)) instead of O(context · n).
+
+    Attributes:
+        tokens: the committed tokens.
+        starts: n-gram -> its start positions in ``tokens``, ascending.
+    """
+
+    def __init__(self, max_ngram: int, min_ngram: int, max_matches: int):
+        self.max_ngram, self.min_ngram, self.max_matches = max_ngram, min_ngram, max_matches
+        self.tokens: list[int] = []
+        self.starts: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            end = len(self.tokens)
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                self.starts.setdefault(tuple(self.tokens[end - n:]), []).append(end - n)
+
+    def votes(self, path: list[int]) -> tuple[int, dict[int, int]]:
+        """``suffix_votes(tokens + path, ...)``, the same (n, votes) in the same order."""
+        h, total = len(self.tokens), len(self.tokens) + len(path)
+
+        def at(i: int) -> int:
+            return self.tokens[i] if i < h else path[i - h]
+
+        for n in range(min(self.max_ngram, total - 1), self.min_ngram - 1, -1):
+            gram = tuple(at(i) for i in range(total - n, total))
+            last = total - n - 1   # the latest start with a follower
+            found: list[int] = [s for s in range(last, max(0, h - n + 1) - 1, -1)  # reaching into path
+                                if all(at(s + j) == gram[j] for j in range(n))]
+            for s in reversed(self.starts.get(gram, ())):                    # inside the tokens
+                if len(found) >= self.max_matches:
+                    break
+                if s <= last:
+                    found.append(s)
+            if found:
+                votes: dict[int, int] = {}
+                for s in found[: self.max_matches]:
+                    tok = at(s + n)
+                    votes[tok] = votes.get(tok, 0) + 1
+                return n, votes
+        return 0, {}

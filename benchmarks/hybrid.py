@@ -1,0 +1,26 @@
+"""Hybrid drafter benchmark: lookup + eagle3 in one tree (``hybrid``) against each part alone.
+
+The harness of benchmarks/drafters.py (MT-bench first turns through the chat template,
+SmolLM2-135M fp32 target, vanilla HF decoding first on every prompt, every configuration
+interleaved on the same prompt, τ / acceptance by depth / tokens/s / speedup, the machine's CPU,
+flags and threads from ``treespec.fastpath.machine_info``), with other defaults: drafters
+``lookup`` (prompt lookup alone), ``eagle3`` (the shipped head alone) and ``hybrid`` (both),
+trees ``chain4`` (a 4-token chain), ``best16`` and ``best64`` (best-first, SpecExec), T = 0 and
+T = 1. The full configuration is 20 prompts x 128 tokens:
+
+    python benchmarks/hybrid.py                                          # full: 20 x 128
+    python benchmarks/hybrid.py --prompts 2 --max-new-tokens 16 --out /tmp/hybrid   # smoke
+    python benchmarks/hybrid.py --resume benchmarks/results/hybrid.json  # continue a cut-short run
+
+Writes benchmarks/results/hybrid.{json,md} (or --out). Every drafters.py option works here.
+"""
+
+from __future__ import annotations
+
+from drafters import RESULTS, main
+
+DEFAULTS = dict(prompts=20, drafters="lookup,eagle3,hybrid", trees="chain4,best16,best64",
+                out=str(RESULTS / "hybrid"))
+
+if __name__ == "__main__":
+    main(__doc__, DEFAULTS, full_prompts=20, title="Hybrid drafter (lookup + eagle3) against its parts, SmolLM2-135M")

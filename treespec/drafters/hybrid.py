@@ -1,0 +1,263 @@
+"""Hybrid drafter: prompt-lookup (n-gram) candidates and a model head's candidates in ONE tree.
+
+Glossary:
+    head        any model drafter (eagle3, eagle, small...): q_head(.|path), its own distribution.
+    match       the longest suffix n-gram (``max_ngram`` down to ``min_ngram`` tokens) of the
+                node's context (committed tokens + path) that occurred earlier in it; length n.
+    votes v     the distribution of what followed the match's most recent occurrences
+                (``treespec.drafters.lookup.suffix_votes``); none without a match.
+    weight λ    how much of q the lookup gets at a node: 0 without a match, else λ_n, the
+                lookup's estimated hit rate at match length n (see ``HybridConfig``).
+
+At every node the drafter reports ONE distribution, the mixture
+
+    q(.|path) = λ · v(.|path) + (1 − λ) · q_head(.|path)
+
+as its logits (log q). Builders process it like any drafter's logits and draw the children
+from exactly the q they put in the tree, so every acceptance rule (token, block, traversal) in
+every sampling mode is exact by the rules' own proofs: they hold for any q children are drawn
+from. λ and v depend only on the committed text and the node's path, never on a draw. The builders
+apply the target's processing (temperature, top-k / top-p) to these logits as to any drafter's,
+so at T != 1 the recorded q is the processed mixture; it is still what the children are drawn
+from, so exactness is untouched (only how well q matches p changes).
+What the mixture does: when the text repeats, λ is high, the lookup's token is the top child
+(deterministic) or the likely first draw, and its path keeps matching, so the tree grows a long
+lookup chain; the head's candidates stay as siblings (without replacement: the next draws) and
+elsewhere, where nothing matches, q is the head's own q. The wrong merge that this avoids:
+splicing the lookup token in as a child while reporting q_head (or q_head's zero, for a token
+outside an EAGLE-3 draft vocabulary); tests/test_hybrid_exact_law.py shows that it is biased.
+
+λ is a speed heuristic, never a correctness one: by default it starts at ``weight`` and learns,
+per match length, how often the lookup's top vote was the token the target then emitted
+(a Beta-style running mean over the committed text; ``adapt=False`` keeps it fixed).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from treespec.drafters.base import Drafter, PartialTree, TargetFeatures, register_drafter
+from treespec.drafters.lookup import LookupDrafter, SuffixIndex
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """How the lookup part matches and how much of q it gets."""
+
+    min_ngram: int = 2            # shortest suffix match that lets the lookup propose
+    max_ngram: int = 4            # longest suffix tried first
+    max_matches: int = 8          # most recent earlier occurrences that vote
+    weight: float = 0.5           # λ before any evidence (prior hit rate of the lookup)
+    prior_strength: float = 4.0   # pseudo-observations behind ``weight`` when adapting
+    adapt: bool = True            # learn λ per match length from the committed text
+
+    def __post_init__(self) -> None:
+        for name in ("min_ngram", "max_ngram", "max_matches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"need min_ngram <= max_ngram, got min_ngram={self.min_ngram}, "
+                             f"max_ngram={self.max_ngram}; lower min_ngram or raise max_ngram")
+        if not 0.0 <= self.weight <= 1.0:
+            raise ValueError(f"weight (the lookup's share λ of q) must be in [0, 1], got {self.weight!r}")
+        if not self.prior_strength > 0.0 or math.isinf(self.prior_strength):
+            raise ValueError(f"prior_strength must be a finite number > 0 (pseudo-observations behind "
+                             f"weight; use adapt=False for a fixed λ), got {self.prior_strength!r}")
+
+
+class HybridDrafter:
+    """Lookup + model head in one q (see the module docstring). Wraps ``head``; the builders
+    see one ordinary drafter.
+
+    Attributes:
+        head:          the wrapped model drafter (expanded on every node the builder asks for).
+        history:       the committed tokens (prompt included); history[-1] is the root.
+        index:         their n-gram index (``SuffixIndex``): one lookup per node costs O(path).
+        hits, trials:  per match length n, the lookup's committed-text record (top vote right /
+                       matched positions).
+        lookup_nodes:  expanded nodes where the lookup proposed (λ > 0), since ``begin``.
+    """
+
+    path_independent = False
+
+    def __init__(self, head: Drafter, config: HybridConfig = HybridConfig()):
+        if not isinstance(head, Drafter):
+            raise TypeError(f"head must be a Drafter (begin / expand / commit and its capability flags), "
+                            f"got {type(head).__name__}; pass e.g. load_drafter('eagle3', target)")
+        if isinstance(head, (HybridDrafter, LookupDrafter)):
+            raise ValueError(f"head must be a model drafter, got a {type(head).__name__}: the lookup is "
+                             f"already the hybrid's other part")
+        if not isinstance(config, HybridConfig):
+            raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
+        self.head, self.config = head, config
+        self.needs_target_hidden = head.needs_target_hidden
+        self.target_layers = head.target_layers
+        self.vocab_size = head.vocab_size
+        # the cost model prices the head's pass (the lookup is host work, modelled as free)
+        self.cost_kind = getattr(head, "cost_kind", None) or ("eagle" if head.needs_target_hidden
+                                                              else "early_exit")
+        self.device = getattr(head, "device", None)
+        self.index = SuffixIndex(config.max_ngram, config.min_ngram, config.max_matches)
+        self.hits = [0] * (config.max_ngram + 1)
+        self.trials = [0] * (config.max_ngram + 1)
+        self.lookup_nodes = 0
+        self.calls = 0
+        self._support_key: tuple | None = None   # (history length, draft ids) of _support_cache
+        self._support_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __repr__(self) -> str:
+        return f"HybridDrafter(head={type(self.head).__name__}, config={self.config})"
+
+    # ------------------------------------------------------------------ protocol
+    def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
+        self.head.begin(prompt_ids, features)
+        cfg = self.config
+        self.index = SuffixIndex(cfg.max_ngram, cfg.min_ngram, cfg.max_matches)
+        self.index.extend(prompt_ids.tolist())
+        self.hits = [0] * (self.config.max_ngram + 1)
+        self.trials = [0] * (self.config.max_ngram + 1)
+        self.lookup_nodes = 0
+        self._support_key = None
+
+    def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
+        """FloatTensor[F, V]: log of λ·v + (1 − λ)·q_head for each node (-inf: q = 0)."""
+        self._check_root(tree)
+        # [F, V] the head's own q
+        q = self.head.expand(tree, nodes).float().softmax(-1)
+        return self._mix(q, tree, nodes, None).log()
+
+    def expand_compact(self, tree: PartialTree, nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``expand`` on the columns ``ids`` only: (logits [F, S], ids LongTensor[S] | None).
+
+        With a reduced-vocabulary head (EAGLE-3) q is zero outside its draft ids and the tokens
+        the lookup can vote for, which all occur in the context: committed tokens (fixed while
+        a tree is built) or path tokens (drawn from these very columns). So ids = draft ids ∪
+        committed tokens, sorted; the builders' O(V) passes run on S columns instead of V.
+        """
+        compact = getattr(self.head, "expand_compact", None)
+        if compact is None:
+            return self.expand(tree, nodes), None
+        self._check_root(tree)
+        logits, head_ids = compact(tree, nodes)
+        q = logits.float().softmax(-1)
+        if head_ids is None:
+            return self._mix(q, tree, nodes, None).log(), None
+        support, cols = self._support(head_ids)
+        # [F, S] the head's q on the support's columns
+        wide = q.new_zeros(q.shape[0], support.numel())
+        wide[:, cols] = q
+        return self._mix(wide, tree, nodes, support).log(), support
+
+    def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
+        self.head.commit(path, tokens, features)
+        for t in tokens.tolist():
+            if self.config.adapt:
+                self._score(int(t))
+            self.index.extend([t])
+
+    @property
+    def history(self) -> list[int]:
+        return self.index.tokens
+
+    def lookup_votes(self, path: list[int]) -> tuple[int, dict[int, int]]:
+        """(match length n, votes) of the lookup after the root and ``path`` (tokens below it)."""
+        return self.index.votes(path)
+
+    # ------------------------------------------------------------------ internals
+    def _check_root(self, tree: PartialTree) -> None:
+        if not self.history or tree.tokens[0] != self.history[-1]:
+            raise ValueError("the tree's root is not the last committed token: call begin() before "
+                             "expand(), and commit() after every verified tree")
+        self.calls += 1
+
+    def _mix(self, q: torch.Tensor, tree: PartialTree, nodes: list[int], support: torch.Tensor | None) -> torch.Tensor:
+        """λ·v + (1 − λ)·q per row. q: FloatTensor[F, W], the head's q on W columns: token ids
+        (support None) or ``support``'s ids."""
+        keep = torch.ones(len(nodes), dtype=q.dtype)
+        rows: list[int] = []
+        toks: list[int] = []
+        mass: list[float] = []
+        for r, node in enumerate(nodes):
+            path = [tree.tokens[n] for n in tree.path_to(node)[1:]]  # the root is history[-1]
+            n, votes = self.index.votes(path)
+            if not votes:
+                continue
+            lam = self.weight(n)
+            total = sum(votes.values())
+            keep[r] = 1.0 - lam
+            rows += [r] * len(votes)
+            toks += list(votes)
+            mass += [lam * c / total for c in votes.values()]
+            self.lookup_nodes += lam > 0.0
+        # [F, W]: scale each row's head part, then add the lookup's point masses
+        mix = q * keep.to(q.device)[:, None]
+        if rows:
+            cols = torch.tensor(toks, device=q.device)
+            if support is not None:
+                cols = torch.searchsorted(support, cols).clamp_max(support.numel() - 1)
+                if not torch.equal(support[cols], torch.tensor(toks, device=q.device)):
+                    raise RuntimeError("a lookup token outside the compact support (a path token not "
+                                       "drawn from these columns?)")
+            index = (torch.tensor(rows, device=q.device), cols)
+            mix.index_put_(index, torch.tensor(mass, dtype=q.dtype, device=q.device), accumulate=True)
+        return mix
+
+    def _support(self, head_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(support LongTensor[S], cols LongTensor[Vd]): sorted draft ids ∪ committed tokens, and
+        where each draft id sits in it; cached until the history grows."""
+        key = (len(self.history), head_ids.data_ptr(), head_ids.numel())
+        if self._support_key != key or self._support_cache is None:
+            seen = torch.tensor(self.history, dtype=torch.long, device=head_ids.device)
+            support = torch.unique(torch.cat((head_ids.long(), seen)))  # sorted
+            self._support_cache = support, torch.searchsorted(support, head_ids.long())
+            self._support_key = key
+        return self._support_cache
+
+    def weight(self, n: int) -> float:
+        """λ at match length n: the prior ``weight`` or, adapting, the running hit rate."""
+        cfg = self.config
+        if not cfg.adapt:
+            return cfg.weight
+        return (self.hits[n] + cfg.weight * cfg.prior_strength) / (self.trials[n] + cfg.prior_strength)
+
+    def _score(self, token: int) -> None:
+        """Record whether the lookup's top vote on the committed text predicted ``token``."""
+        n, votes = self.index.votes([])
+        if votes:
+            self.trials[n] += 1
+            self.hits[n] += max(votes, key=votes.get) == token  # ties: the most recent follower
+
+
+@register_drafter("hybrid")
+def _hybrid_factory(target, head: "str | Drafter" = "eagle3", checkpoint: str | None = None,
+                    weight: float = 0.5, min_ngram: int = 2, max_ngram: int = 4,
+                    adapt: bool = True) -> HybridDrafter:
+    """Prompt lookup + a model head (a registered name, default the shipped eagle3, or a Drafter)."""
+    if isinstance(head, str):
+        if head == "hybrid" or head.startswith("lookup"):
+            raise ValueError(f"head={head!r}: the head must be a model drafter (e.g. 'eagle3', 'eagle', "
+                             f"'small'); the lookup is already the hybrid's other part")
+        from treespec.drafters import load_drafter
+
+        head = load_drafter(head, target, **({} if checkpoint is None else {"checkpoint": checkpoint}))
+    elif checkpoint is not None:
+        raise ValueError("checkpoint is only used with a head given by name; load the head yourself "
+                         "with that checkpoint instead")
+    return HybridDrafter(head, HybridConfig(min_ngram=min_ngram, max_ngram=max_ngram, weight=weight,
+                                            adapt=adapt))
+
+
+@register_drafter("lookup+eagle3")
+def _lookup_eagle3_factory(target, checkpoint: str | None = None) -> HybridDrafter:
+    """``hybrid`` with the eagle3 head, its defaults."""
+    return _hybrid_factory(target, "eagle3", checkpoint)
+
+
+@register_drafter("lookup+eagle")
+def _lookup_eagle_factory(target, checkpoint: str | None = None) -> HybridDrafter:
+    """``hybrid`` with the eagle head, its defaults."""
+    return _hybrid_factory(target, "eagle", checkpoint)
