@@ -315,3 +315,27 @@ def test_shipped_medusa_export_reproduces_draft_logits(tmp_path, smollm2) -> Non
     for tok in (11, 12, 13)[: drafter.heads.cfg.num_heads - 1]:
         nodes.append(tree.add(nodes[-1], tok))
     _same(drafter.expand(tree, nodes), vllm_medusa_logits(out, hs[last][-2])[: len(nodes)])
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_export_eagle3(tmp_path, capsys, smollm2) -> None:
+    from treespec.cli import main
+
+    out = tmp_path / "e3"
+    assert main(["export", "eagle3", "--out", str(out), "--dtype", "bfloat16"]) == 0
+    t = load_file(str(out / "model.safetensors"))
+    assert t["fc.weight"].dtype == torch.bfloat16 and t["lm_head.weight"].shape == (4096, 576)
+    assert (out / "model.safetensors").stat().st_mode == (out / "config.json").stat().st_mode
+    assert main(["export", "eagle3", "--out", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main(["export", "eagle3", "--out", str(out), "--force"]) == 0
+    assert load_file(str(out / "model.safetensors"))["fc.weight"].dtype == torch.float32
+
+
+def test_cli_refuses_sglang_before_loading(tmp_path, capsys) -> None:
+    from treespec.cli import main
+
+    assert main(["export", "eagle3", "--out", str(tmp_path / "x"), "--stack", "sglang"]) == 2
+    err = capsys.readouterr().err
+    assert "error: SGLang cannot run treespec's eagle3 head exactly" in err and "RMSNorm before fc" in err
+    assert not (tmp_path / "x").exists()

@@ -28,8 +28,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     from treespec.drafters import load_drafter
     from treespec.export import export_eagle3, export_medusa
 
-    if args.kind == "medusa" and args.stack != "vllm":
-        raise ValueError("--stack sglang: SGLang has no Medusa draft format; use --stack vllm")
+    from treespec.export import SGLANG_MISMATCH
+
+    if args.stack == "sglang":    # refused before loading anything
+        raise ValueError(SGLANG_MISMATCH if args.kind == "eagle3" else
+                         "--stack sglang: SGLang has no Medusa draft format; use --stack vllm")
     target = load_target(args.model, pack=False)
     drafter = load_drafter(args.kind, target, checkpoint=args.checkpoint)
     source = args.checkpoint or f"shipped {args.kind} checkpoint for {args.model}"

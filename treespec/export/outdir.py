@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 import torch
@@ -53,11 +53,13 @@ def write_export(out: Path, config: dict, tensors: dict[str, torch.Tensor], note
     """Write config.json, model.safetensors and the note into a sibling temporary directory,
     then move it to ``out`` (replacing a previous export there, see ``check_out``)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()                                   # (not mkdtemp: keep the umask's permissions)
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp / "model.safetensors",
-                  metadata={"format": "pt"})
+        weights = tmp / "model.safetensors"
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, weights, metadata={"format": "pt"})
+        weights.chmod((tmp / "config.json").stat().st_mode)   # safetensors writes 0600
         (tmp / NOTE).write_text(json.dumps(note, indent=1) + "\n")
         if out.exists():
             shutil.rmtree(out)
