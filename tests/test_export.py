@@ -91,6 +91,8 @@ class VllmEagle3:
         g = h + (F.silu(m @ w[p + "mlp.gate_proj.weight"].T) * (m @ w[p + "mlp.up_proj.weight"].T)) \
             @ w[p + "mlp.down_proj.weight"].T
         draft = _rms(g, w["norm.weight"], eps) @ w["lm_head.weight"].T       # (T, Vd)
+        if c["draft_vocab_size"] == c["vocab_size"]:                      # no map: identity
+            return draft, g
         full = torch.full((t, c["vocab_size"]), float("-inf"))
         full[:, torch.arange(c["draft_vocab_size"]) + w["d2t"]] = draft
         return full, g
@@ -208,13 +210,14 @@ def test_eagle3_export_layout(tmp_path) -> None:
 
 
 def test_eagle3_full_vocab_head_stores_target_order(tmp_path) -> None:
-    """Vd == V: vLLM ignores d2t (identity assumed), so the rows go in target order, d2t = 0."""
+    """Vd == V: vLLM keeps no d2t (identity assumed), so the rows go in target order, no d2t."""
     target = _tiny(2)
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
     drafter = random_feature_drafter(target, "eagle3", seed=2, draft_ids=perm)
     out = export_eagle3(target, drafter, tmp_path / "e3")
     t = load_file(str(out / "model.safetensors"))
-    assert torch.equal(t["d2t"], torch.zeros(64, dtype=torch.long))
+    assert "d2t" not in t and bool(t["t2d"].all())
+    assert torch.equal(t["lm_head.weight"], target.model.lm_head.weight)
     _check_eagle3(target, drafter, out, torch.tensor([3, 9, 27, 4]), chain=[int(perm[5])])
 
 

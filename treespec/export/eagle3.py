@@ -8,7 +8,8 @@ Glossary (the serving format's words):
     fc_norm      one RMSNorm per aux layer applied before ``fc`` (vLLM: config ``fc_norm: true``).
     midlayer     the draft's one Llama decoder layer; its attention reads
                  [input_layernorm(embed(x)) ‖ hidden_norm(f)] (2H wide) and its residual is f.
-    d2t          LongTensor[Vd]: target_id - draft_id (offsets, not ids: target = d2t[i] + i).
+    d2t          LongTensor[Vd]: target_id - draft_id (offsets, not ids: target = d2t[i] + i); left
+                 out when Vd == V (vLLM then assumes the identity and keeps no map).
     t2d          BoolTensor[V]: True at the target ids the draft vocabulary holds.
 
 Mapping (treespec ``Eagle3Head`` -> exported tensor), every step exact:
@@ -46,7 +47,8 @@ SGLANG_MISMATCH = (
     "RMSNorm before fc and skips checkpoint tensors it does not know without an error, so it would load "
     "this export and silently run fc on unnormalised target features - another drafter. treespec's "
     "eagle3 head normalises each target feature before fc, a nonlinear step no fc weight can absorb. "
-    "(SGLang also reads explicit eagle_aux_hidden_state_layer_ids one layer later than vLLM: it adds 1.) "
+    "(Its llama.py, read at commit 0023954, also reads explicit eagle3 layer ids one layer later than "
+    "vLLM does: it adds 1.) "
     "Export for vLLM (stack='vllm'), or train a head without feature norms for SGLang"
 )
 
@@ -92,12 +94,15 @@ def eagle3_tensors(drafter, dtype: torch.dtype | str = torch.float32) -> dict[st
     ids = head.d2t.detach().cpu().long()
     lm_head = head.trunk.lm_head.weight
     vocab = lm_head.shape[0]
-    if ids.numel() == vocab:
-        # vLLM ignores d2t when Vd == V (identity assumed): store the rows in target order instead.
+    full = ids.numel() == vocab
+    if full:
+        # vLLM keeps no d2t when Vd == V (identity assumed; a stored d2t would be an unknown
+        # tensor to its loader): the rows go in target order and d2t is left out.
         ids = torch.arange(vocab)
     out = {k: v.detach().to("cpu", dtype) for k, v in out.items()}
     out["lm_head.weight"] = lm_head.detach().index_select(0, ids.to(lm_head.device)).to("cpu", dtype)
-    out["d2t"] = ids - torch.arange(ids.numel())
+    if not full:
+        out["d2t"] = ids - torch.arange(ids.numel())
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[ids] = True
     out["t2d"] = t2d
