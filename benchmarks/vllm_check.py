@@ -65,6 +65,8 @@ def phase_treespec(args) -> None:
 def phase_vllm(args) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    import torch
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -84,7 +86,8 @@ def phase_vllm(args) -> None:
             drafts += m.value
         elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
             per_pos = [a + b for a, b in zip(per_pos, m.values)]
-    result = {"drafts": drafts, "accepted_per_pos": per_pos,
+    result = {"versions": f"vllm {vllm.__version__}, torch {torch.__version__}", "batch": len(outs),
+              "drafts": drafts, "accepted_per_pos": per_pos,
               "acceptance": [a / max(drafts, 1) for a in per_pos],
               "new_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": round(seconds, 1),
               "outputs": [list(o.outputs[0].token_ids) for o in outs]}
@@ -93,6 +96,8 @@ def phase_vllm(args) -> None:
 
 
 def phase_compare(args) -> int:
+    from treespec.fastpath import machine_info
+
     work = Path(args.work)
     ts = json.loads((work / "treespec.json").read_text())
     vl = json.loads((work / "vllm.json").read_text())
@@ -107,6 +112,17 @@ def phase_compare(args) -> int:
     gap = abs(ts["acceptance"][0] - vl["acceptance"][0])
     ok = vl["drafts"] > 0 and gap <= args.tol
     print(f"position-1 gap {gap:.3f} (tolerance {args.tol}): {'PASS' if ok else 'FAIL'}")
+    keep = ("drafts", "accepted_per_pos", "acceptance", "new_tokens", "seconds")
+    record = {"kind": ts["kind"], "prompts": len(ts["prompts"]), "max_new": ts["max_new"], "k": ts["k"],
+              "temperature": 0.0, "dtype": "float32", "vllm_versions": vl.get("versions"),
+              "machine": machine_info(), "threads": "1 (OMP_NUM_THREADS=1 in both stacks)",
+              "note": "vLLM ran the prompts together (batch 8), treespec one at a time: times are not a "
+                      "speed comparison",
+              "treespec": {k: ts[k] for k in keep}, "vllm": {k: vl[k] for k in keep},
+              "identical_outputs": same, "gap_position_1": gap, "tol": args.tol, "pass": ok}
+    if args.results:
+        Path(args.results).mkdir(parents=True, exist_ok=True)
+        (Path(args.results) / f"vllm_check_{ts['kind']}.json").write_text(json.dumps(record, indent=1) + "\n")
     return 0 if ok else 1
 
 
@@ -119,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--k", type=int, default=3, help="draft tokens per step (chain)")
     p.add_argument("--tol", type=float, default=0.05, help="largest position-1 acceptance gap")
+    p.add_argument("--results", default="benchmarks/results", help="compare: where to write the summary")
     args = p.parse_args(argv)
     args.work = args.work or f".cache/vllm-{args.kind}"
     Path(args.work).mkdir(parents=True, exist_ok=True)

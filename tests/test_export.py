@@ -62,7 +62,9 @@ class VllmEagle3:
         """hidden_states: HF tuple, each (T, H) -> (T, H)."""
         ids = sorted(set(self.cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]))
         eps = self.cfg["rms_norm_eps"]
-        chunks = [_rms(hidden_states[i].float(), self.w[f"fc_norm.{n}.weight"], eps) for n, i in enumerate(ids)]
+        chunks = [hidden_states[i].float() for i in ids]
+        if self.cfg.get("fc_norm", False):                                  # per-layer norm before fc
+            chunks = [_rms(x, self.w[f"fc_norm.{n}.weight"], eps) for n, x in enumerate(chunks)]
         return torch.cat(chunks, dim=-1) @ self.w["fc.weight"].T
 
     def step(self, tokens: torch.Tensor, f: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,17 +173,23 @@ def test_eagle3_export_reproduces_draft_logits(tmp_path, num_layers) -> None:
     _check_eagle3(target, drafter, out, prompt, chain=[ids[3], ids[10], ids[0]])
 
 
-def test_eagle3_reference_fails_on_a_wrong_tensor(tmp_path) -> None:
-    """The proof can fail: one perturbed tensor (or the fc blocks left in treespec's order) breaks it."""
+@pytest.mark.parametrize("break_it", ["fc blocks in treespec's layer order", "no fc_norm (as SGLang runs it)"])
+def test_eagle3_reference_fails_on_a_wrong_export(tmp_path, break_it) -> None:
+    """The proof can fail: fc's column blocks left in treespec's layer order (2, 1, 0), or the
+    per-layer norms skipped, as SGLang's loader would, both break it."""
     target = _tiny(2)
     drafter = random_feature_drafter(target, "eagle3", seed=5, draft_vocab=24)
     out = export_eagle3(target, drafter, tmp_path / "e3")
-    tensors = load_file(str(out / "model.safetensors"))
-    h = target.model.config.hidden_size
-    fc = tensors["fc.weight"]
-    tensors["fc.weight"] = torch.cat((fc[:, 2 * h:], fc[:, h:2 * h], fc[:, :h]), dim=1)   # treespec's order
-    from safetensors.torch import save_file
-    save_file(tensors, str(out / "model.safetensors"))
+    if break_it.startswith("fc"):
+        tensors = load_file(str(out / "model.safetensors"))
+        h = target.model.config.hidden_size
+        fc = tensors["fc.weight"]
+        tensors["fc.weight"] = torch.cat((fc[:, 2 * h:], fc[:, h:2 * h], fc[:, :h]), dim=1)
+        from safetensors.torch import save_file
+        save_file(tensors, str(out / "model.safetensors"))
+    else:
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**cfg, "fc_norm": False}))
     with pytest.raises(AssertionError):
         _check_eagle3(target, drafter, out, torch.tensor([1, 7, 33, 12, 5]), chain=[])
 
