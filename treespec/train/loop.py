@@ -367,6 +367,7 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
                                           "torch_rng": torch.get_rng_state(), "rank_rng": rngs if world.active else [],
                                           "step": step, "total": total, "elapsed": elapsed, "log": log,
                                           "tokens_seen": tokens_seen, "cpu_seconds": cpu_seconds, "parts": parts})
+        world.barrier()             # the file is complete before any rank may read it
 
     def export_curve(point: int) -> None:
         """A learning-curve checkpoint (fp16) with a card: tokens, steps, minutes, CPU-hours."""
@@ -381,9 +382,9 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
     def run_stats() -> dict:
         extract_cpu = source.cpu_per_token * tokens_seen
         return {"steps_done": step, "tokens_seen": tokens_seen, "train_minutes": round(elapsed / 60, 2),
-                "train_cpu_hours": round(cpu_seconds / 3600, 4),
-                "extraction_cpu_hours_share": round(extract_cpu / 3600, 4),
-                "cpu_hours": round((cpu_seconds + extract_cpu) / 3600, 4),
+                # CPU time of every process (training), and of the extraction of the tokens seen
+                "train_cpu_seconds": round(cpu_seconds, 2), "extraction_cpu_seconds": round(extract_cpu, 2),
+                "cpu_hours": round((cpu_seconds + extract_cpu) / 3600, 6),
                 "processes": world.world, "grad_accum": cfg.grad_accum,
                 "global_batch": parts * cfg.batch_size, "autocast": str(ac_dtype).removeprefix("torch."),
                 "autocast_reason": ac_why}
