@@ -242,3 +242,16 @@ def test_shard_only_options_need_shards(target, tmp_path):
         train_drafter("medusa", target, tmp_path, _cfg(tokens=100))
     with pytest.raises(ValueError, match="grad_accum"):
         train_drafter("medusa", target, tmp_path, _cfg(grad_accum=0))
+
+
+def test_cli_refuses_bad_budgets_before_loading_anything(tmp_path, capsys):
+    from treespec.train.cli import curve_points, main
+
+    assert main(["eagle3", "--out", str(tmp_path), "--tokens", "3M"]) == 2
+    assert "add --shards DIR" in capsys.readouterr().err
+    assert main(["eagle3", "--out", str(tmp_path), "--shards", str(tmp_path), "--tokens", "3Q"]) == 2
+    assert "--tokens '3Q' is not a token count" in capsys.readouterr().err
+    assert curve_points("5", 10_000_000) == log_points(10_000_000, 5)
+    assert curve_points("100k,1M", 0) == (100_000, 1_000_000)
+    with pytest.raises(ValueError, match="give --tokens"):
+        curve_points("5", 0)

@@ -220,6 +220,8 @@ def _packed(source: Source, cfg: ShardConfig, start_record: int, first_shard: in
             tokens_before: int) -> Iterator[tuple[int, list[Example], int]]:
     """(shard id, its examples, tokens before it) from ``start_record`` on, until ``cfg.tokens``."""
     s, rows, n, total = first_shard, [], 0, tokens_before
+    if total >= cfg.tokens:          # already there: do not even open the source
+        return
     for ex in source(start_record):
         if total >= cfg.tokens:
             return
