@@ -255,3 +255,26 @@ def test_cli_refuses_bad_budgets_before_loading_anything(tmp_path, capsys):
     assert curve_points("100k,1M", 0) == (100_000, 1_000_000)
     with pytest.raises(ValueError, match="give --tokens"):
         curve_points("5", 0)
+
+
+def test_regenerated_replies_are_the_targets_own_greedy_continuations(target, shards, tmp_path):
+    cfg = dataclasses.replace(shard_config(tokens=100), regenerate=0.0)
+    make_shards(target, tmp_path, cfg)
+    m = read_manifest(tmp_path)
+    assert m["config"]["regenerate"] == 0.0
+    ref = read_manifest(shards)["shards"][0]
+    r = m["shards"][0]
+    assert (r["first_record"], r["end_record"], r["source_tokens"]) == \
+        (ref["first_record"], ref["end_record"], ref["source_tokens"])        # same boundaries
+    x = load_file(tmp_path / "shard_00000.safetensors")
+    a, e, start = int(x["offsets"][0]), int(x["offsets"][1]), int(x["reply_start"][0])
+    seq = x["tokens"][a:e].tolist()
+    original = next(synthetic_source()(r["first_record"]))
+    assert seq[:start] == original.ids[:start] and len(seq) <= len(original.ids)
+    want = seq[:start]
+    with torch.no_grad():
+        while len(want) < len(seq):                                          # plain greedy decoding
+            want.append(int(target.model(torch.tensor([want])).logits[0, -1].argmax()))
+    assert seq == want and seq != original.ids
+    with pytest.raises(ValueError, match="regenerate"):
+        ShardConfig(regenerate=-1.0)

@@ -55,7 +55,7 @@ def prepare_shards(target, args, dist) -> None:
         return
     layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
     cfg = ShardConfig(tokens=want, shard_tokens=args.shard_tokens, max_len=args.max_len,
-                      **({"layers": layers} if layers else {}))
+                      regenerate=args.regenerate, **({"layers": layers} if layers else {}))
     if manifest is not None and (manifest["tokens"] >= want or manifest.get("exhausted")):
         return
     # ShareGPT records holding the held-out exchanges the cards are measured on are never trained on
@@ -137,6 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extract shards until they hold this many tokens (default: --tokens)")
     g.add_argument("--shard-tokens", type=int, default=1 << 16, help="tokens per shard")
     g.add_argument("--layers", default=None, help="target hidden_states indices to store (default 2,15,27,30)")
+    g.add_argument("--regenerate", type=float, default=None, metavar="T",
+                   help="replace ShareGPT's replies by the target's own at temperature T (0 = greedy), "
+                        "capped at the original reply's length (EAGLE-3 / HASS style; ~10x slower extraction)")
     g.add_argument("--curve", default=None,
                    help="learning-curve checkpoints: N log-spaced points up to --tokens, or a list (100k,1M,3M)")
     g.add_argument("--grad-accum", type=int, default=1,

@@ -73,8 +73,12 @@ class ShardConfig:
     layers: tuple[int, ...] = DEFAULT_LAYERS
     top_k: int = 32               # kept entries of the target's distribution per position
     heldout_reserve: int = 256    # held-out exchanges (from DataConfig.heldout_offset) never trained on
+    regenerate: float | None = None   # None: ShareGPT's replies; T >= 0: the target's own reply at
+                                      # temperature T (0 = greedy), as EAGLE-3 / HASS train (see regenerate)
 
     def __post_init__(self):
+        if self.regenerate is not None and (not isinstance(self.regenerate, (int, float)) or self.regenerate < 0):
+            raise ValueError(f"ShardConfig.regenerate must be None or a temperature >= 0, got {self.regenerate!r}")
         for name in ("tokens", "shard_tokens", "max_len", "top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -202,9 +206,29 @@ def _done_shards(directory: Path, manifest: dict | None, ident: dict) -> dict[in
     return done
 
 
+@torch.inference_mode()
+def regenerate(target, ex: Example, temperature: float) -> Example:
+    """``ex`` with its reply replaced by the target's own continuation of the prompt (greedy at
+    T = 0, else sampled with a seed per record), at most as long as the original reply: shard
+    boundaries are computed from the source alone, so every rank agrees on them without
+    generating; EOS ends a reply early (the shard then holds fewer tokens, as its record says)."""
+    prompt = ex.ids[: ex.reply_start]
+    eos = list(target.eos_token_ids)
+    kw = dict(max_new_tokens=len(ex.ids) - ex.reply_start, do_sample=temperature > 0, top_k=None, top_p=None,
+              repetition_penalty=None, temperature=temperature if temperature > 0 else None,
+              eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)
+    devices = [target.device] if target.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(ex.record)
+        out = target.model.generate(torch.tensor([prompt], device=target.device), **kw)
+    return Example(ex.record, prompt + out[0, len(prompt):].tolist(), ex.reply_start)
+
+
 def _compute_shard(target, cfg: ShardConfig, rows: list[Example], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     recs = []
     with autocast(target.device, dtype):
+        if cfg.regenerate is not None:
+            rows = [regenerate(target, ex, cfg.regenerate) for ex in rows]
         for ex in rows:
             recs.append(target_pass(target, ex.ids, cfg.layers, cfg.top_k))
     tensors = {k: torch.cat([r[k] for r in recs]).contiguous() for k in recs[0]}
@@ -277,7 +301,7 @@ def extract(target, cfg: ShardConfig, directory: str | os.PathLike, source: Sour
     while prefix in done:
         prefix += 1
     start = done[prefix - 1]["end_record"] if prefix else 0
-    before = sum(done[s]["tokens"] for s in range(prefix))
+    before = sum(done[s]["source_tokens"] for s in range(prefix))      # packing counts source tokens
     computed, skipped, last, total = [], [], prefix - 1, before
     bar = tqdm(desc=f"features (rank {rank})", unit="tok", unit_scale=True, disable=not progress,
                total=cfg.tokens, initial=before)
@@ -292,8 +316,9 @@ def extract(target, cfg: ShardConfig, directory: str | os.PathLike, source: Sour
             break
         t0, c0 = time.perf_counter(), time.process_time()
         tensors = _compute_shard(target, cfg, rows, dtype)
-        rec = {"sequences": len(rows), "tokens": n,
-               "reply_tokens": sum(len(ex.ids) - ex.reply_start for ex in rows),
+        n_stored = int(tensors["offsets"][-1])       # < n when regenerated replies ended early
+        rec = {"sequences": len(rows), "tokens": n_stored, "source_tokens": n,
+               "reply_tokens": n_stored - int(tensors["reply_start"].sum()),
                "first_record": rows[0].record, "end_record": rows[-1].record + 1,
                "wall_s": round(time.perf_counter() - t0, 3), "cpu_s": round(time.process_time() - c0, 3)}
         path = out / f"shard_{s:05d}.safetensors"
