@@ -139,7 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", default=None, help="target hidden_states indices to store (default 2,15,27,30)")
     g.add_argument("--regenerate", type=float, default=None, metavar="T",
                    help="replace ShareGPT's replies by the target's own at temperature T (0 = greedy), "
-                        "capped at the original reply's length (EAGLE-3 / HASS style; ~10x slower extraction)")
+                        "capped at the original reply's length (EAGLE-3 / HASS style; adds a generate call per sequence)")
     g.add_argument("--curve", default=None,
                    help="learning-curve checkpoints: N log-spaced points up to --tokens, or a list (100k,1M,3M)")
     g.add_argument("--grad-accum", type=int, default=1,
