@@ -147,12 +147,12 @@ def main() -> None:
               "heldout_sequences": args.heldout_sequences, "threads": args.threads, "temperature": 0.0}
     earlier = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else None
     points = earlier["points"] if earlier and earlier["config"] == config else []
-    done = {p["checksum"] for p in points}
+    done = {(p["run"], p["checkpoint"], p["checksum"]) for p in points}
     target = treespec.load_target("smollm2-135m")
     prompts = mtbench_questions()[: args.prompts]
     for path in checkpoints(args.runs):
         checksum = json.loads(path.with_suffix(".json").read_text())["checksum"]
-        if checksum in done:
+        if (path.parent.parent.name, path.name, checksum) in done:
             continue
         points.append(measure(path, target, args, prompts))
         result = {"config": config, "machine": machine_info(), "points": points}
