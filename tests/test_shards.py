@@ -235,6 +235,12 @@ def test_shard_training_resumes_exactly(target, shards, held, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="--grad-accum"):
         train_drafter("medusa", target, tmp_path / "b", _cfg(tokens=600), **kw)
+    grown = tmp_path / "grown"                   # the extraction grew since the state was saved
+    make_shards(target, grown, shard_config(tokens=300))
+    train_drafter("medusa", target, tmp_path / "c", cfg, interrupt_after=1, **{**kw, "shards": grown})
+    make_shards(target, grown)
+    with pytest.raises(ValueError, match="data order would change"):
+        train_drafter("medusa", target, tmp_path / "c", cfg, **{**kw, "shards": grown})
 
 
 def test_shard_only_options_need_shards(target, tmp_path):

@@ -155,7 +155,7 @@ def save_train_state(path: Path, st: dict) -> None:
             else:
                 scalars.setdefault(str(index), {})[name] = value
     meta = {k: st[k] for k in ("kind", "fingerprint", "step", "total", "elapsed", "log")}
-    meta.update({k: st[k] for k in ("tokens_seen", "cpu_seconds", "parts") if k in st})
+    meta.update({k: st[k] for k in ("tokens_seen", "cpu_seconds", "parts", "shards") if k in st})
     meta["optimizer"] = {"param_groups": st["optimizer"]["param_groups"], "scalars": scalars}
     tmp = path.with_suffix(".tmp")
     save_file(tensors, tmp, metadata={"treespec_train": json.dumps(meta)})
@@ -187,7 +187,7 @@ def load_train_state(path: Path) -> dict | None:
     return {**{k: meta[k] for k in ("kind", "fingerprint", "step", "total", "elapsed", "log")},
             "model": {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")},
             "optimizer": {"state": opt_state, "param_groups": meta["optimizer"]["param_groups"]},
-            **{k: meta[k] for k in ("tokens_seen", "cpu_seconds", "parts") if k in meta},
+            **{k: meta[k] for k in ("tokens_seen", "cpu_seconds", "parts", "shards") if k in meta},
             "rank_rng": [tensors[f"torch_rng.rank{r}"] for r in range(len(tensors))
                          if f"torch_rng.rank{r}" in tensors],
             "torch_rng": tensors["torch_rng"], "path": path}
@@ -214,6 +214,7 @@ class _Data:
     frequency: torch.Tensor        # LongTensor[V] target top-1 counts (EAGLE-3 vocabulary, KD set)
     card: dict                     # what the card records about the data
     mean_length: float = 0.0       # tokens per sequence (token-budget schedules)
+    shards: int = 0                # shard files streamed (0: the in-memory cache)
     cpu_per_token: float = 0.0     # extraction CPU seconds per token (learning-curve cost)
 
 
@@ -259,7 +260,7 @@ def _shard_data(target, shards, layers, parts: int, first_part: int, cfg: TrainC
             "source": f"{m['source']}: first user turn + first reply, chat template; features and top-"
                       f"{m['config']['top_k']} distributions from the target, streamed from shards"}
     return _Data(lambda step: [s.batch(step) for s in streams], full.frequency(target.vocab_size), card,
-                 sset.mean_length(cfg.max_len), m["cpu_seconds"] / max(m["tokens"], 1))
+                 sset.mean_length(cfg.max_len), len(sset), m["cpu_seconds"] / max(m["tokens"], 1))
 
 
 def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = TrainConfig(),
@@ -342,6 +343,10 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
             raise ValueError(f"{st['path']} was trained with {st['parts']} parts per step (world size x "
                              f"--grad-accum) and this run has {parts}; keep the global batch: choose "
                              f"--grad-accum so that processes x grad-accum = {st['parts']}")
+        if st.get("shards", 0) != source.shards:
+            raise ValueError(f"{st['path']} was trained on {st.get('shards', 0)} feature shards and --shards now "
+                             f"holds {source.shards}: the data order would change. Start a new --out (warm start "
+                             "with --init-from) instead of resuming")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
         rngs = st.get("rank_rng") or []
@@ -366,7 +371,8 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
                                           "model": model.state_dict(), "optimizer": opt.state_dict(),
                                           "torch_rng": torch.get_rng_state(), "rank_rng": rngs if world.active else [],
                                           "step": step, "total": total, "elapsed": elapsed, "log": log,
-                                          "tokens_seen": tokens_seen, "cpu_seconds": cpu_seconds, "parts": parts})
+                                          "tokens_seen": tokens_seen, "cpu_seconds": cpu_seconds, "parts": parts,
+                                          "shards": source.shards})
         world.barrier()             # the file is complete before any rank may read it
 
     def export_curve(point: int) -> None:
