@@ -267,7 +267,7 @@ def test_regenerated_replies_are_the_targets_own_greedy_continuations(target, sh
     cfg = dataclasses.replace(shard_config(tokens=100), regenerate=0.0)
     make_shards(target, tmp_path, cfg)
     m = read_manifest(tmp_path)
-    assert m["config"]["regenerate"] == 0.0
+    assert m["config"]["regenerate"] == 0.0 and "regenerate" not in read_manifest(shards)["config"]
     ref = read_manifest(shards)["shards"][0]
     r = m["shards"][0]
     assert (r["first_record"], r["end_record"], r["source_tokens"]) == \

@@ -286,6 +286,8 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         raise KeyError(f"unknown drafter kind {kind!r}; trainable kinds: {', '.join(KINDS)}")
     if not isinstance(cfg.grad_accum, int) or cfg.grad_accum < 1:
         raise ValueError(f"grad_accum must be an int >= 1, got {cfg.grad_accum!r}")
+    if not (cfg.tokens or cfg.steps or cfg.minutes > 0):
+        raise ValueError("TrainConfig needs a budget: minutes > 0, steps or tokens")
     world = Dist.current()
     if shards is None and (world.active or cfg.tokens or cfg.grad_accum != 1 or cfg.curve):
         raise ValueError("a token budget, learning-curve points, --grad-accum and torchrun read feature shards: "

@@ -85,8 +85,10 @@ class ShardConfig:
                 raise ValueError(f"ShardConfig.{name} must be a positive int, got {value!r}")
 
     def key(self) -> dict:
-        """The fields a resumed extraction must share (``tokens`` may grow: it extends)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "tokens"}
+        """The fields a resumed extraction must share (``tokens`` may grow: it extends). Optional
+        modes are left out while off, so directories made before a mode existed stay valid."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()
+                if k != "tokens" and not (k == "regenerate" and v is None)}
 
     def exchange_config(self) -> DataConfig:
         return DataConfig(max_len=self.max_len, user_tokens=self.user_tokens, min_response=self.min_response)
@@ -301,7 +303,7 @@ def extract(target, cfg: ShardConfig, directory: str | os.PathLike, source: Sour
     while prefix in done:
         prefix += 1
     start = done[prefix - 1]["end_record"] if prefix else 0
-    before = sum(done[s]["source_tokens"] for s in range(prefix))      # packing counts source tokens
+    before = sum(done[s].get("source_tokens", done[s]["tokens"]) for s in range(prefix))  # packing: source tokens
     computed, skipped, last, total = [], [], prefix - 1, before
     bar = tqdm(desc=f"features (rank {rank})", unit="tok", unit_scale=True, disable=not progress,
                total=cfg.tokens, initial=before)
