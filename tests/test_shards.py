@@ -284,3 +284,46 @@ def test_regenerated_replies_are_the_targets_own_greedy_continuations(target, sh
     assert seq == want and seq != original.ids
     with pytest.raises(ValueError, match="regenerate"):
         ShardConfig(regenerate=-1.0)
+
+
+class _CharTokenizer:
+    """Characters as ids, with a one-line chat template (enough for the exchange filter)."""
+
+    chat_template = "user: {text}\nassistant: "
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids) -> str:
+        return "".join(map(chr, ids))
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        return self(self.chat_template.format(text=messages[0]["content"]))["input_ids"]
+
+
+def test_sharegpt_source_first_or_all_exchanges_with_offsets(monkeypatch):
+    import treespec.data
+    from treespec.data import Conversation
+    from treespec.train.shards import PAIR_STRIDE, sharegpt_source
+
+    reply = "r" * 40
+    convs = [Conversation("a", (("user", "q0"), ("assistant", reply), ("user", "q1"), ("assistant", reply))),
+             Conversation("b", (("user", "q2"), ("assistant", "short"))),                 # reply too short
+             Conversation("c", (("user", "q3"), ("assistant", reply), ("user", "q4"), ("assistant", reply)))]
+    monkeypatch.setattr(treespec.data, "sharegpt_conversations", lambda min_turns: iter(convs))
+    tok = _CharTokenizer()
+
+    def users(cfg, start=0, exclude=(0, 0)):
+        return [(ex.record, tok.decode(ex.ids[: ex.reply_start])) for ex in sharegpt_source(tok, cfg, exclude)(start)]
+
+    first = ShardConfig(min_response=20)         # "short" + "<|im_end|>" = 15 characters
+    assert [r for r, _ in users(first)] == [0, 2] and "q3" in users(first)[1][1]
+    everything = dataclasses.replace(first, exchanges="all")
+    got = users(everything)
+    assert [r for r, _ in got] == [0, 1, 2 * PAIR_STRIDE, 2 * PAIR_STRIDE + 1]
+    assert [u.split()[1] for _, u in got] == ["q0", "q1", "q3", "q4"]
+    assert [r for r, _ in users(everything, start=1)] == [1, 2 * PAIR_STRIDE, 2 * PAIR_STRIDE + 1]   # resume
+    assert [r for r, _ in users(everything, exclude=(2, 3))] == [0, 1]             # held-out conversations
+    assert "exchanges" not in first.key() and everything.key()["exchanges"] == "all"
+    with pytest.raises(ValueError, match="exchanges"):
+        ShardConfig(exchanges="some")

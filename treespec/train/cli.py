@@ -55,7 +55,8 @@ def prepare_shards(target, args, dist) -> None:
         return
     layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
     cfg = ShardConfig(tokens=want, shard_tokens=args.shard_tokens, max_len=args.max_len,
-                      regenerate=args.regenerate, **({"layers": layers} if layers else {}))
+                      regenerate=args.regenerate, exchanges=args.exchanges,
+                      **({"layers": layers} if layers else {}))
     if manifest is not None and (manifest["tokens"] >= want or manifest.get("exhausted")):
         return
     # ShareGPT records holding the held-out exchanges the cards are measured on are never trained on
@@ -65,7 +66,10 @@ def prepare_shards(target, args, dist) -> None:
             autocast_mode=args.autocast, rank=dist.rank, world=dist.world, progress=True)
     dist.barrier()
     if dist.main:
-        finalize(args.shards)
+        manifest = finalize(args.shards)
+        if manifest["exhausted"]:
+            print(f"warning: ShareGPT ran out at {manifest['tokens']:,} tokens (< {want:,}); training repeats the "
+                  "shards (epochs). --exchanges all or a larger --max-len hold more", file=sys.stderr)
     dist.barrier()
 
 
@@ -137,6 +141,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extract shards until they hold this many tokens (default: --tokens)")
     g.add_argument("--shard-tokens", type=int, default=1 << 16, help="tokens per shard")
     g.add_argument("--layers", default=None, help="target hidden_states indices to store (default 2,15,27,30)")
+    g.add_argument("--exchanges", default="first", choices=("first", "all"),
+                   help="ShareGPT exchanges per conversation: its first (~3.9 M tokens in all at --max-len 256) "
+                        "or every user -> assistant pair (~12 M)")
     g.add_argument("--regenerate", type=float, default=None, metavar="T",
                    help="replace ShareGPT's replies by the target's own at temperature T (0 = greedy), "
                         "capped at the original reply's length (EAGLE-3 / HASS style; adds a generate call per sequence)")

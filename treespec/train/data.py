@@ -64,11 +64,11 @@ def _mostly_ascii(text: str, share: float = 0.97) -> bool:
     return bool(text) and sum(c.isascii() for c in text) >= share * len(text)
 
 
-def exchange_of(tokenizer, cfg: DataConfig, conv) -> tuple[list[int], int] | None:
-    """(token ids, index of the first reply token) of one conversation, or None if it does not
-    qualify (not user -> assistant, not mostly ASCII, or a reply shorter than ``min_response``)."""
-    (r0, user), (r1, reply) = conv.turns[0], conv.turns[1]
-    if r0 != "user" or r1 != "assistant" or not (_mostly_ascii(user) and _mostly_ascii(reply)):
+def exchange_ids(tokenizer, cfg: DataConfig, user: str, reply: str) -> tuple[list[int], int] | None:
+    """(token ids, index of the first reply token) of one user -> assistant exchange through the
+    chat template, or None if it does not qualify (not mostly ASCII, or a reply shorter than
+    ``min_response`` tokens once cut to ``max_len``)."""
+    if not (_mostly_ascii(user) and _mostly_ascii(reply)):
         return None
     user_ids = tokenizer(user, add_special_tokens=False)["input_ids"][: cfg.user_tokens]
     prompt = chat_prompt(tokenizer, tokenizer.decode(user_ids))
@@ -77,6 +77,14 @@ def exchange_of(tokenizer, cfg: DataConfig, conv) -> tuple[list[int], int] | Non
     if len(ids) - len(prompt) < cfg.min_response:
         return None
     return ids, len(prompt)
+
+
+def exchange_of(tokenizer, cfg: DataConfig, conv) -> tuple[list[int], int] | None:
+    """The first exchange of a conversation (turns 0 and 1), or None if it does not qualify."""
+    (r0, user), (r1, reply) = conv.turns[0], conv.turns[1]
+    if r0 != "user" or r1 != "assistant":
+        return None
+    return exchange_ids(tokenizer, cfg, user, reply)
 
 
 def indexed_exchanges(tokenizer, cfg: DataConfig, start_record: int = 0) -> Iterator[tuple[int, list[int], int]]:

@@ -73,10 +73,14 @@ class ShardConfig:
     layers: tuple[int, ...] = DEFAULT_LAYERS
     top_k: int = 32               # kept entries of the target's distribution per position
     heldout_reserve: int = 256    # held-out exchanges (from DataConfig.heldout_offset) never trained on
+    exchanges: str = "first"      # "first": each conversation's first user turn + reply; "all": every
+                                  # user -> assistant pair as its own sequence (no earlier turns)
     regenerate: float | None = None   # None: ShareGPT's replies; T >= 0: the target's own reply at
                                       # temperature T (0 = greedy), as EAGLE-3 / HASS train (see regenerate)
 
     def __post_init__(self):
+        if self.exchanges not in ("first", "all"):
+            raise ValueError(f"ShardConfig.exchanges must be 'first' or 'all', got {self.exchanges!r}")
         if self.regenerate is not None and (not isinstance(self.regenerate, (int, float)) or self.regenerate < 0):
             raise ValueError(f"ShardConfig.regenerate must be None or a temperature >= 0, got {self.regenerate!r}")
         for name in ("tokens", "shard_tokens", "max_len", "top_k"):
@@ -88,7 +92,7 @@ class ShardConfig:
         """The fields a resumed extraction must share (``tokens`` may grow: it extends). Optional
         modes are left out while off, so directories made before a mode existed stay valid."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()
-                if k != "tokens" and not (k == "regenerate" and v is None)}
+                if k != "tokens" and (k, v) not in (("regenerate", None), ("exchanges", "first"))}
 
     def exchange_config(self) -> DataConfig:
         return DataConfig(max_len=self.max_len, user_tokens=self.user_tokens, min_response=self.min_response)
@@ -133,14 +137,37 @@ def heldout_records(tokenizer, heldout: DataConfig, reserve: int) -> tuple[int, 
     raise ValueError("ShareGPT has fewer exchanges than the held-out offset + reserve")
 
 
+PAIR_STRIDE = 1000   # exchanges="all": source offset = conversation index x 1000 + pair index
+
+
 def sharegpt_source(tokenizer, cfg: ShardConfig, exclude: tuple[int, int]) -> Source:
-    """ShareGPT exchanges (first user turn + first reply, chat template), skipping records in ``exclude``."""
+    """ShareGPT exchanges through the chat template, skipping the conversations in ``exclude``
+    (indices among the conversations with >= 2 turns, in file order). ``cfg.exchanges == "first"``:
+    one per conversation, offset = the conversation's index; ``"all"``: every user -> assistant
+    pair (turns i, i + 1), offset = conversation x :data:`PAIR_STRIDE` + the pair's index."""
+    from treespec.data import sharegpt_conversations
+    from treespec.train.data import exchange_ids, exchange_of
+
     data = cfg.exchange_config()
+    stride = PAIR_STRIDE if cfg.exchanges == "all" else 1
+
+    def pairs(conv):
+        if cfg.exchanges == "first":
+            yield exchange_of(tokenizer, data, conv)
+            return
+        for (r0, user), (r1, reply) in zip(conv.turns, conv.turns[1:]):
+            if (r0, r1) == ("user", "assistant"):
+                yield exchange_ids(tokenizer, data, user, reply)
 
     def stream(start: int) -> Iterator[Example]:
-        for record, ids, reply_start in indexed_exchanges(tokenizer, data, start):
-            if not exclude[0] <= record < exclude[1]:
-                yield Example(record, ids, reply_start)
+        for index, conv in enumerate(sharegpt_conversations(min_turns=2)):
+            if (index + 1) * stride <= start or exclude[0] <= index < exclude[1]:
+                continue            # skipped without tokenising
+            for pair, row in enumerate(pairs(conv)):
+                if pair >= stride:
+                    raise ValueError(f"ShareGPT conversation {conv.id} has over {stride} exchanges")
+                if row is not None and index * stride + pair >= start:
+                    yield Example(index * stride + pair, row[0], row[1])
 
     return stream
 
