@@ -11,17 +11,17 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from treespec.drafters.base import PartialTree, TargetFeatures
 from treespec.drafters.eagle import random_feature_drafter
 from treespec.drafters.medusa import random_medusa
 from treespec.models import tiny_target
-from treespec.train.data import Batch, DataConfig, _chunk, cache_dir, load_chunks, make_batch, target_pass
+from treespec.train.data import Batch, DataConfig, cache_dir, load_chunks, make_batch, target_pass
 from treespec.train.loop import TrainConfig, heldout_of_checkpoint, train_drafter
 from treespec.train.objectives import depth_view, topk_kd, ttt_unroll
 from treespec.train.recipes import KINDS, RecipeConfig
 
+from _shards import synthetic_cache
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 V = 32
@@ -136,27 +136,14 @@ def test_topk_kd_is_cross_entropy_on_representable_ids():
 
 
 # ---------------------------------------------------------------------------------- runs
-def _synthetic_cache(target, cfg: DataConfig, root, seed: int) -> None:
-    """Random-token 'exchanges' with the tiny target's features, written like build_cache does."""
-    g = torch.Generator().manual_seed(seed)
-    out = cache_dir(target, cfg, root)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for _ in range(cfg.sequences):
-        n = int(torch.randint(20, 33, (1,), generator=g))
-        rows.append((torch.randint(3, V, (n,), generator=g).tolist(), 6))
-    for c in range(0, cfg.sequences, cfg.chunk_size):
-        save_file(_chunk(target, cfg, rows[c:c + cfg.chunk_size]), out / f"chunk_{c // cfg.chunk_size:05d}.safetensors")
-
-
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("cache")
     target = tiny_target(vocab_size=V, seed=0)
     data = DataConfig(split="train", sequences=16, max_len=32, layers=LAYERS, top_k=8, chunk_size=8)
     held = DataConfig(split="heldout", sequences=8, max_len=32, layers=LAYERS, top_k=8, chunk_size=8)
-    _synthetic_cache(target, data, root, 0)
-    _synthetic_cache(target, held, root, 1)
+    synthetic_cache(target, data, root, 0)
+    synthetic_cache(target, held, root, 1)
     return target, data, held, root
 
 

@@ -1,10 +1,14 @@
 """Drafter training on the target's own features and distributions.
 
     data        ShareGPT exchanges -> cached target features + top-k distributions (chunked)
+    shards      the same, streamed into fixed-size shards with a manifest (resumable, per rank),
+                and read back as bounded-memory data streams
+    dist        torchrun process group (gloo / NCCL) and the few collectives the loop uses
     objectives  unrolls (TTT, sequential), top-k distillation loss, held-out depth metrics
     recipes     one recipe per drafter: build / loss / metrics / export (loss choices explained)
     loop        the seeded, resumable, time-budgeted loop; checkpoint + card
-    cli         ``treespec train {eagle,eagle3,medusa,mtp,small} --minutes N --out DIR``
+    cli         ``treespec train {eagle,eagle3,medusa,mtp,small} --minutes N --out DIR`` (or
+                ``--shards DIR --tokens 10M --curve 5``); ``torchrun ... -m treespec.train ...``
 """
 
 from treespec.train.data import DataConfig, build_cache

