@@ -6,10 +6,10 @@ is the root), ``slots`` tree node -> cache column. All requests share one stock
 ``DynamicCache`` of batch B (row b = ``keys[b]``, see ``treespec.drafters.batched``): a call
 appends max F_b positions to every row (4-D mask over the row's own columns, positions per
 row), then each row's F_b new columns move right after its ``used`` ones, so every row stays
-laid out exactly as the single drafter's cache. ``begin`` prefills a joining request's prompt (all but the
-root) in a forward of its own and appends it as a row, so a long prompt is never padded across
-the other rows. ``commit`` moves the kept slots (root and
-accepted nodes that were fed) after the prefix; ``drop`` removes the row.
+laid out exactly as the single drafter's cache. ``begin`` prefills a joining request's prompt
+(all but the root) in a forward of its own and appends it as a row, so a long prompt is never
+padded across the other rows. ``commit`` moves the kept slots (root and accepted nodes that
+were fed) after the prefix; ``drop`` removes the row.
 """
 
 from __future__ import annotations
