@@ -6,8 +6,10 @@ is the root), ``slots`` tree node -> cache column. All requests share one stock
 ``DynamicCache`` of batch B (row b = ``keys[b]``, see ``treespec.drafters.batched``): a call
 appends max F_b positions to every row (4-D mask over the row's own columns, positions per
 row), then each row's F_b new columns move right after its ``used`` ones, so every row stays
-laid out exactly as the single drafter's cache. ``commit`` moves the kept slots (root and
-accepted nodes that were fed) after the prefix; ``drop`` removes the row.
+laid out exactly as the single drafter's cache. ``begin`` prefills a joining request's prompt
+(all but the root) in a forward of its own and appends it as a row, so a long prompt is never
+padded across the other rows. ``commit`` moves the kept slots (root and accepted nodes that
+were fed) after the prefix; ``drop`` removes the row.
 """
 
 from __future__ import annotations
@@ -56,12 +58,23 @@ class BatchModelDrafter:
         self.calls = 0
 
     # ------------------------------------------------------------------ protocol
+    @torch.inference_mode()
     def begin(self, key: Key, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
+        """A request joins: prompt_ids[:-1] go through a forward of their own (so a long prompt
+        is not padded across every row of the next call) and become a new row; the root is
+        fed with the first expansion, as the single drafter feeds its last pending token."""
         if key in self.rows:
             raise ValueError(f"request {key!r} was already begun")
-        self._each_kv(lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])]))
+        ids = [int(t) for t in prompt_ids.tolist()]
+        own = DynamicCache(config=self.model.config)
+        if len(ids) > 1:                # a prefill, not a drafting round: not in ``calls``
+            extra = {"logits_to_keep": 1} if self.slices_logits else {}
+            self.model(input_ids=torch.tensor([ids[:-1]], device=self.device), cache=own, use_cache=True,
+                       **extra)
+        self._append_row(own)
         self.keys.append(key)
-        self.rows[key] = _Row(pending=[int(t) for t in prompt_ids.tolist()])
+        n = len(ids) - 1
+        self.rows[key] = _Row(prefix=n, pending=ids[-1:], used=n)
 
     @torch.inference_mode()
     def expand_batch(self, calls: Sequence[DraftCall]) -> list[DraftAnswer]:
@@ -166,6 +179,27 @@ class BatchModelDrafter:
             sees.append(cols)
         return RowInputs([tree.tokens[n] for n in nodes], [row.prefix + tree.depth[n] for n in nodes],
                          row.prefix, sees)
+
+    def _append_row(self, own: DynamicCache) -> None:
+        """Append a batch-1 cache as the last row, both sides zero-padded to the longer length."""
+        b = len(self.keys)
+        for mine, theirs in zip(self.cache.layers, own.layers):
+            if not mine.is_initialized and not theirs.is_initialized:
+                continue
+            ref = (mine if mine.is_initialized else theirs).keys
+            width = max(x.keys.shape[2] for x in (mine, theirs) if x.is_initialized)
+
+            def padded(layer, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                if not layer.is_initialized:
+                    z = ref.new_zeros(rows, ref.shape[1], width, ref.shape[3])
+                    return z, z.clone()
+                pad = (0, 0, 0, width - layer.keys.shape[2])
+                return (torch.nn.functional.pad(layer.keys, pad), torch.nn.functional.pad(layer.values, pad))
+
+            (mk, mv), (tk, tv) = padded(mine, b), padded(theirs, 1)
+            if not mine.is_initialized:
+                mine.lazy_initialization(tk, tv)
+            mine.keys, mine.values = torch.cat([mk, tk]), torch.cat([mv, tv])
 
     def _initialized(self) -> bool:
         return any(layer.is_initialized for layer in self.cache.layers)

@@ -10,7 +10,7 @@ Glossary (see ``treespec.drafters.base`` for committed / features / frontier):
     call       ``(key, tree, nodes)``: what one request's builder asks for (``ExpandCall``).
 
 Lifecycle (the single-request one, per key, with the requests of a step batched together):
-    begin(key, prompt_ids, features)            a request joins (no forward yet)
+    begin(key, prompt_ids, features)            a request joins (a model drafter prefills it)
     expand_batch([(key, tree, nodes), ...])     ONE drafter forward for every call
         -> [(logits [F_i, Vd], ids [Vd] | None), ...]   as ``expand_compact`` would give alone
     commit(key, path, tokens, features)         after verification, as ``Drafter.commit``
