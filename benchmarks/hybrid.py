@@ -12,15 +12,21 @@ T = 1. The full configuration is 20 prompts x 128 tokens:
     python benchmarks/hybrid.py --prompts 2 --max-new-tokens 16 --out /tmp/hybrid   # smoke
     python benchmarks/hybrid.py --resume benchmarks/results/hybrid.json  # continue a cut-short run
 
-Writes benchmarks/results/hybrid.{json,md} (or --out). Every drafters.py option works here.
+Writes benchmarks/results/hybrid.{json,md} (or --out), the machine (``machine_info()``: CPU
+model, flags, threads) recorded in both by drafters.py's report. Every drafters.py option works here.
 """
 
 from __future__ import annotations
 
+import sys
+
 from drafters import RESULTS, main
+
+from treespec.fastpath import machine_info, machine_line
 
 DEFAULTS = dict(prompts=20, drafters="lookup,eagle3,hybrid", trees="chain4,best16,best64",
                 out=str(RESULTS / "hybrid"))
 
 if __name__ == "__main__":
+    print(f"[{machine_line(machine_info())}]", file=sys.stderr, flush=True)  # also in the results
     main(__doc__, DEFAULTS, full_prompts=20, title="Hybrid drafter (lookup + eagle3) against its parts, SmolLM2-135M")
