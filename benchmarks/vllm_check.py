@@ -32,6 +32,7 @@ def phase_treespec(args) -> None:
     from treespec import SpeculativeGenerator, load_drafter, load_target
     from treespec.data import chat_prompt, mtbench_questions
     from treespec.export import export_eagle3, export_medusa
+    from treespec.fastpath import machine_info
     from treespec.models import default_cache_root, gguf_fingerprint, smollm2_gguf_path
     from treespec.trees import ChainBuilder
 
@@ -56,7 +57,8 @@ def phase_treespec(args) -> None:
     result = {"kind": args.kind, "target_dir": str(target_dir), "draft_dir": str(work / args.kind), "k": args.k,
               "max_new": args.max_new, "prompts": prompts, "drafts": attempts[0],
               "accepted_per_pos": accepts, "acceptance": [a / max(attempts[0], 1) for a in accepts],
-              "new_tokens": new, "seconds": round(time.perf_counter() - t0, 1), "outputs": outputs}
+              "new_tokens": new, "seconds": round(time.perf_counter() - t0, 1), "outputs": outputs,
+              "machine": machine_info()}
     (work / "treespec.json").write_text(json.dumps(result) + "\n")
     print(f"treespec: acceptance by position {[round(x, 3) for x in result['acceptance']]} "
           f"({attempts[0]} drafts)")
@@ -96,8 +98,6 @@ def phase_vllm(args) -> None:
 
 
 def phase_compare(args) -> int:
-    from treespec.fastpath import machine_info
-
     work = Path(args.work)
     ts = json.loads((work / "treespec.json").read_text())
     vl = json.loads((work / "vllm.json").read_text())
@@ -115,7 +115,8 @@ def phase_compare(args) -> int:
     keep = ("drafts", "accepted_per_pos", "acceptance", "new_tokens", "seconds")
     record = {"kind": ts["kind"], "prompts": len(ts["prompts"]), "max_new": ts["max_new"], "k": ts["k"],
               "temperature": 0.0, "dtype": "float32", "vllm_versions": vl.get("versions"),
-              "machine": machine_info(), "threads": "1 (OMP_NUM_THREADS=1 in both stacks)",
+              "machine": ts["machine"], "threads": "1: torch.set_num_threads(1) in treespec, OMP_NUM_THREADS=1 "
+                                                    "in both",
               "note": "vLLM ran the prompts together (batch 8), treespec one at a time: times are not a "
                       "speed comparison",
               "treespec": {k: ts[k] for k in keep}, "vllm": {k: vl[k] for k in keep},
