@@ -1,7 +1,8 @@
 """Batch benchmark: total tokens/s against the batch size, speculation vs batched plain decoding.
 
 For each B in --batch-sizes (default 1, 2, 4, 8, 16) and each temperature (T = 0 greedy, T = 1
-seeded), disjoint groups of B MT-bench first turns (chat template; groups = max(1, prompts // B))
+seeded), disjoint groups of B MT-bench first turns (chat template; groups = max(1, prompts // B),
+at most --max-groups)
 are decoded to --max-new-tokens each (EOS stops a request early), by:
 - HF generate (batched): the stock fp32 model, left-padded, one ``generate`` call per group;
 - treespec none: the server with a root-only tree (no speculation): the batched loop's overhead;
@@ -246,6 +247,8 @@ def main() -> None:
     ap.add_argument("--chain-k", type=int, default=3)
     ap.add_argument("--budgets", default="8,16", help="fixed tree budgets (nodes incl. the root)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-groups", type=int, default=0,
+                    help="at most this many groups per B (0: all); B = 1 then times fewer prompts than B = 16")
     ap.add_argument("--note", default="")
     ap.add_argument("--resume", action="store_true", help="continue the run saved at --out")
     ap.add_argument("--out", default=str(RESULTS / "batch"))
@@ -285,7 +288,10 @@ def main() -> None:
     for r in rows[1:]:
         treespec_group(packed, drafter, builder_of(r, args), warm, 4, 0.0, 0, cal)
     for b in sizes:
-        groups = [prompts[g * b:(g + 1) * b] for g in range(max(1, len(prompts) // b))]
+        n_groups = max(1, len(prompts) // b)
+        if args.max_groups:
+            n_groups = min(n_groups, args.max_groups)
+        groups = [prompts[g * b:(g + 1) * b] for g in range(n_groups)]
         groups = [g if len(g) == b else (g * b)[:b] for g in groups]      # fewer prompts than B: repeat
         for temp in temps:
             cells = data["rows"][temp][str(b)]

@@ -164,6 +164,17 @@ def test_avx2_only_cpu_gets_no_bf16_packing() -> None:
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
+def test_fp32_packing_starts_where_each_cpu_kind_gains() -> None:
+    """The row count from which packed fp32 is used follows the CPU (measured per kind, see
+    ``fastpath.FP32_MIN_ROWS``): 4 on AVX-512 parts, 2 on AVX2-only ones."""
+    for cpu, rows in ((AMX, 4), (AVX2_ONLY, 2)):
+        model = small_llama()
+        report = pack_linears(model, cpu=cpu)
+        layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        assert layers and {m.min_rows for m in layers} == {rows}
+        assert f">= {rows} rows" in report.reason
+
+
 def test_packing_is_skipped_where_it_does_not_apply() -> None:
     assert pack_linears(small_llama(), enabled=False).path == "stock"
     fp16 = small_llama(dtype=torch.float16)
