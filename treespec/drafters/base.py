@@ -125,6 +125,19 @@ def tree_slot_mask(tree: PartialTree, nodes: list[int], slots: dict[int, int], c
     return allowed
 
 
+def fused_slots(head, layers: tuple[int, ...], device: torch.device, dtype: torch.dtype, tokens: list[int],
+                features: TargetFeatures) -> torch.Tensor | None:
+    """A feature head's fused inputs [n, H] for committed slots (tokens[i], feature row i of
+    ``features`` at target ``layers``), or None when there are none. Shared by the single and
+    the batched feature drafters."""
+    if features.length != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens but {features.length} feature rows")
+    if not tokens:
+        return None
+    with torch.inference_mode():
+        return head.fuse({l: features.hidden[l].to(device, dtype) for l in layers})
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """Anything that proposes next-token distributions cheaply (see the module docstring).

@@ -19,9 +19,9 @@ from typing import Sequence
 
 import torch
 
-from treespec.drafters.base import PartialTree, TargetFeatures
+from treespec.drafters.base import PartialTree, TargetFeatures, fused_slots
 from treespec.drafters.batched import (
-    DraftAnswer, DraftCall, Key, RowInputs, batch_inputs, check_calls,
+    DraftAnswer, DraftCall, Key, RowInputs, ancestor_columns, batch_inputs, check_calls,
 )
 
 
@@ -145,13 +145,9 @@ class BatchFeatureDrafter:
 
     def _queue(self, row: _Row, tokens: list[int], features: TargetFeatures) -> None:
         """Queue committed slots (tokens[i], feature row i), fed at the next root expansion."""
-        if features.length != len(tokens):
-            raise ValueError(f"{len(tokens)} tokens but {features.length} feature rows")
-        if not tokens:
+        feats = fused_slots(self.head, self.target_layers, self.device, self.dtype, tokens, features)
+        if feats is None:
             return
-        with torch.inference_mode():
-            hidden = {l: features.hidden[l].to(self.device, self.dtype) for l in self.target_layers}
-            feats = self.head.fuse(hidden)
         row.pending_tokens += tokens
         row.pending_feats = feats if row.pending_feats is None else torch.cat((row.pending_feats, feats))
 
@@ -175,13 +171,7 @@ class BatchFeatureDrafter:
         bad = [n for n in nodes if tree.parents[n] not in row.g or n in row.g]
         if bad:
             raise ValueError(f"nodes {bad} cannot be expanded: each node is expanded once, after its parent")
-        sees = []
-        for n in nodes:
-            cols, a = [], tree.parents[n]
-            while a in row.slot:
-                cols.append(row.slot[a])
-                a = tree.parents[a]
-            sees.append(cols)
+        sees = ancestor_columns(tree, nodes, row.slot)
         feat = torch.stack([row.g[tree.parents[n]] for n in nodes])
         positions = [row.root_pos + tree.depth[n] for n in nodes]
         return RowInputs([tree.tokens[n] for n in nodes], positions, row.committed, sees), feat

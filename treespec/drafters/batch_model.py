@@ -23,7 +23,8 @@ from transformers import DynamicCache
 
 from treespec.drafters.base import PartialTree, TargetFeatures
 from treespec.drafters.batched import (
-    DraftAnswer, DraftCall, Key, RowInputs, batch_inputs, check_calls, move_columns, settle_moves,
+    DraftAnswer, DraftCall, Key, RowInputs, ancestor_columns, batch_inputs, check_calls, move_columns,
+    settle_moves,
 )
 from treespec.masks import attn_implementation_of, to_hf_mask
 
@@ -170,13 +171,7 @@ class BatchModelDrafter:
         bad = [n for n in nodes if tree.parents[n] not in row.slots or n in row.slots]
         if bad:
             raise ValueError(f"nodes {bad} cannot be expanded: each node is expanded once, after its parent")
-        sees = []
-        for n in nodes:
-            cols, a = [], tree.parents[n]
-            while a in row.slots:
-                cols.append(row.slots[a])
-                a = tree.parents[a]
-            sees.append(cols)
+        sees = ancestor_columns(tree, nodes, row.slots)
         return RowInputs([tree.tokens[n] for n in nodes], [row.prefix + tree.depth[n] for n in nodes],
                          row.prefix, sees)
 

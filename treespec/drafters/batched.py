@@ -232,6 +232,19 @@ class RowInputs:
     causal: bool = False
 
 
+def ancestor_columns(tree: PartialTree, nodes: Sequence[int], slot: dict[int, int]) -> list[list[int]]:
+    """Per node, the cache columns of its ancestors that are in ``slot`` (node -> column),
+    nearest first: the tree positions a node's query may see besides the committed ones."""
+    sees = []
+    for n in nodes:
+        cols, a = [], tree.parents[n]
+        while a in slot:
+            cols.append(slot[a])
+            a = tree.parents[a]
+        sees.append(cols)
+    return sees
+
+
 def batch_inputs(rows: Sequence[RowInputs | None], s: int, device: torch.device):
     """Right-padded (ids [B, M], positions [B, M], mask BoolTensor[B, M, S + M]) of a batched
     forward over ``rows`` (None: a row with nothing new) appended after ``s`` cache columns.

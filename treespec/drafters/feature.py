@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treespec.drafters.base import PartialTree, TargetFeatures, tree_slot_mask
+from treespec.drafters.base import PartialTree, TargetFeatures, fused_slots, tree_slot_mask
 
 HeadKind = Literal["eagle", "eagle3", "mtp"]
 
@@ -349,13 +349,9 @@ class FeatureDrafter:
     # ------------------------------------------------------------------ internals
     def _queue(self, tokens: list[int], features: TargetFeatures) -> None:
         """Queue committed slots (tokens[i], feature row i) to be fed at the next root expansion."""
-        if features.length != len(tokens):
-            raise ValueError(f"{len(tokens)} tokens but {features.length} feature rows")
-        if not tokens:
+        feats = fused_slots(self.head, self.target_layers, self.device, self.dtype, tokens, features)
+        if feats is None:
             return
-        with torch.inference_mode():
-            hidden = {l: features.hidden[l].to(self.device, self.dtype) for l in self.target_layers}
-            feats = self.head.fuse(hidden)
         self.pending_tokens += tokens
         self.pending_feats = feats if self.pending_feats is None else torch.cat((self.pending_feats, feats))
 
