@@ -227,19 +227,24 @@ class BatchVerifier:
             rows.append(kl)
         new_lens = [p + len(k) for p, k in zip(self.prefix_lens, rows)]
         s_new = max(new_lens)
-        # [B, S'] source slot of each destination slot; past a row's valid length: slot 0, zeroed
-        src = torch.zeros(len(rows), s_new, dtype=torch.long)
-        for b, (p, kl) in enumerate(zip(self.prefix_lens, rows)):
-            src[b, :p] = torch.arange(p)
-            src[b, p:p + len(kl)] = s + torch.tensor(kl)
-        src = src.to(self.device)
-        valid = torch.arange(s_new, device=self.device)[None] < torch.tensor(new_lens, device=self.device)[:, None]
+        # Only the kept tree slots move (row b: slot s + kl[i] -> p_b + i); the prefixes stay where
+        # they are. Then every slot of row b from its new length to S' is zeroed. In place: a
+        # step costs O(kept + padding) slots, not a copy of the whole cache.
+        rb, src, dst, zb, zs = [], [], [], [], []
+        for b, (p, kl, end) in enumerate(zip(self.prefix_lens, rows, new_lens)):
+            rb += [b] * len(kl)
+            src += [s + j for j in kl]
+            dst += range(p, end)
+            zb += [b] * (s_new - end)
+            zs += range(end, s_new)
+        rb, src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (rb, src, dst))
+        zb, zs = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (zb, zs))
         for layer in self.cache.layers:
-            bsz, heads, _, dim = layer.keys.shape
-            idx = src[:, None, :, None].expand(bsz, heads, s_new, dim)
-            drop = ~valid[:, None, :, None]
-            layer.keys = layer.keys.gather(2, idx).masked_fill_(drop, 0)
-            layer.values = layer.values.gather(2, idx).masked_fill_(drop, 0)
+            for kv in (layer.keys, layer.values):          # [B, H, S_total, D]
+                kv[rb, :, dst] = kv[rb, :, src]            # the right side is gathered first
+                if zs.numel():
+                    kv[zb, :, zs] = 0
+            layer.keys, layer.values = layer.keys[:, :, :s_new], layer.values[:, :, :s_new]
         self.prefix_lens = new_lens
         self._pending = None
 
