@@ -77,8 +77,8 @@ def treespec_group(target, drafter, builder, prompts, max_new, temperature, seed
     server.run()
     dt = time.perf_counter() - t0
     s = server.stats
-    auto = {b: repr(x) for b, x in server._auto.items()}
-    stats = {"steps": s.steps, "nodes": s.tree_nodes, "drafter_calls": s.drafter_calls,
+    auto = {b: repr(x) for (b, _), x in server._auto.items()}
+    stats = {"steps": s.steps, "request_steps": s.request_steps, "nodes": s.tree_nodes, "drafter_calls": s.drafter_calls,
              **{k: getattr(s, k) for k in ("prefill_time", "draft_time", "verify_time", "accept_time",
                                             "other_time")}, "auto": auto}
     return [list(server.finished[r].tokens) for r in rids], dt, stats
@@ -138,14 +138,17 @@ def summarize(data: dict) -> dict:
                 e = {"tokens_per_s": rate, "gain": rate / base_rate, "groups": len(rs)}
                 if "steps" in rs[0]:
                     steps = sum(r["steps"] for r in rs)
-                    e["tau_per_request"] = sum(r["tokens"] for r in rs) / steps / int(b)
-                    e["nodes_per_request"] = sum(r["nodes"] for r in rs) / steps / int(b)
+                    # request-steps: a request that finished early no longer counts
+                    req_steps = sum(r.get("request_steps", r["steps"] * int(b)) for r in rs)
+                    e["tau_per_request"] = sum(r["tokens"] for r in rs) / req_steps
+                    e["nodes_per_request"] = sum(r["nodes"] for r in rs) / req_steps
                     e.update({f"{k.removesuffix('_time')}_ms": 1e3 * sum(r[k] for r in rs) / steps
                               for k in ("draft_time", "verify_time", "accept_time", "other_time")})
                     none = by_row.get("treespec none")
                     if none:
                         e["gain_vs_none"] = rate / (sum(r["tokens"] for r in none) / sum(r["time"] for r in none))
-                    e["predicted_gain"] = data["predicted"].get(name, {}).get(b)
+                    pred = data["predicted"].get(temp, data["predicted"])   # older files: one table
+                    e["predicted_gain"] = pred.get(name, {}).get(b)
                     if rs[0].get("auto"):
                         e["auto"] = sorted({v for r in rs for v in r["auto"].values()})
                 if "same_as_hf" in rs[0]:
@@ -174,13 +177,16 @@ def write(data: dict, out: Path) -> str:
         "tokens/s = useful new tokens of all requests / wall seconds (prefill included), summed over the "
         "groups of B prompts. *gain* = over HF batched `generate` at the same B; *vs none* = over the "
         "treespec server without speculation (the loop's own overhead cancels); *predicted* = the cost "
-        "model's speculative gain at that B (over plain decoding). τ/request = tokens per step per "
-        "request; nodes = tree nodes per request per step; ms = per step (all requests).",
+        "model's speculative gain at that B (over plain decoding; compare with *vs none*; batched "
+        "verify passes from the calibration's measured batch curves, acceptance measured at the row's "
+        "temperature); *pred / meas* = predicted / vs none. τ/request = tokens per request per step "
+        "the request was live; nodes = tree nodes per request per step; ms = per step (all requests).",
     ]
     for temp, by_b in data["summary"].items():
         lines += ["", f"## T = {temp}", "",
-                  "| B | row | tokens/s | gain | vs none | predicted | τ/request | nodes | draft / verify / other ms | = HF |",
-                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+                  "| B | row | tokens/s | gain | vs none | predicted | pred / meas | τ/request | nodes | "
+                  "draft / verify / other ms | = HF |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
         for b, table in by_b.items():
             for name, e in table.items():
                 pred = e.get("predicted_gain")
@@ -188,10 +194,11 @@ def write(data: dict, out: Path) -> str:
                          if "draft_ms" in e else "-")
                 same = f"{e['same_as_hf']}/{e['requests']}" if "same_as_hf" in e else "-"
                 vs_none = f"{e['gain_vs_none']:.2f}x" if "gain_vs_none" in e else "-"
+                ratio = f"{pred / e['gain_vs_none']:.2f}" if pred and e.get("gain_vs_none") else "-"
                 tau = (f"{e['tau_per_request']:.2f} | {e['nodes_per_request']:.1f}" if "tau_per_request" in e
                        else "- | -")
                 lines.append(f"| {b} | {name} | {e['tokens_per_s']:.1f} | {e['gain']:.2f}x | {vs_none} | "
-                             f"{f'{pred:.2f}x' if pred else '-'} | {tau} | {split} | {same} |")
+                             f"{f'{pred:.2f}x' if pred else '-'} | {ratio} | {tau} | {split} | {same} |")
         autos = {b: t["treespec auto"].get("auto") for b, t in by_b.items() if "treespec auto" in t}
         if autos:
             lines += ["", "auto's trees: " + "; ".join(f"B = {b}: {', '.join(v or [])}" for b, v in autos.items())]
@@ -264,10 +271,9 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     stock = treespec.load_target("smollm2-135m", dtype=torch.float32, pack=False)
     packed = treespec.load_target("smollm2-135m", dtype=torch.float32, pack=True)
-    cal_path = ensure_calibration(packed, DRAFTER)
+    cal_path = ensure_calibration(packed, DRAFTER, batches=[b for b in sizes if b > 1])
     cal = Calibration.load(cal_path)
     kind = DRAFTER if DRAFTER in cal.drafters else "eagle"
-    acceptance = cal.acceptance.get(DRAFTER, 0.6)
     drafter = treespec.load_drafter(DRAFTER, packed)
     rows = rows_of(args)
     tok = stock.tokenizer
@@ -280,8 +286,9 @@ def main() -> None:
         data = {"machine": machine_info(), "args": vars(args), "wall_s": 0.0, "load": [], "note": args.note,
                 "paths": {"stock": stock.speed_path, "packed": packed.speed_path, "calibration": str(cal_path)},
                 "rows": {t: {str(b): {r: [] for r in rows} for b in sizes} for t in temps}, "predicted": {}}
-    data["predicted"] = {r: {str(b): predicted_gain(cal, kind, acceptance, r, b, context) for b in sizes}
-                         for r in rows if r.startswith("treespec")}
+    data["predicted"] = {t: {r: {str(b): predicted_gain(cal, kind, cal.acceptance_for(DRAFTER, float(t)) or 0.6,
+                                                        r, b, context) for b in sizes}
+                             for r in rows if r.startswith("treespec")} for t in temps}
     eos = list(stock.eos_token_ids)
     warm = [torch.tensor(chat_prompt(tok, "Hello!"))] * 2
     hf_batched(stock.model, warm, 4, eos, 0.0, 0)

@@ -95,6 +95,8 @@ def test_calibrate_drafter_measures_pass_times_and_acceptance(tmp_path):
     assert out.drafters["target"].ns == (1, 2, 4)         # the root call, then each width
     assert all(t > 0 for t in out.drafters["target"].seconds)
     assert out.acceptance["target"] == (1.0, 0.0, 0.0)     # the target drafts its own greedy token
+    sampled = out.acceptance["target@T1"]                   # T = 1: its top tokens, accepted w.p. p(x)
+    assert len(sampled) == 3 and 0.0 < sampled[0] < 1.0 and sum(sampled) <= 1.0 + 1e-12
     assert "target" not in cal.drafters                    # a new Calibration; the input is kept
     assert Calibration.load(out.save(tmp_path / "c.json")) == out
     with pytest.raises(ValueError, match="at least one prompt"):
@@ -149,3 +151,29 @@ def test_machine_mismatch_names_what_differs():
     old = dataclasses.replace(cal, device=f"{hardware.split(' [')[0]}; {rest}")
     assert machine_mismatch(old) is None
     assert machine_mismatch(dataclasses.replace(old, device=f"Some Other CPU; {rest}")) is not None
+
+
+def test_auto_plans_with_the_acceptance_of_the_requested_temperature(tmp_path, monkeypatch):
+    """Greedy acceptance high, T = 1 acceptance low: the generator's "auto" tree follows the
+    temperature of each generate call."""
+    import dataclasses
+
+    from treespec.cost import default_calibration_path
+    from treespec.drafters import load_drafter
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    target = tiny_target(vocab_size=16)
+    drafter = load_drafter("early-exit", target)
+    ns = (1, 2, 4, 8, 16, 32, 64)
+    cal = _calibration(lambda n: 1.0, drafter_s=5.0)
+    cal = dataclasses.replace(cal, drafters={**cal.drafters, "early-exit": Curve.fit(ns, [1e-3] * len(ns))},
+                              acceptance={"early-exit": (0.9, 0.05), "early-exit@T1": (0.0005,)})
+    assert auto_builder(target, drafter, cal).budget > 16
+    assert auto_builder(target, drafter, cal, temperature=1.0).budget == 1
+    assert auto_builder(target, drafter, cal, temperature=0.2).budget > 16   # nearer to greedy
+    cal.save(default_calibration_path(target.name))
+    with pytest.warns(CalibrationMismatchWarning):
+        gen = SpeculativeGenerator(target, drafter, "auto")
+    assert gen.builder.budget > 16 and gen._builder_for(1.0).budget == 1
+    out = gen.generate([1, 2, 3], max_new_tokens=6, temperature=1.0, seed=0)
+    assert out.stats.steps == out.token_ids.numel()           # no speculation: one token per step

@@ -270,3 +270,25 @@ def test_sliding_window_models_are_refused() -> None:
     bv = BatchVerifier(MistralForCausalLM(config).eval())
     with pytest.raises(NotImplementedError, match="DynamicSlidingWindowLayer"):
         bv.prefill([torch.tensor([1, 2, 3])])
+
+
+def test_discard_undoes_a_score() -> None:
+    """After score + discard every row's cache is what it was, and the next pass verifies
+    exactly as if the discarded one never ran."""
+    model = peaky_llama(V, seed=3, hidden_size=32, num_layers=2, std=0.2)
+    bv = BatchVerifier(model)
+    committed = [[3, 4, 5], [6, 7], [1, 2, 3, 4, 5]]
+    bv.prefill([torch.tensor(c) for c in committed])
+    rng = random.Random(1)
+    trees = [tree_with_path(rng, c[-1], 6, greedy_continuation(model, c, 2)) for c in committed]
+    batch = TreeBatch.from_trees(trees, [SamplingConfig(0.0)] * 3)
+    first = bv.score(batch)
+    bv.discard()
+    assert_rows_equal_sequential(model, bv, committed, 1e-5)
+    with pytest.raises(RuntimeError, match="nothing to discard"):
+        bv.discard()
+    again = bv.score(batch)
+    torch.testing.assert_close(again.probs, first.probs, atol=1e-6, rtol=0)
+    results = accept_batch(batch, again.probs, [None] * 3)
+    bv.compact([r.keep_src for r in results])
+    assert_rows_equal_sequential(model, bv, [c + r.tokens.tolist() for c, r in zip(committed, results)], 1e-5)

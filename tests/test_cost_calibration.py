@@ -194,3 +194,60 @@ def test_cli_calibrate_with_a_real_drafter(tmp_path, capsys):
     assert "lookup" in cal.drafters and len(cal.acceptance["lookup"]) == 8
     assert 0.0 <= sum(cal.acceptance["lookup"]) <= 1.0
     assert "lookup acceptance:" in capsys.readouterr().out
+
+
+def test_batched_curves_are_read_where_measured_and_interpolated_between():
+    import dataclasses
+
+    cal = _calibration()
+    ns = (1, 2, 4, 8)
+    batched = dataclasses.replace(cal, batch_target={4: Curve.fit(ns, [2.0, 2.5, 3.0, 4.0]),
+                                                     8: Curve.fit(ns, [3.0, 4.0, 5.0, 8.0])})
+    cost = CalibratedCost(batched, "early_exit")
+    assert cost.verify_s(2, 4, cal.context) == pytest.approx(2.5)              # measured B
+    assert cost.verify_s(2, 1, cal.context) == pytest.approx(cal.target(2))    # B = 1: the target curve
+    assert cost.verify_s(2, 6, cal.context) == pytest.approx(3.25)             # halfway between 4 and 8
+    assert cost.verify_s(1, 2, cal.context) == pytest.approx(1.0 + (2.0 - 1.0) / 3)   # between 1 and 4
+    assert cost.verify_s(4, 12, cal.context) == pytest.approx(5.0 + 2.0)       # past 8: the 4 -> 8 slope
+    # longer contexts add the extra KV of every request
+    assert cost.verify_s(2, 4, cal.context + 100) > cost.verify_s(2, 4, cal.context)
+    # without batched curves a batch is one pass of B·n tokens (the old approximation)
+    assert CalibratedCost(cal, "early_exit").verify_s(2, 4, 0) == pytest.approx(cal.target(8))
+    assert batched.target_batch_s(2, 4) == pytest.approx(2.5) and cal.target_batch_s(2, 4) is None
+
+
+def test_acceptance_is_read_at_the_nearest_measured_temperature(tmp_path):
+    import dataclasses
+
+    from treespec.cost import acceptance_key
+
+    assert acceptance_key("eagle3", 0.0) == "eagle3" and acceptance_key("eagle3", 1.0) == "eagle3@T1"
+    assert acceptance_key("eagle3", 0.7) == "eagle3@T0.7"
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        acceptance_key("eagle3", -1.0)
+    cal = dataclasses.replace(_calibration(), acceptance={"eagle3": (0.6, 0.1), "eagle3@T1": (0.4, 0.1),
+                                                          "eagle3x@T1": (0.9,), "eagle": (0.5,)},
+                              batch_target={2: Curve.fit((1, 2), [1.5, 1.7])})
+    assert cal.acceptance_for("eagle3", 0.0) == (0.6, 0.1)
+    assert cal.acceptance_for("eagle3", 0.3) == (0.6, 0.1)     # nearer to 0 than to 1
+    assert cal.acceptance_for("eagle3", 0.8) == (0.4, 0.1)
+    assert cal.acceptance_for("eagle3", 2.0) == (0.4, 0.1)
+    assert cal.acceptance_for("eagle", 1.0) == (0.5,)          # only greedy measured: that one
+    assert cal.acceptance_for("medusa", 0.0) is None and cal.acceptance_for(None) is None
+    assert Calibration.load(cal.save(tmp_path / "c.json")) == cal   # temperatures and batch curves saved
+
+
+def test_calibrate_batches_on_a_tiny_model():
+    from treespec.cost import calibrate, calibrate_batches
+    from treespec.models import tiny_llama
+
+    model = tiny_llama(num_layers=2)
+    cal = calibrate(model, "tiny", ns=(1, 3), context=5, early_exit_layers=1, n_warmup=0, n_rep=1)
+    out = calibrate_batches(cal, model, batches=(2, 3), ns=(1, 2), n_warmup=0, n_rep=1)
+    assert set(out.batch_target) == {2, 3} and out.batch_target[3].ns == (1, 2)
+    assert all(t > 0 for c in out.batch_target.values() for t in c.seconds)
+    assert out.target == cal.target and cal.batch_target == {}
+    with pytest.raises(ValueError, match="batches must be ints >= 2"):
+        calibrate_batches(cal, model, batches=(1,))
+    with pytest.raises(ValueError, match="ns must be increasing ints >= 1"):
+        calibrate_batches(cal, model, batches=(2,), ns=(2, 1))

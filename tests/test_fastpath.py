@@ -231,9 +231,19 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
     assert path == default_calibration_path("tiny-demo", torch.float32, is_packed(model))
     assert "measuring it once" in out.getvalue() and "calibrating" in out.getvalue()
     cal = Calibration.load(path)
-    assert "lookup" in cal.acceptance and cal.target(16) > 0
+    assert "lookup" in cal.acceptance and "lookup@T1" in cal.acceptance and cal.target(16) > 0
     again = io.StringIO()
     assert ensure_calibration(target, "lookup", out=again) == path and again.getvalue() == ""
+    # an older file without the T = 1 acceptance, asked for batched passes: only those are added
+    data = json.loads(path.read_text())
+    del data["acceptance"]["lookup@T1"]
+    path.write_text(json.dumps(data))
+    more = io.StringIO()
+    assert ensure_calibration(target, "lookup", out=more, batches=(2,)) == path
+    assert "lookup acceptance at T = 1; batched passes at B = 2" in more.getvalue()
+    assert "measuring it once" not in more.getvalue()
+    cal2 = Calibration.load(path)
+    assert "lookup@T1" in cal2.acceptance and set(cal2.batch_target) == {2} and cal2.target == cal.target
     # the same cache seen from another machine (a shared home directory): measured again
     data = json.loads(path.read_text())
     data["device"] = "Another CPU [avx2 fma avx512f amx_bf16]; " + data["device"].split("; ", 1)[1]

@@ -191,10 +191,28 @@ def test_auto_budget_follows_the_current_batch_size() -> None:
     server = SpeculativeServer(target, LookupDrafter(V), "auto", calibration=_calibration())
     rids = [server.add_request([1, 2, 3 + i], max_new_tokens=3 + 3 * i) for i in range(8)]
     server.step()
-    assert len(server.live) == 8 and server._auto[8].budget == 1    # batch 8: no speculation
+    assert len(server.live) == 8 and server._auto[(8, 0.0)].budget == 1    # batch 8: no speculation
     server.run()
     assert set(server.finished) == set(rids)
     one = SpeculativeServer(target, LookupDrafter(V), "auto", calibration=_calibration())
     one.add_request([1, 2, 3], max_new_tokens=4)
     one.step()
-    assert one._auto[1].budget > 1                                   # batch 1: a tree
+    assert one._auto[(1, 0.0)].budget > 1                                   # batch 1: a tree
+
+
+def test_auto_plans_each_temperature_with_its_own_acceptance() -> None:
+    """A drafter that is good greedy and useless at T = 1: the greedy request gets a tree, the
+    sampled one plain decoding, in the same batch."""
+    import dataclasses
+
+    target = target_of()
+    drafter = drafter_of("small", target)
+    drafter.registry_name = "small"
+    cal = dataclasses.replace(_calibration(), acceptance={"small": (0.95, 0.02), "small@T1": (0.001,)})
+    server = SpeculativeServer(target, drafter, "auto", calibration=cal)
+    server.add_request([1, 2, 3], max_new_tokens=4)
+    server.add_request([1, 2, 4], SamplingConfig(1.0), max_new_tokens=4, seed=0)
+    server.step()
+    assert server._auto[(2, 0.0)].budget > 1 and server._auto[(2, 1.0)].budget == 1
+    server.run()
+    assert len(server.finished) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -160,45 +161,65 @@ def plain_decode_speed(target, ids: torch.Tensor, max_new_tokens: int, temperatu
     return n / dt, n
 
 
-def ensure_calibration(target, drafter_name: str, out=sys.stderr):
+def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Sequence[int] = ()):
     """The target's calibration for ``builder="auto"``, measured now (with a progress bar) and
-    cached if this machine has none for this model, dtype and linear path. Returns its path."""
+    cached if this machine has none for this model, dtype and linear path. Parts a cached
+    calibration lacks are added: the drafter's acceptance at T = 1, batched passes at
+    ``batches`` (the server's auto at B > 1). Returns its path."""
     from tqdm.auto import tqdm
 
-    from treespec.cost import Calibration, calibrate, default_calibration_path, machine_mismatch
+    from treespec.cost import Calibration, acceptance_key, calibrate, default_calibration_path, machine_mismatch
+    from treespec.cost.calibration import calibrate_batches
     from treespec.data import mtbench_questions
     from treespec.fastpath import is_packed
-    from treespec.measure import calibrate_drafter
+    from treespec.measure import ACCEPTANCE_TEMPERATURES, calibrate_acceptance, calibrate_drafter
 
     dtype = next(target.model.parameters()).dtype
     path = default_calibration_path(target.name, dtype, is_packed(target.model))
+    held_out = [q.turns[0] for q in mtbench_questions()[-4:]]   # the demo uses the first ones
     why = (f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) with drafter "
            f"{drafter_name!r} on this machine")
+    cal = None
     if path.exists():
         cached = Calibration.load(path)
         stale = machine_mismatch(cached, target.device)
         if stale is None and drafter_name in cached.acceptance:
-            return path
-        if stale is not None:  # e.g. a home directory shared by an AVX-512 and an AVX2 machine
+            cal = cached
+        elif stale is not None:  # e.g. a home directory shared by an AVX-512 and an AVX2 machine
             why = f"the cached calibration of {target.name} does not fit this machine ({stale})"
-    print(f"[{why}: measuring it once, about a minute; cached at {path}]", file=out, flush=True)
-    # target curve, two generic drafter curves, the drafter's pass times, its acceptance
-    bar = tqdm(total=5, desc="calibrating", unit="stage", file=out)
+    if cal is None:
+        print(f"[{why}: measuring it once, about a minute; cached at {path}]", file=out, flush=True)
+        # target curve, two generic drafter curves, the drafter's pass times, its acceptances
+        bar = tqdm(total=4 + len(ACCEPTANCE_TEMPERATURES), desc="calibrating", unit="stage", file=out)
 
-    def step(message: str) -> None:
-        bar.set_postfix_str(message.split(":")[0])
-        bar.update(1)
+        def step(message: str) -> None:
+            bar.set_postfix_str(message.split(":")[0])
+            bar.update(1)
 
-    try:
-        ns = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-        layers = target.model.config.num_hidden_layers
-        cal = calibrate(target.model, target.name, ns=ns, context=128, n_rep=5,
-                        early_exit_layers=min(4, layers), progress=step)
-        held_out = [q.turns[0] for q in mtbench_questions()[-4:]]   # the demo uses the first ones
-        cal = calibrate_drafter(cal, drafter_name, target, held_out, progress=step)
-    finally:
-        bar.close()
-    return cal.save(path)
+        try:
+            ns = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+            layers = target.model.config.num_hidden_layers
+            cal = calibrate(target.model, target.name, ns=ns, context=128, n_rep=5,
+                            early_exit_layers=min(4, layers), progress=step)
+            cal = calibrate_drafter(cal, drafter_name, target, held_out, progress=step)
+        finally:
+            bar.close()
+        cal.save(path)
+    missing_t = [t for t in ACCEPTANCE_TEMPERATURES if acceptance_key(drafter_name, t) not in cal.acceptance]
+    missing_b = sorted(set(batches) - set(cal.batch_target))
+    if missing_t or missing_b:
+        print(f"[adding to the calibration at {path}: "
+              + "; ".join(([f"{drafter_name} acceptance at T = {', '.join(f'{t:g}' for t in missing_t)}"]
+                           if missing_t else [])
+                          + ([f"batched passes at B = {', '.join(map(str, missing_b))}"] if missing_b else []))
+              + "]", file=out, flush=True)
+        if missing_t:
+            cal = calibrate_acceptance(cal, drafter_name, drafter_name, target, held_out, missing_t)
+        if missing_b:
+            cal = calibrate_batches(cal, target.model, missing_b, progress=lambda m: print(f"  {m}", file=out,
+                                                                                           flush=True))
+        cal.save(path)
+    return path
 
 
 def cmd_demo(args) -> int:

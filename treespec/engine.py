@@ -157,12 +157,13 @@ def target_calibration(target: Target):
 
 
 def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=None,
-                 max_budget: int = 64, batch: int = 1) -> TreeBuilder:
+                 max_budget: int = 64, batch: int = 1, temperature: float = 0.0) -> TreeBuilder:
     """The tree the cost model predicts fastest on this machine (``builder="auto"``).
 
     Uses the local calibration (``treespec calibrate``). When the calibration measured this
     very drafter (``treespec calibrate --drafter NAME``, keyed by its registered name), its
-    pass times and its measured positional acceptance vector are used; otherwise the generic
+    pass times and its positional acceptance vector measured at the temperature nearest to
+    ``temperature`` are used (acceptance falls as T rises); otherwise the generic
     pass of its cost kind and the kind's default β. ``acceptance`` (β or a positional vector)
     overrides the acceptance. Budget 0 gives a root-only tree: plain decoding, one token per
     target forward. ``batch``: the number of requests verified together (``SpeculativeServer``
@@ -186,7 +187,7 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     else:
         kind = "early_exit" if "early_exit" in calibration.drafters else next(iter(calibration.drafters))
     if acceptance is None:
-        acceptance = calibration.acceptance.get(name, DEFAULT_BETA.get(generic, 0.6))
+        acceptance = calibration.acceptance_for(name, temperature) or DEFAULT_BETA.get(generic, 0.6)
     choice = auto_budget(calibration, acceptance, kind, max_budget=max_budget, batch=batch)
     if choice.budget == 0:
         return DynamicTreeBuilder(budget=1, depth=1, top_k=1)
@@ -275,8 +276,11 @@ class SpeculativeGenerator:
         if drafter.vocab_size != target.vocab_size:
             raise ValueError(f"drafter vocab size {drafter.vocab_size} != target vocab size "
                              f"{target.vocab_size}; they must share one vocabulary")
+        self._auto: dict[float, TreeBuilder] | None = None   # builder="auto": temperature -> tree
         if builder == "auto":
-            builder = auto_builder(target, drafter)
+            self._calibration = target_calibration(target)
+            self._auto = {0.0: auto_builder(target, drafter, self._calibration)}
+            builder = self._auto[0.0]
         elif isinstance(builder, str):
             raise ValueError(f"builder must be a TreeBuilder or 'auto', got {builder!r}")
         if verify not in VERIFY_RULES:
@@ -365,7 +369,8 @@ class SpeculativeGenerator:
         if ids.numel() >= limit:
             raise ValueError(f"prompt has {ids.numel()} tokens but the context window is {limit}; "
                              "shorten the prompt")
-        budget = getattr(self.builder, "budget", 1)
+        builder = self._builder_for(sampling.temperature)
+        budget = getattr(builder, "budget", 1)
         room = limit - ids.numel() - budget
         if max_new_tokens > room and max_new_tokens <= limit - ids.numel() - 1:
             raise ValueError(f"the tree budget {budget} does not fit the context window ({limit} tokens, "
@@ -383,7 +388,7 @@ class SpeculativeGenerator:
             gen.seed()
         out: list[int] = []
         stats = GenerationStats(prompt_tokens=ids.numel())
-        chunks = self._exclusive(self._loop(ids, max_new_tokens, sampling, gen, out, stats, on_step))
+        chunks = self._exclusive(self._loop(ids, max_new_tokens, sampling, gen, out, stats, on_step, builder))
 
         def finish() -> GenerationResult:
             tok = self.target.tokenizer
@@ -391,6 +396,16 @@ class SpeculativeGenerator:
             return GenerationResult(text, torch.tensor(out, dtype=torch.long), stats)
 
         return GenerationStream(chunks, finish)
+
+    def _builder_for(self, temperature: float) -> TreeBuilder:
+        """``self.builder``; with builder="auto", the tree planned for this temperature's
+        calibrated acceptance (T > 0 accepts less than greedy, so its best tree is smaller)."""
+        if self._auto is None:
+            return self.builder
+        if temperature not in self._auto:
+            self._auto[temperature] = auto_builder(self.target, self.drafter, self._calibration,
+                                                   temperature=temperature)
+        return self._auto[temperature]
 
     def _exclusive(self, chunks: Iterator[list[int]]) -> Iterator[list[int]]:
         """Run ``chunks`` holding the generator's lock: the drafter, the builder and the
@@ -407,8 +422,8 @@ class SpeculativeGenerator:
 
     def _loop(self, ids: torch.Tensor, max_new: int, sampling: SamplingConfig,
               gen: torch.Generator, out: list[int], stats: GenerationStats,
-              on_step: StepHook | None) -> Iterator[list[int]]:
-        drafter, builder = self.drafter, self.builder
+              on_step: StepHook | None, builder: TreeBuilder) -> Iterator[list[int]]:
+        drafter = self.drafter
         layers = drafter.target_layers if drafter.needs_target_hidden else ()
         verifier = TreeVerifier(self.target.model, sampling, layers)
         eos = set(self.target.eos_token_ids)

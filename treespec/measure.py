@@ -6,8 +6,9 @@ engine imports it:
 
 - ``measure_acceptance_vector``: Sequoia's positional acceptance vector a[0..w-1] of a drafter,
   estimated from generations with one-level trees (``treespec.trees.SequoiaBuilder`` uses it).
-- ``calibrate_drafter``: a registered drafter's pass times by width and its acceptance vector,
-  added to a ``treespec.cost.Calibration`` (``treespec calibrate --drafter NAME``).
+- ``calibrate_drafter``: a registered drafter's pass times by width and its acceptance vectors
+  (greedy and T = 1), added to a ``treespec.cost.Calibration`` (``treespec calibrate --drafter
+  NAME``); ``calibrate_acceptance`` adds the vectors alone.
 
 Both were defined in ``treespec.trees.sequoia`` and ``treespec.cost.calibration``; those
 paths still resolve to these functions.
@@ -19,15 +20,20 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from treespec.cost.calibration import DRAFT_WIDTHS, Calibration, Curve
+from treespec.cost.calibration import DRAFT_WIDTHS, Calibration, Curve, acceptance_key
 from treespec.drafters import load_drafter
 from treespec.drafters.base import Drafter, TimedDrafter
 from treespec.engine import SpeculativeGenerator
 from treespec.trees.base import DraftMode, check_int
 from treespec.trees.static import StaticTreeBuilder
 
-__all__ = ["calibrate_drafter", "measure_acceptance_vector"]
+__all__ = ["calibrate_acceptance", "calibrate_drafter", "measure_acceptance_vector"]
+
+# Temperatures a drafter's acceptance is measured at by default: greedy, and T = 1 (acceptance
+# of the same drafts is lower when the target samples, so T > 0 requests need their own plan).
+ACCEPTANCE_TEMPERATURES: tuple[float, ...] = (0.0, 1.0)
 
 
 def measure_acceptance_vector(
@@ -78,15 +84,16 @@ def calibrate_drafter(
     max_new_tokens: int = 32,
     clock: Callable[[], float] = time.perf_counter,
     progress: Callable[[str], None] | None = None,
+    temperatures: Sequence[float] = ACCEPTANCE_TEMPERATURES,
 ) -> Calibration:
     """``calibration`` plus the registered drafter ``name`` measured for real on ``target``.
 
     Pass times: greedy generations on ``prompts[0]`` with a static tree of ``w`` root children,
     each with one child, so every step makes one expand call over 1 node (the root, including
     the drafter's commit work) and one over ``w`` nodes; the median call time per width gives
-    ``drafters[name]``. Acceptance: ``measure_acceptance_vector`` (width ``acceptance_width``,
-    greedy) over ``prompts``, stored in ``acceptance[name]``. Held-out prompts, please: the
-    numbers are meant for other text. Run it with the threads the engine will use.
+    ``drafters[name]``. Acceptance: ``calibrate_acceptance`` at every T in ``temperatures``.
+    Held-out prompts, please: the numbers are meant for other text. Run it with the threads the
+    engine will use.
     """
     if not prompts:
         raise ValueError("calibrate_drafter needs at least one prompt (held-out text)")
@@ -106,11 +113,37 @@ def calibrate_drafter(
     ns = sorted(samples)
     curve = Curve.fit(ns, [statistics.median(samples[n]) for n in ns])
     say(f"{name}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(curve.ns, curve.seconds)))
-    vector = measure_acceptance_vector(drafter.inner, target, list(prompts), width=acceptance_width,
-                                       max_new_tokens=max_new_tokens)
-    say(f"{name} acceptance: " + ", ".join(f"{a:.3f}" for a in vector))
-    return dataclasses.replace(
-        calibration,
-        drafters={**calibration.drafters, name: curve},
-        acceptance={**calibration.acceptance, name: tuple(vector)},
-    )
+    calibration = dataclasses.replace(calibration, drafters={**calibration.drafters, name: curve})
+    return calibrate_acceptance(calibration, drafter.inner, name, target, prompts, temperatures,
+                                acceptance_width, max_new_tokens, progress)
+
+
+def calibrate_acceptance(
+    calibration: Calibration,
+    drafter: Drafter | str,
+    name: str,
+    target: Any,
+    prompts: Sequence[str | Sequence[int]],
+    temperatures: Sequence[float] = ACCEPTANCE_TEMPERATURES,
+    width: int = 8,
+    max_new_tokens: int = 32,
+    progress: Callable[[str], None] | None = None,
+) -> Calibration:
+    """``calibration`` plus ``drafter``'s positional acceptance vector (``measure_acceptance_vector``,
+    width ``width``, seeded) at every T in ``temperatures``, stored under
+    ``acceptance_key(name, T)`` (``Calibration.acceptance_for`` reads it)."""
+    if not prompts:
+        raise ValueError("calibrate_acceptance needs at least one prompt (held-out text)")
+    if not temperatures:
+        raise ValueError("temperatures must name at least one temperature, e.g. (0.0, 1.0)")
+    say = progress or (lambda message: None)
+    if isinstance(drafter, str):
+        drafter = load_drafter(drafter, target)
+    vectors = dict(calibration.acceptance)
+    for temperature in temperatures:
+        key = acceptance_key(name, temperature)
+        vector = measure_acceptance_vector(drafter, target, list(prompts), width=width,
+                                           max_new_tokens=max_new_tokens, temperature=temperature)
+        vectors[key] = tuple(vector)
+        say(f"{key} acceptance: " + ", ".join(f"{a:.3f}" for a in vector))
+    return dataclasses.replace(calibration, acceptance=vectors)

@@ -17,9 +17,11 @@ output alone whatever joins or leaves around it (exact law always; identical tok
 and at T > 0 whenever the batched forwards round like the single ones, see
 ``treespec.drafters.batched``). Memory: the target and drafter caches hold live requests only.
 
-``budget="auto"`` (``builder="auto"``): each step the cost model picks the tree for the
-CURRENT batch size (``auto_builder(..., batch=B)``; verification turns compute-bound as B grows,
-so the tree shrinks to a chain, then to none).
+``budget="auto"`` (``builder="auto"``): each step the cost model picks each request's tree for
+the CURRENT batch size and its temperature (``auto_builder(..., batch=B, temperature=T)``:
+verification turns compute-bound as B grows, so the tree shrinks to a chain, then to none; a
+sampled request accepts less than a greedy one, so its tree is smaller). The calibration's
+batched curves (``calibrate_batches``) give the batched pass's cost where measured.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class ServerStats:
     """Counters and timings since the server started (seconds)."""
 
     steps: int = 0                 # target verify forwards
+    request_steps: int = 0         # Σ over steps of the live requests (tokens / this = τ per request)
     new_tokens: int = 0
     tree_nodes: int = 0            # verified nodes, roots included
     drafter_calls: int = 0         # batched drafter forwards
@@ -124,7 +127,7 @@ class SpeculativeServer:
         self._queued: list[_Request] = []
         self._live: list[_Request] = []           # row b of the caches = _live[b]
         self._ids = itertools.count()
-        self._auto: dict[int, TreeBuilder] = {}   # batch size -> the cost model's builder
+        self._auto: dict[tuple[int, float], TreeBuilder] = {}   # (batch size, T) -> the cost model's tree
 
     # ------------------------------------------------------------------ requests
     @property
@@ -195,7 +198,8 @@ class SpeculativeServer:
 
         t0 = clock()
         calls = getattr(self.drafter, "calls", 0)
-        jobs = [BuildJob(r.rid, r.builder or self._auto_builder(), r.root, r.sampling, r.generator)
+        jobs = [BuildJob(r.rid, r.builder or self._auto_builder(r.sampling.temperature), r.root, r.sampling,
+                         r.generator)
                 for r in self._live]
         built = build_batch(self.drafter, jobs)
         t1 = clock()
@@ -226,6 +230,7 @@ class SpeculativeServer:
                 done.append(row)
         self._leave(done)
         stats.steps += 1
+        stats.request_steps += len(out)
         stats.drafter_calls += getattr(self.drafter, "calls", calls) - calls
         t4 = clock()
         stats.draft_time += t1 - t0
@@ -251,12 +256,12 @@ class SpeculativeServer:
         check_builder(builder)
         return builder
 
-    def _auto_builder(self) -> TreeBuilder:
-        b = len(self._live)
-        if b not in self._auto:
-            self._auto[b] = auto_builder(self.target, self.drafter, self.calibration,
-                                         max_budget=AUTO_MAX_BUDGET, batch=b)
-        return self._auto[b]
+    def _auto_builder(self, temperature: float) -> TreeBuilder:
+        key = (len(self._live), temperature)
+        if key not in self._auto:
+            self._auto[key] = auto_builder(self.target, self.drafter, self.calibration,
+                                           max_budget=AUTO_MAX_BUDGET, batch=key[0], temperature=temperature)
+        return self._auto[key]
 
     def _admit(self) -> None:
         if not self._queued:

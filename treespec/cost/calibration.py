@@ -6,10 +6,14 @@ then the cost grows with FLOPs. So the calibrated model is the measurement itsel
 repeated passes at n = 1 … 128 tokens, interpolated piecewise-linearly in n (``Curve``) and
 extrapolated with the slope of the last segment.
 
-Calibrated machine, batch and context: the curves are measured at batch 1 with a cached
-prefix of ``context`` tokens. ``CalibratedCost`` reads a batch of B sequences as one pass of
-B · n tokens, plus the extra KV bytes of the longer contexts at the bandwidth the n = 1 pass
-attained (weight bytes / t(1)). Both are approximations; calibrate at the context you serve.
+Calibrated machine, batch and context: the target curve is measured at batch 1 with a cached
+prefix of ``context`` tokens. A batch of B requests is measured too when asked
+(``calibrate_batches``: the real batched pass, ``BatchVerifier.score`` over B trees of n nodes,
+ragged masks and per-row positions included) and then ``CalibratedCost`` reads it (interpolated
+between measured B). Without it, B sequences are read as one pass of B · n tokens, which
+under-predicts the batched pass (its padded attention and per-row mask work; e.g. +27 % for
+B = 8 at 2 nodes per request on an AVX2 core). Longer contexts add their KV bytes at the
+bandwidth the n = 1 pass attained (weight bytes / t(1)); calibrate at the context you serve.
 
 File: ``default_calibration_path(model, dtype)`` = ``$TREESPEC_CACHE/calibration-<model>.json``,
 else ``~/.cache/treespec/calibration-<model>.json`` (``-<dtype>`` before ``.json`` for weights
@@ -39,7 +43,9 @@ __all__ = [
     "CalibratedCost",
     "Calibration",
     "Curve",
+    "acceptance_key",
     "calibrate",
+    "calibrate_batches",
     "default_calibration_path",
     "machine_mismatch",
     "measure",
@@ -168,8 +174,11 @@ class Calibration:
                   the generic "early_exit" / "eagle" passes, ``calibrate_drafter`` adds real
                   drafters under their registered names (one expand call over n nodes).
         drafter_layers: drafter kind -> layers the measured drafter ran.
-        acceptance: registered drafter name -> its measured positional acceptance vector
-                  (``calibrate_drafter``); the engine's builder="auto" uses it.
+        acceptance: ``acceptance_key(name, T)`` -> the registered drafter's measured positional
+                  acceptance vector at temperature T (``calibrate_drafter``); the engine's
+                  builder="auto" reads it with ``acceptance_for``.
+        batch_target: B -> seconds of ONE batched verify pass of B requests with n nodes each
+                  (``calibrate_batches``), against n; empty if not measured.
         device:   machine description (CPU model, threads, torch version).
         threads:  torch intra-op threads during the measurement (run the engine with the same).
         clock:    the timer's name: "perf_counter" (wall clock) or "thread_time" (CPU time).
@@ -183,6 +192,7 @@ class Calibration:
     drafters: Mapping[str, Curve] = field(default_factory=dict)
     drafter_layers: Mapping[str, int] = field(default_factory=dict)
     acceptance: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    batch_target: Mapping[int, Curve] = field(default_factory=dict)
     device: str = ""
     threads: int = 0
     clock: str = "perf_counter"
@@ -201,6 +211,7 @@ class Calibration:
             "drafters": {kind: curve.to_json() for kind, curve in self.drafters.items()},
             "drafter_layers": dict(self.drafter_layers),
             "acceptance": {name: list(a) for name, a in self.acceptance.items()},
+            "batch_target": {str(b): curve.to_json() for b, curve in sorted(self.batch_target.items())},
             "device": self.device,
             "threads": self.threads,
             "clock": self.clock,
@@ -230,16 +241,63 @@ class Calibration:
             drafters={kind: Curve.from_json(c) for kind, c in data["drafters"].items()},
             drafter_layers={kind: int(k) for kind, k in data.get("drafter_layers", {}).items()},
             acceptance={name: tuple(float(x) for x in a) for name, a in data.get("acceptance", {}).items()},
+            batch_target={int(b): Curve.from_json(c) for b, c in data.get("batch_target", {}).items()},
             device=data.get("device", ""),
             threads=int(data.get("threads", 0)),
             clock=data.get("clock", "perf_counter"),
             created=data.get("created", ""),
         )
 
+    def acceptance_for(self, name: str | None, temperature: float = 0.0) -> tuple[float, ...] | None:
+        """The acceptance vector of drafter ``name`` measured at the temperature nearest to
+        ``temperature`` (None if ``name`` was never measured). Acceptance falls as T rises, so
+        a T > 0 request planned with the T = 0 vector gets too big a tree: measure both."""
+        if name is None:
+            return None
+        measured = {}
+        for key in self.acceptance:
+            if key == name:
+                measured[0.0] = key
+            elif key.startswith(f"{name}@T"):
+                try:
+                    measured[float(key[len(name) + 2:])] = key
+                except ValueError:  # another drafter whose name extends this one's
+                    pass
+        if not measured:
+            return None
+        nearest = min(measured, key=lambda t: (abs(t - temperature), t))
+        return self.acceptance[measured[nearest]]
+
+    def target_batch_s(self, n_tokens: float, batch: int) -> float | None:
+        """Measured seconds of one batched verify pass of ``batch`` requests with ``n_tokens``
+        nodes each: interpolated linearly in B between measured batch sizes (B = 1 is the
+        target curve), extended past the largest with the last two's slope per request.
+        None when no batch above 1 was measured and ``batch`` > 1."""
+        if batch == 1:
+            return self.target(n_tokens)
+        if not self.batch_target:
+            return None
+        curves = {1: self.target, **self.batch_target}
+        bs = sorted(curves)
+        if batch in curves:
+            return curves[batch](n_tokens)
+        hi = next((b for b in bs if b > batch), None)
+        lo, hi = (bs[-2], bs[-1]) if hi is None else (max(b for b in bs if b < batch), hi)
+        t_lo, t_hi = curves[lo](n_tokens), curves[hi](n_tokens)
+        return max(t_lo, t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo))
+
     @property
     def bandwidth(self) -> float:
         """Bytes/s the n = 1 pass attained (weight bytes / t(1)): used for KV-read corrections."""
         return self.shape.weight_bytes / self.target(1)
+
+
+def acceptance_key(name: str, temperature: float) -> str:
+    """``Calibration.acceptance`` key of drafter ``name`` at ``temperature``: the bare name at
+    T = 0 (files written before temperatures were measured stay valid), ``name@T<t>`` above."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0.0 <= temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    return name if temperature == 0.0 else f"{name}@T{temperature:g}"
 
 
 def default_calibration_path(model: str, dtype: str = "float32", packed: bool = False) -> Path:
@@ -291,7 +349,12 @@ class CalibratedCost:
         return max(0, extra_tokens) * self.calibration.shape.kv_bytes_per_token / self.calibration.bandwidth
 
     def verify_s(self, n_tokens: int, batch: int, context: int) -> float:
-        return self.scale * (self.calibration.target(n_tokens * batch) + self._kv_extra_s(batch, context))
+        cal = self.calibration
+        measured = cal.target_batch_s(n_tokens, batch)
+        if measured is not None:  # the batched pass itself, at batch * calibration context KV
+            kv = max(0, batch * (context - cal.context)) * cal.shape.kv_bytes_per_token / cal.bandwidth
+            return self.scale * (measured + kv)
+        return self.scale * (cal.target(n_tokens * batch) + self._kv_extra_s(batch, context))
 
     def draft_s(self, widths: Sequence[int], batch: int, context: int) -> float:
         if not widths or self.drafter_kind == "lookup":
@@ -365,6 +428,70 @@ def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) ->
         return fn
 
     return [make(n) for n in ns]
+
+
+# Batch sizes and nodes per request ``calibrate_batches`` measures by default.
+BATCH_SIZES: tuple[int, ...] = (2, 4, 8, 16)
+BATCH_NS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def batch_verify_passes(model: Any, batch: int, ns: Sequence[int], context: int,
+                        seed: int = 0) -> list[Callable[[], None]]:
+    """One callable per n: ONE batched verify pass (``BatchVerifier.score``: B chains of n nodes
+    over B cached prefixes of ``context`` random tokens, ragged 4-D mask, per-row positions,
+    softmax per request), then ``discard`` back to the prefixes (built once here)."""
+    import torch
+
+    from treespec.batch import TreeBatch
+    from treespec.device import synchronize
+    from treespec.sampling import SamplingConfig
+    from treespec.tree import DraftTree
+    from treespec.verifiers.batch_attention import BatchVerifier
+
+    param = next(model.parameters())
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    verifier = BatchVerifier(model)
+    verifier.prefill([torch.randint(vocab, (context + 1,), generator=gen) for _ in range(batch)])
+    config = [SamplingConfig(1.0)] * batch   # the full softmax, as a T > 0 request pays
+
+    def make(n_tokens: int) -> Callable[[], None]:
+        trees = [DraftTree(torch.randint(vocab, (n_tokens,), generator=gen), torch.arange(-1, n_tokens - 1))
+                 for _ in range(batch)]
+        tree_batch = TreeBatch.from_trees(trees, config)
+
+        def fn() -> None:
+            verifier.score(tree_batch)
+            verifier.discard()
+            synchronize(param.device)
+
+        return fn
+
+    return [make(n) for n in ns]
+
+
+def calibrate_batches(calibration: Calibration, model: Any, batches: Sequence[int] = BATCH_SIZES,
+                      ns: Sequence[int] = BATCH_NS, n_warmup: int = 1, n_rep: int = 5,
+                      clock: Callable[[], float] = time.perf_counter,
+                      progress: Callable[[str], None] | None = None) -> Calibration:
+    """``calibration`` plus the batched verify pass of ``model`` measured at every B in
+    ``batches`` (> 1) and n nodes per request in ``ns`` (``Calibration.batch_target``), at the
+    calibration's context; run it with the calibration's threads. Cost: about
+    (n_warmup + n_rep) · Σ_B B · Σ n rows through the target (~1 min for the defaults on a
+    135M model on one CPU core)."""
+    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 2 for b in batches):
+        raise ValueError(f"batches must be ints >= 2 (batch 1 is the target curve), got {list(batches)}")
+    if not ns or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in ns) or list(ns) != sorted(set(ns)):
+        raise ValueError(f"ns must be increasing ints >= 1, got {list(ns)}")
+    say = progress or (lambda message: None)
+    measured = dict(calibration.batch_target)
+    for b in sorted(set(batches)):
+        order = sorted(ns, key=lambda n: random.Random(n).random())
+        timed = dict(zip(order, measure_interleaved(batch_verify_passes(model, b, order, calibration.context),
+                                                    n_warmup, n_rep, clock)))
+        measured[b] = Curve.fit(list(ns), [timed[n] for n in ns])
+        say(f"batch {b}: " + ", ".join(f"n={n} {timed[n] * 1e3:.1f} ms" for n in ns))
+    return dataclasses.replace(calibration, batch_target=measured)
 
 
 def _device_description(device: Any = None) -> str:

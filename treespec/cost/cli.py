@@ -102,6 +102,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "positional acceptance on 4 held-out MT-bench prompts); implies --weights pretrained. "
                           "builder='auto' then uses them")
     add_target_args(cal)
+    cal.add_argument("--batch-sizes", type=_ints, default=[],
+                     help="also measure the batched verify pass at these batch sizes (e.g. 2,4,8,16) for "
+                          "the server's builder='auto'")
     cal.add_argument("--out", type=Path, default=None, help="output JSON (default: the model's default path)")
     cal.set_defaults(func=_calibrate)
 
@@ -218,6 +221,18 @@ def _calibrate(args: argparse.Namespace) -> int:
     result = calibrate(model, args.model, ns=ns, context=args.context, early_exit_layers=args.early_exit_layers,
                        n_warmup=args.warmup, n_rep=args.reps, threads=args.threads, clock=clock,
                        progress=lambda m: print(m, flush=True))
+    if args.batch_sizes:
+        from treespec.cost.calibration import calibrate_batches
+
+        previous = torch.get_num_threads()
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        try:
+            result = calibrate_batches(result, model, args.batch_sizes, n_rep=max(1, args.reps - 2),
+                                       n_warmup=min(1, args.warmup), clock=clock,
+                                       progress=lambda m: print(m, flush=True))
+        finally:
+            torch.set_num_threads(previous)
     if drafters:
         from treespec.data import mtbench_questions
         from treespec.measure import calibrate_drafter  # runs the engine: above the cost model

@@ -248,6 +248,19 @@ class BatchVerifier:
         self.prefix_lens = new_lens
         self._pending = None
 
+    @torch.inference_mode()
+    def discard(self) -> None:
+        """Undo the last ``score``: its tree rows leave the cache and every row is back to its
+        state before it (a timing loop repeats one pass; a caller whose acceptance failed
+        restores the target cache)."""
+        if self._pending is None:
+            raise RuntimeError("nothing to discard: call score() first")
+        s, _ = self._pending
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = layer.keys[:, :, :s], layer.values[:, :, :s]
+        self._pending = None
+
     def retain(self, rows: Sequence[int]) -> None:
         """Keep only the requests ``rows`` (in that order), e.g. when others finish; the shared
         length shrinks to the longest kept row."""
