@@ -84,24 +84,37 @@ def treespec_group(target, drafter, builder, prompts, max_new, temperature, seed
     return [list(server.finished[r].tokens) for r in rids], dt, stats
 
 
-def predicted_gain(cal: Calibration, kind: str, acceptance, row: str, b: int, context: int) -> float | None:
-    """The cost model's speculative gain (tokens/s over plain decoding) of a row at batch b."""
+def predicted(cal: Calibration, kind: str, acceptance, row: str, b: int, context: int) -> dict | None:
+    """The cost model's prediction for a row at batch b: its speculative gain over plain decoding,
+    τ per request and the verify and draft seconds per step (so each part can be checked)."""
     cost = CalibratedCost(cal, kind)
     curve = plan_curve(cost, acceptance, b, context, max_budget=64)
     plain = b / cost.verify_s(1, b, context)
     if row == "treespec auto":
-        return max(curve, key=lambda c: (c.tokens_per_s, -c.budget)).speedup
-    if row.startswith("treespec chain"):
+        c = max(curve, key=lambda c: (c.tokens_per_s, -c.budget))
+    elif row.startswith("treespec chain"):
         k = int(row.rsplit(" ", 1)[1])
         tau = expected_tokens_positional([-1] + list(range(k)), acceptance)
-        step = cost.verify_s(k + 1, b, context) + cost.draft_s([1] * k, b, context)
-        return b * tau / step / plain
-    if row.startswith("treespec tree"):
+        verify, draft = cost.verify_s(k + 1, b, context), cost.draft_s([1] * k, b, context)
+        return {"gain": b * tau / (verify + draft) / plain, "tau": tau, "verify_s": verify, "draft_s": draft}
+    elif row.startswith("treespec tree"):
         n = int(row.rsplit(" ", 1)[1])
-        return next((c.speedup for c in curve if c.budget == n - 1), None)
-    if row == "treespec none":
-        return 1.0
-    return None
+        c = next((c for c in curve if c.budget == n - 1), None)
+        if c is None:
+            return None
+    elif row == "treespec none":
+        c = curve[0]
+    else:
+        return None
+    return {"gain": c.speedup, "tau": c.tau, "verify_s": c.verify_s, "draft_s": c.draft_s}
+
+
+def all_predictions(cal: Calibration, rows, temps, sizes, context: int) -> dict:
+    """predictions[T][row][B] for the treespec rows, acceptance measured at each T."""
+    kind = DRAFTER if DRAFTER in cal.drafters else "eagle"
+    return {t: {r: {str(b): predicted(cal, kind, cal.acceptance_for(DRAFTER, float(t)) or 0.6, r, b, context)
+                    for b in sizes}
+                for r in rows if r.startswith("treespec")} for t in temps}
 
 
 def rows_of(args):
@@ -147,8 +160,14 @@ def summarize(data: dict) -> dict:
                     none = by_row.get("treespec none")
                     if none:
                         e["gain_vs_none"] = rate / (sum(r["tokens"] for r in none) / sum(r["time"] for r in none))
-                    pred = data["predicted"].get(temp, data["predicted"])   # older files: one table
-                    e["predicted_gain"] = pred.get(name, {}).get(b)
+                    pred = data["predicted"].get(temp, {}).get(name, {}).get(b)
+                    if isinstance(pred, dict):
+                        e["predicted_gain"] = pred["gain"]
+                        e["predicted_tau"] = pred["tau"]
+                        e["predicted_step_ms"] = 1e3 * (pred["verify_s"] + pred["draft_s"])
+                        e["step_ms"] = e["draft_ms"] + e["verify_ms"]
+                    else:
+                        e["predicted_gain"] = pred
                     if rs[0].get("auto"):
                         e["auto"] = sorted({v for r in rs for v in r["auto"].values()})
                 if "same_as_hf" in rs[0]:
@@ -180,13 +199,15 @@ def write(data: dict, out: Path) -> str:
         "model's speculative gain at that B (over plain decoding; compare with *vs none*; batched "
         "verify passes from the calibration's measured batch curves, acceptance measured at the row's "
         "temperature); *pred / meas* = predicted / vs none. τ/request = tokens per request per step "
-        "the request was live; nodes = tree nodes per request per step; ms = per step (all requests).",
+        "the request was live; nodes = tree nodes per request per step; ms = per step (all requests). "
+        "The prediction by parts: *τ pred* against τ/request, *step ms pred* (verify + draft) against "
+        "the measured draft + verify ms.",
     ]
     for temp, by_b in data["summary"].items():
         lines += ["", f"## T = {temp}", "",
-                  "| B | row | tokens/s | gain | vs none | predicted | pred / meas | τ/request | nodes | "
-                  "draft / verify / other ms | = HF |",
-                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+                  "| B | row | tokens/s | gain | vs none | predicted | pred / meas | τ/request | τ pred | nodes | "
+                  "draft / verify / other ms | step ms pred | = HF |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
         for b, table in by_b.items():
             for name, e in table.items():
                 pred = e.get("predicted_gain")
@@ -195,10 +216,12 @@ def write(data: dict, out: Path) -> str:
                 same = f"{e['same_as_hf']}/{e['requests']}" if "same_as_hf" in e else "-"
                 vs_none = f"{e['gain_vs_none']:.2f}x" if "gain_vs_none" in e else "-"
                 ratio = f"{pred / e['gain_vs_none']:.2f}" if pred and e.get("gain_vs_none") else "-"
-                tau = (f"{e['tau_per_request']:.2f} | {e['nodes_per_request']:.1f}" if "tau_per_request" in e
-                       else "- | -")
+                tau_pred = f"{e['predicted_tau']:.2f}" if "predicted_tau" in e else "-"
+                tau = (f"{e['tau_per_request']:.2f} | {tau_pred} | {e['nodes_per_request']:.1f}"
+                       if "tau_per_request" in e else "- | - | -")
+                step_pred = f"{e['predicted_step_ms']:.0f}" if "predicted_step_ms" in e else "-"
                 lines.append(f"| {b} | {name} | {e['tokens_per_s']:.1f} | {e['gain']:.2f}x | {vs_none} | "
-                             f"{f'{pred:.2f}x' if pred else '-'} | {ratio} | {tau} | {split} | {same} |")
+                             f"{f'{pred:.2f}x' if pred else '-'} | {ratio} | {tau} | {split} | {step_pred} | {same} |")
         autos = {b: t["treespec auto"].get("auto") for b, t in by_b.items() if "treespec auto" in t}
         if autos:
             lines += ["", "auto's trees: " + "; ".join(f"B = {b}: {', '.join(v or [])}" for b, v in autos.items())]
@@ -260,10 +283,23 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true", help="continue the run saved at --out")
     ap.add_argument("--out", default=str(RESULTS / "batch"))
     ap.add_argument("--render", action="store_true", help="only rewrite the Markdown and plot from the JSON")
+    ap.add_argument("--repredict", action="store_true",
+                    help="with --render: recompute the predictions from the run's calibration file")
     args = ap.parse_args()
     out = Path(args.out)
     if args.render:
-        print(write(json.loads(out.with_suffix(".json").read_text()), out))
+        data = json.loads(out.with_suffix(".json").read_text())
+        if args.repredict:   # the calibration file may have been measured after the run started
+            cal = Calibration.load(data["paths"]["calibration"])
+            temps, sizes = list(data["rows"]), [int(b) for b in next(iter(data["rows"].values()))]
+            rows = list(next(iter(next(iter(data["rows"].values())).values())))
+            if "context" not in data:   # runs before it was recorded: the same prompts' mean length
+                tok = treespec.load_target("smollm2-135m").tokenizer
+                qs = mtbench_questions()[: data["args"]["prompts"]]
+                data["context"] = (int(statistics.mean(len(chat_prompt(tok, q.turns[0])) for q in qs))
+                                   + data["args"]["max_new_tokens"] // 2)
+            data["predicted"] = all_predictions(cal, rows, temps, sizes, data["context"])
+        print(write(data, out))
         return
     args.budgets = [int(x) for x in args.budgets.split(",")]
     torch.set_num_threads(args.threads)
@@ -273,7 +309,6 @@ def main() -> None:
     packed = treespec.load_target("smollm2-135m", dtype=torch.float32, pack=True)
     cal_path = ensure_calibration(packed, DRAFTER, batches=[b for b in sizes if b > 1])
     cal = Calibration.load(cal_path)
-    kind = DRAFTER if DRAFTER in cal.drafters else "eagle"
     drafter = treespec.load_drafter(DRAFTER, packed)
     rows = rows_of(args)
     tok = stock.tokenizer
@@ -286,9 +321,8 @@ def main() -> None:
         data = {"machine": machine_info(), "args": vars(args), "wall_s": 0.0, "load": [], "note": args.note,
                 "paths": {"stock": stock.speed_path, "packed": packed.speed_path, "calibration": str(cal_path)},
                 "rows": {t: {str(b): {r: [] for r in rows} for b in sizes} for t in temps}, "predicted": {}}
-    data["predicted"] = {t: {r: {str(b): predicted_gain(cal, kind, cal.acceptance_for(DRAFTER, float(t)) or 0.6,
-                                                        r, b, context) for b in sizes}
-                             for r in rows if r.startswith("treespec")} for t in temps}
+    data["context"] = context
+    data["predicted"] = all_predictions(cal, rows, temps, sizes, context)
     eos = list(stock.eos_token_ids)
     warm = [torch.tensor(chat_prompt(tok, "Hello!"))] * 2
     hf_batched(stock.model, warm, 4, eos, 0.0, 0)
