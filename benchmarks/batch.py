@@ -36,6 +36,7 @@ import torch
 import treespec
 from treespec.cli import ensure_calibration
 from treespec.cost import Calibration, CalibratedCost, expected_tokens_positional, plan_curve
+from treespec.cost.planner import AUTO_MIN_GAIN
 from treespec.data import chat_prompt, mtbench_questions
 from treespec.fastpath import machine_info, machine_line
 from treespec.trees import ChainBuilder, DynamicTreeBuilder
@@ -90,8 +91,9 @@ def predicted(cal: Calibration, kind: str, acceptance, row: str, b: int, context
     cost = CalibratedCost(cal, kind)
     curve = plan_curve(cost, acceptance, b, context, max_budget=64)
     plain = b / cost.verify_s(1, b, context)
-    if row == "treespec auto":
+    if row == "treespec auto":   # as auto_budget picks it: plain decoding below AUTO_MIN_GAIN
         c = max(curve, key=lambda c: (c.tokens_per_s, -c.budget))
+        c = c if c.speedup >= AUTO_MIN_GAIN else curve[0]
     elif row.startswith("treespec chain"):
         k = int(row.rsplit(" ", 1)[1])
         tau = expected_tokens_positional([-1] + list(range(k)), acceptance)

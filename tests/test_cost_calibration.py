@@ -251,3 +251,13 @@ def test_calibrate_batches_on_a_tiny_model():
         calibrate_batches(cal, model, batches=(1,))
     with pytest.raises(ValueError, match="ns must be increasing ints >= 1"):
         calibrate_batches(cal, model, batches=(2,), ns=(2, 1))
+
+
+def test_auto_budget_speculates_only_above_its_minimum_gain():
+    # τ(1) = 1.04 for one free draft on a flat curve: a 4 % predicted gain is not worth a tree
+    weak = auto_budget(_calibration(), (0.04,), "lookup")
+    assert weak.budget == 0 and weak.speedup == 1.0
+    assert auto_budget(_calibration(), (0.04,), "lookup", min_gain=1.0).budget > 0
+    assert auto_budget(_calibration(), (0.5,), "lookup").budget == 7      # a clear gain: unchanged
+    with pytest.raises(ValueError, match="min_gain must be >= 1"):
+        auto_budget(_calibration(), (0.5,), "lookup", min_gain=0.9)

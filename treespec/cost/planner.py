@@ -193,6 +193,13 @@ def best_tree(
     return best_choice(plan_curve(cost, acceptance, batch, context, max_budget, max_depth))
 
 
+# builder="auto" speculates only where the cost model predicts at least this speedup. Its
+# predictions of measured batched runs land within about ±20 % on a shared 2-core CPU
+# (benchmarks/results/batch.md, "pred / meas"); a tree predicted to gain less than 5 % is as
+# likely to lose as to win there, and plain decoding never loses to itself.
+AUTO_MIN_GAIN = 1.05
+
+
 def auto_budget(
     calibration: Calibration,
     acceptance: Acceptance,
@@ -200,15 +207,21 @@ def auto_budget(
     max_budget: int = 64,
     max_depth: int = 16,
     batch: int = 1,
+    min_gain: float = AUTO_MIN_GAIN,
 ) -> TreeChoice:
     """The engine's ``budget="auto"``: best tree on this machine from its calibration.
 
     ``batch`` sequences (the server passes its current batch size) at the calibration's
     context, using the measured target curve and the measured pass time of ``drafter_kind``
-    (``Calibration.drafters``; "lookup" costs 0).
+    (``Calibration.drafters``; "lookup" costs 0). A tree whose predicted speedup is below
+    ``min_gain`` gives way to plain decoding (budget 0): see ``AUTO_MIN_GAIN``.
     """
+    if not min_gain >= 1.0:
+        raise ValueError(f"min_gain must be >= 1 (1: speculate on any predicted gain), got {min_gain!r}")
     cost = CalibratedCost(calibration, drafter_kind)
-    return best_choice(plan_curve(cost, acceptance, batch, calibration.context, max_budget, max_depth))
+    curve = plan_curve(cost, acceptance, batch, calibration.context, max_budget, max_depth)
+    choice = best_choice(curve)
+    return choice if choice.speedup >= min_gain else curve[0]
 
 
 @dataclass(frozen=True)
