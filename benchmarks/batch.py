@@ -122,6 +122,13 @@ def all_predictions(cal: Calibration, rows, temps, sizes, context: int) -> dict:
 def rows_of(args):
     rows = ["HF generate (batched)", "treespec none", f"treespec chain {args.chain_k}"]
     rows += [f"treespec tree {n}" for n in args.budgets] + ["treespec auto"]
+    if args.rows:   # HF batched generate is always kept: every gain is measured against it
+        wanted = {w.strip() for w in args.rows.split(",")}
+        unknown = wanted - {r.removeprefix("treespec ") for r in rows}
+        if unknown:
+            raise SystemExit(f"--rows: unknown rows {sorted(unknown)}; choose from "
+                             f"{[r.removeprefix('treespec ') for r in rows[1:]]}")
+        rows = rows[:1] + [r for r in rows[1:] if r.removeprefix("treespec ") in wanted]
     return rows
 
 
@@ -279,6 +286,7 @@ def main() -> None:
     ap.add_argument("--chain-k", type=int, default=3)
     ap.add_argument("--budgets", default="8,16", help="fixed tree budgets (nodes incl. the root)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", default="", help="only these treespec rows, e.g. 'none,auto' (default: all)")
     ap.add_argument("--max-groups", type=int, default=0,
                     help="at most this many groups per B (0: all); B = 1 then times fewer prompts than B = 16")
     ap.add_argument("--note", default="")
