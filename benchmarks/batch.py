@@ -85,15 +85,16 @@ def treespec_group(target, drafter, builder, prompts, max_new, temperature, seed
     return [list(server.finished[r].tokens) for r in rids], dt, stats
 
 
-def predicted(cal: Calibration, kind: str, acceptance, row: str, b: int, context: int) -> dict | None:
+def predicted(cal: Calibration, kind: str, acceptance, row: str, b: int, context: int,
+              min_gain: float = AUTO_MIN_GAIN) -> dict | None:
     """The cost model's prediction for a row at batch b: its speculative gain over plain decoding,
     τ per request and the verify and draft seconds per step (so each part can be checked)."""
     cost = CalibratedCost(cal, kind)
     curve = plan_curve(cost, acceptance, b, context, max_budget=64)
     plain = b / cost.verify_s(1, b, context)
-    if row == "treespec auto":   # as auto_budget picks it: plain decoding below AUTO_MIN_GAIN
+    if row == "treespec auto":   # as auto_budget picks it: plain decoding below min_gain
         c = max(curve, key=lambda c: (c.tokens_per_s, -c.budget))
-        c = c if c.speedup >= AUTO_MIN_GAIN else curve[0]
+        c = c if c.speedup >= min_gain else curve[0]
     elif row.startswith("treespec chain"):
         k = int(row.rsplit(" ", 1)[1])
         tau = expected_tokens_positional([-1] + list(range(k)), acceptance)
@@ -111,10 +112,12 @@ def predicted(cal: Calibration, kind: str, acceptance, row: str, b: int, context
     return {"gain": c.speedup, "tau": c.tau, "verify_s": c.verify_s, "draft_s": c.draft_s}
 
 
-def all_predictions(cal: Calibration, rows, temps, sizes, context: int) -> dict:
-    """predictions[T][row][B] for the treespec rows, acceptance measured at each T."""
+def all_predictions(cal: Calibration, rows, temps, sizes, context: int, min_gain: float = AUTO_MIN_GAIN) -> dict:
+    """predictions[T][row][B] for the treespec rows, acceptance measured at each T; auto's
+    with the minimum gain it ran with."""
     kind = DRAFTER if DRAFTER in cal.drafters else "eagle"
-    return {t: {r: {str(b): predicted(cal, kind, cal.acceptance_for(DRAFTER, float(t)) or 0.6, r, b, context)
+    return {t: {r: {str(b): predicted(cal, kind, cal.acceptance_for(DRAFTER, float(t)) or 0.6, r, b, context,
+                                      min_gain)
                     for b in sizes}
                 for r in rows if r.startswith("treespec")} for t in temps}
 
@@ -308,7 +311,8 @@ def main() -> None:
                 qs = mtbench_questions()[: data["args"]["prompts"]]
                 data["context"] = (int(statistics.mean(len(chat_prompt(tok, q.turns[0])) for q in qs))
                                    + data["args"]["max_new_tokens"] // 2)
-            data["predicted"] = all_predictions(cal, rows, temps, sizes, data["context"])
+            data["predicted"] = all_predictions(cal, rows, temps, sizes, data["context"],
+                                                data.get("auto_min_gain", AUTO_MIN_GAIN))
         print(write(data, out))
         return
     args.budgets = [int(x) for x in args.budgets.split(",")]
@@ -331,7 +335,7 @@ def main() -> None:
         data = {"machine": machine_info(), "args": vars(args), "wall_s": 0.0, "load": [], "note": args.note,
                 "paths": {"stock": stock.speed_path, "packed": packed.speed_path, "calibration": str(cal_path)},
                 "rows": {t: {str(b): {r: [] for r in rows} for b in sizes} for t in temps}, "predicted": {}}
-    data["context"] = context
+    data["context"], data["auto_min_gain"] = context, AUTO_MIN_GAIN
     data["predicted"] = all_predictions(cal, rows, temps, sizes, context)
     eos = list(stock.eos_token_ids)
     warm = [torch.tensor(chat_prompt(tok, "Hello!"))] * 2
