@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from treespec.drafters.base import PartialTree, TargetFeatures, fused_slots
+from treespec.drafters.base import PartialTree, TargetFeatures
 from treespec.drafters.batched import (
     DraftAnswer, DraftCall, Key, RowInputs, ancestor_columns, batch_inputs, check_calls,
 )
@@ -30,6 +30,7 @@ class _Row:
     committed: int = 0                            # committed slots in the cache
     pending_tokens: list[int] = field(default_factory=list)
     pending_feats: torch.Tensor | None = None     # [n, H] fused features of the pending slots
+    pending_raw: list[dict[int, torch.Tensor]] = field(default_factory=list)   # queued, not fused yet
     root_token: int = -1
     root_pos: int = -1
     g: dict[int, torch.Tensor] = field(default_factory=dict)    # node -> predicted feature [H]
@@ -74,6 +75,7 @@ class BatchFeatureDrafter:
     @torch.inference_mode()
     def expand_batch(self, calls: Sequence[DraftCall]) -> list[DraftAnswer]:
         check_calls(calls, self.rows.__contains__)
+        self._fuse_pending([self.rows[key] for key, _, nodes in calls if 0 in nodes])
         s = self.k.shape[2]
         inputs: list[RowInputs | None] = [None] * len(self.keys)
         feats: list[torch.Tensor | None] = [None] * len(self.keys)
@@ -144,12 +146,28 @@ class BatchFeatureDrafter:
             raise KeyError(f"request {key!r} was never begun (or was dropped)") from None
 
     def _queue(self, row: _Row, tokens: list[int], features: TargetFeatures) -> None:
-        """Queue committed slots (tokens[i], feature row i), fed at the next root expansion."""
-        feats = fused_slots(self.head, self.target_layers, self.device, self.dtype, tokens, features)
-        if feats is None:
+        """Queue committed slots (tokens[i], feature row i), fed at the next root expansion; their
+        features are fused then, for every request in one head call (``_fuse_pending``)."""
+        if features.length != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens but {features.length} feature rows")
+        if not tokens:
             return
         row.pending_tokens += tokens
-        row.pending_feats = feats if row.pending_feats is None else torch.cat((row.pending_feats, feats))
+        row.pending_raw.append({l: features.hidden[l] for l in self.target_layers})
+
+    def _fuse_pending(self, rows: list[_Row]) -> None:
+        """Fuse the queued target features of ``rows`` in ONE ``head.fuse`` call (per request it
+        would be B small matmuls every step) into each row's ``pending_feats``."""
+        rows = [r for r in rows if r.pending_raw]
+        if not rows:
+            return
+        chunks = [c for r in rows for c in r.pending_raw]
+        hidden = {l: torch.cat([c[l] for c in chunks]).to(self.device, self.dtype) for l in self.target_layers}
+        fused = self.head.fuse(hidden).split([sum(next(iter(c.values())).shape[0] for c in r.pending_raw)
+                                              for r in rows])
+        for r, f in zip(rows, fused):
+            r.pending_feats = f if r.pending_feats is None else torch.cat((r.pending_feats, f))
+            r.pending_raw = []
 
     def _row_inputs(self, row: _Row, tree: PartialTree, nodes: list[int]):
         """(RowInputs, input features [F, H]) of one request: FeatureDrafter's checks and inputs."""

@@ -228,15 +228,17 @@ class BatchVerifier:
         new_lens = [p + len(k) for p, k in zip(self.prefix_lens, rows)]
         s_new = max(new_lens)
         # Only the kept tree slots move (row b: slot s + kl[i] -> p_b + i); the prefixes stay where
-        # they are. Then every slot of row b from its new length to S' is zeroed. In place: a
-        # step costs O(kept + padding) slots, not a copy of the whole cache.
+        # they are. Then the tree slots of row b past its new length are zeroed: its old padding
+        # [P_b, S) held zeros already and past its new length is left alone. In place: a step
+        # costs O(kept + tree) slots per row, neither a copy of the cache nor its padding.
         rb, src, dst, zb, zs = [], [], [], [], []
         for b, (p, kl, end) in enumerate(zip(self.prefix_lens, rows, new_lens)):
             rb += [b] * len(kl)
             src += [s + j for j in kl]
             dst += range(p, end)
-            zb += [b] * (s_new - end)
-            zs += range(end, s_new)
+            start = max(end, s)
+            zb += [b] * (s_new - start)
+            zs += range(start, s_new)
         rb, src, dst = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (rb, src, dst))
         zb, zs = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (zb, zs))
         for layer in self.cache.layers:
