@@ -343,18 +343,17 @@ class CalibratedCost:
         scale = 1.0 if same else shape.matmul_params / calibration.shape.matmul_params
         return cls(calibration, drafter_kind, scale)
 
-    def _kv_extra_s(self, batch: int, context: int) -> float:
-        """Seconds to read KV beyond what the calibration pass read (never negative)."""
-        extra_tokens = batch * context - self.calibration.context
+    def _kv_s(self, extra_tokens: int) -> float:
+        """Seconds to read the KV of ``extra_tokens`` more cached tokens than the measured pass
+        read (never negative), at the bandwidth the n = 1 pass attained."""
         return max(0, extra_tokens) * self.calibration.shape.kv_bytes_per_token / self.calibration.bandwidth
 
     def verify_s(self, n_tokens: int, batch: int, context: int) -> float:
         cal = self.calibration
         measured = cal.target_batch_s(n_tokens, batch)
-        if measured is not None:  # the batched pass itself, at batch * calibration context KV
-            kv = max(0, batch * (context - cal.context)) * cal.shape.kv_bytes_per_token / cal.bandwidth
-            return self.scale * (measured + kv)
-        return self.scale * (cal.target(n_tokens * batch) + self._kv_extra_s(batch, context))
+        if measured is not None:  # the batched pass itself: B rows of the calibration context
+            return self.scale * (measured + self._kv_s(batch * (context - cal.context)))
+        return self.scale * (cal.target(n_tokens * batch) + self._kv_s(batch * context - cal.context))
 
     def draft_s(self, widths: Sequence[int], batch: int, context: int) -> float:
         if not widths or self.drafter_kind == "lookup":
@@ -430,6 +429,19 @@ def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) ->
     return [make(n) for n in ns]
 
 
+def _shuffled_curve(passes: Callable[[Sequence[int]], list[Callable[[], None]]], points: Sequence[int],
+                    n_warmup: int, n_rep: int, clock: Callable[[], float], label: str,
+                    say: Callable[[str], None]) -> Curve:
+    """The Curve of ``passes(order)`` (one callable per n of ``order``) timed round-robin in a
+    shuffled order: neither machine drift nor the previous pass's size (allocator state) lines
+    up with n."""
+    order = sorted(points, key=lambda n: random.Random(n).random())
+    timed = dict(zip(order, measure_interleaved(passes(order), n_warmup, n_rep, clock)))
+    seconds = [timed[n] for n in points]
+    say(f"{label}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(points, seconds)))
+    return Curve.fit(list(points), seconds)
+
+
 # Batch sizes and nodes per request ``calibrate_batches`` measures by default.
 BATCH_SIZES: tuple[int, ...] = (2, 4, 8, 16)
 BATCH_NS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -486,11 +498,8 @@ def calibrate_batches(calibration: Calibration, model: Any, batches: Sequence[in
     say = progress or (lambda message: None)
     measured = dict(calibration.batch_target)
     for b in sorted(set(batches)):
-        order = sorted(ns, key=lambda n: random.Random(n).random())
-        timed = dict(zip(order, measure_interleaved(batch_verify_passes(model, b, order, calibration.context),
-                                                    n_warmup, n_rep, clock)))
-        measured[b] = Curve.fit(list(ns), [timed[n] for n in ns])
-        say(f"batch {b}: " + ", ".join(f"n={n} {timed[n] * 1e3:.1f} ms" for n in ns))
+        measured[b] = _shuffled_curve(lambda order: batch_verify_passes(model, b, order, calibration.context),
+                                      ns, n_warmup, n_rep, clock, f"batch {b}", say)
     return dataclasses.replace(calibration, batch_target=measured)
 
 
@@ -587,13 +596,8 @@ def _calibrate(model: Any, name: str, shape: ModelShape, ns: Sequence[int], draf
     import torch
 
     def curve(m: Any, label: str, points: Sequence[int]) -> Curve:
-        # Shuffled round-robin: neither machine drift nor the previous pass's size (allocator
-        # state) lines up with n.
-        order = sorted(points, key=lambda n: random.Random(n).random())
-        timed = dict(zip(order, measure_interleaved(verify_passes(m, order, context), n_warmup, n_rep, clock)))
-        seconds = [timed[n] for n in points]
-        say(f"{label}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(points, seconds)))
-        return Curve.fit(points, seconds)
+        return _shuffled_curve(lambda order: verify_passes(m, order, context), points, n_warmup, n_rep, clock,
+                               label, say)
 
     target = curve(model, "target", ns)
     drafter_layers = {"early_exit": early_exit_layers, "eagle": 1}
