@@ -1,8 +1,8 @@
 """Verify-pass cost t(n) by path: what one target forward over an n-node tree costs.
 
 Paths (SmolLM2-135M, one process, same prompt prefix, interleaved point by point so machine
-noise hits all alike): fp32 with HF's stock linear layers, fp32 packed (``treespec.fastpath``,
-the exact path), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units).
+noise hits all alike): fp32 with HF's stock linear layers, fp32 with oneDNN-packed weights, fp32 on
+the panel GEMM (``treespec.kernels``, where it builds; both exact fp32 paths), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units).
 Each point is one ``TreeVerifier.score`` (forward over n tree nodes with the tree mask after a
 cached prefix of P tokens, then softmax) followed by ``compact`` back to the prefix; the median of
 ``--reps`` is kept. Beside them, the machine's physical limit per dtype:
@@ -26,6 +26,7 @@ import torch
 
 import treespec
 from treespec.fastpath import cpu_info, machine_info
+from treespec.kernels import panel_status
 from treespec.sampling import SamplingConfig
 from treespec.tree import DraftTree
 from treespec.verifiers.tree_attention import TreeVerifier
@@ -83,7 +84,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ns = [int(x) for x in args.ns.split(",")]
 
-    paths = {"fp32 stock": (torch.float32, False), "fp32 packed": (torch.float32, True)}
+    paths = {"fp32 stock": (torch.float32, False), "fp32 onednn": (torch.float32, "onednn")}
+    if panel_status()[0]:
+        paths["fp32 panel"] = (torch.float32, "panel")
     if cpu_info().native_bf16:
         paths.update({"bf16 stock": (torch.bfloat16, False), "bf16 packed": (torch.bfloat16, True)})
     verifiers, described = {}, {}
@@ -145,6 +148,8 @@ def main() -> None:
         "t_ms": {name: {str(n): t for n, t in row.items()} for name, row in ms.items()},
         "limit_ms": {k: {str(n): t * 1e3 for n, t in row.items()} for k, row in limit.items()},
         "ratio_16_1": {name: row[16] / row[1] for name, row in ms.items() if 16 in row and 1 in row},
+        "ratio_4_1": {name: row[4] / row[1] for name, row in ms.items() if 4 in row and 1 in row},
+        "ratio_8_1": {name: row[8] / row[1] for name, row in ms.items() if 8 in row and 1 in row},
     }
     m = result["machine"]
     lines = [
@@ -165,9 +170,14 @@ def main() -> None:
     for n in ns:
         lines.append(f"| {n} | " + " | ".join(f"{row[n]:.1f}" for row in ms.values()) + " | "
                      + " | ".join(f"{row[n] * 1e3:.1f}" for row in limit.values()) + " |")
-    lines += ["", "t(16) / t(1): " + ", ".join(f"{k} **{v:.2f}**" for k, v in result["ratio_16_1"].items())
-              + "; physical limit: " + ", ".join(f"{k} {row[16] / row[1]:.2f}" for k, row in limit.items()),
-              "", "Times in ms."]
+    lines.append("")
+    for n in (4, 8, 16):
+        ratios = result[f"ratio_{n}_1"]
+        if ratios:
+            lines.append(f"t({n}) / t(1): " + ", ".join(f"{k} **{v:.2f}**" for k, v in ratios.items())
+                         + "; physical limit: " + ", ".join(f"{k} {row[n] / row[1]:.2f}" for k, row in limit.items())
+                         + "  ")
+    lines += ["", "Times in ms."]
     md = "\n".join(lines) + "\n"
     print(md)
     out = Path(args.out)

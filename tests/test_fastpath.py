@@ -19,9 +19,10 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from treespec import SpeculativeGenerator, Target
 from treespec.fastpath import (
-    CpuInfo, PackedLinear, _read_cpuinfo, cpu_info, machine_info, native_bf16, pack_linears,
-    packing_available, resolve_dtype, unpack_linears,
+    PANEL_MAX_ROWS, CpuInfo, PackedLinear, _read_cpuinfo, cpu_info, linear_kernel, machine_info, native_bf16,
+    pack_linears, packing_available, resolve_dtype, unpack_linears,
 )
+from treespec.kernels import pack_panels, panel_linear, panel_status
 from treespec.masks import hf_tree_mask, position_ids
 from treespec.tree import DraftTree
 from treespec.trees import DynamicTreeBuilder
@@ -30,6 +31,8 @@ from _engine_helpers import NoisyTargetDrafter, hf_greedy
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no oneDNN packing")
+needs_panel = pytest.mark.skipif(not panel_status(build=False)[0], reason=panel_status(build=False)[1])
+KERNEL_PARAMS = [pytest.param("onednn", marks=needs_packing), pytest.param("panel", marks=needs_panel)]
 
 AVX2_ONLY = CpuInfo("AMD EPYC (test)", ("avx2", "fma"), "AVX2")
 AMX = CpuInfo("Intel Xeon (test)", ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), "AVX512")
@@ -63,13 +66,13 @@ def tree_logits(model, prefix: torch.Tensor, tree: DraftTree) -> torch.Tensor:
     return out.logits[0]
 
 
-@needs_packing
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16, 17, 32, 64])
-def test_packed_fp32_scores_trees_like_the_stock_model(n) -> None:
+@pytest.mark.parametrize("kernel", KERNEL_PARAMS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 65])
+def test_packed_fp32_scores_trees_like_the_stock_model(n, kernel) -> None:
     stock = small_llama()
     packed = copy.deepcopy(stock)
-    report = pack_linears(packed)
-    assert report.packed == 2 * 7 + 1 and "fp32" in report.path
+    report = pack_linears(packed, kernel=kernel)
+    assert report.packed == 2 * 7 + 1 and "fp32" in report.path and linear_kernel(packed) == kernel
     rng = random.Random(n)
     prefix = torch.tensor([rng.randrange(300) for _ in range(37)])
     tree = random_tree(rng, n, 300)
@@ -164,15 +167,115 @@ def test_avx2_only_cpu_gets_no_bf16_packing() -> None:
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
+@needs_packing
 def test_fp32_packing_starts_where_each_cpu_kind_gains() -> None:
-    """The row count from which packed fp32 is used follows the CPU (measured per kind, see
+    """The row count from which oneDNN-packed fp32 is used follows the CPU (measured per kind, see
     ``fastpath.FP32_MIN_ROWS``): 4 on AVX-512 parts, 2 on AVX2-only ones."""
     for cpu, rows in ((AMX, 4), (AVX2_ONLY, 2)):
         model = small_llama()
-        report = pack_linears(model, cpu=cpu)
+        report = pack_linears(model, cpu=cpu, kernel="onednn")
         layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-        assert layers and {m.min_rows for m in layers} == {rows}
+        assert layers and {m.min_rows for m in layers} == {rows} and {m.kernel for m in layers} == {"onednn"}
         assert f">= {rows} rows" in report.reason
+
+
+@needs_panel
+def test_fp32_kernel_follows_the_cpu_kind() -> None:
+    """AVX2 CPUs without AVX-512 (where the panel GEMM was measured) get it for 1..PANEL_MAX_ROWS
+    rows; AVX-512 CPUs keep oneDNN unless the panel kernel is asked for by name."""
+    model = small_llama()
+    report = pack_linears(model, cpu=AVX2_ONLY)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert {(m.kernel, m.min_rows, m.max_rows) for m in layers} == {("panel", 1, PANEL_MAX_ROWS)}
+    assert report.path == f"panel (fp32, 1..{PANEL_MAX_ROWS} rows)"
+    if packing_available():
+        assert linear_kernel(_packed(small_llama(), cpu=AMX)) == "onednn"
+    assert linear_kernel(_packed(small_llama(), cpu=AMX, kernel="panel")) == "panel"
+
+
+def _packed(model, **kw):
+    pack_linears(model, **kw)
+    return model
+
+
+def test_panel_kernel_refuses_what_it_cannot_run() -> None:
+    plain = CpuInfo("Old CPU (test)", (), "DEFAULT")
+    ok, why = panel_status(plain, build=False)
+    assert not ok and "avx2" in why
+    with pytest.raises(ValueError, match="not available here.*avx2"):
+        pack_linears(small_llama(), cpu=plain, kernel="panel")
+    with pytest.raises(ValueError, match="float32 only"):
+        pack_linears(small_llama(dtype=torch.bfloat16), kernel="panel")
+    with pytest.raises(ValueError, match="kernel must be"):
+        pack_linears(small_llama(), kernel="mkl")
+    with pytest.raises(ValueError, match="float32"):
+        pack_panels(torch.zeros(16, 8, dtype=torch.float64))
+    # a CPU without AVX2 falls back to oneDNN (or stock), saying nothing is wrong
+    report = pack_linears(small_llama(), cpu=plain)
+    assert "panel" not in report.path
+
+
+@needs_panel
+def test_panel_kernel_builds_on_an_avx2_cpu() -> None:
+    """Where the CPU has AVX2 + FMA and a compiler is present, the kernel must build: a broken
+    build would otherwise silently drop every fp32 pass back to the slow path."""
+    import shutil
+
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler on PATH")
+    ok, why = panel_status()
+    assert ok, why
+
+
+@needs_panel
+@pytest.mark.parametrize("k", [64, 100, 576])
+@pytest.mark.parametrize("n_out", [40, 300])
+def test_panel_linear_matches_the_exact_product_for_every_row_count(k, n_out) -> None:
+    """Every tile shape (1..6 rows, several blocks of 6), K not a multiple of the 64-wide chunk,
+    N not a multiple of the 16-wide panel, with a bias: within fp32 rounding of the float64 product."""
+    torch.manual_seed(k + n_out)
+    weight, bias = torch.randn(n_out, k), torch.randn(n_out)
+    panels = pack_panels(weight)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 17, 64):
+        x = torch.randn(rows, k)
+        got = panel_linear(x, panels, n_out, bias).double()
+        exact = x.double() @ weight.double().t() + bias.double()
+        scale = x.double().abs() @ weight.double().abs().t() + bias.double().abs()
+        assert got.shape == (rows, n_out)
+        # a k-term fp32 FMA chain: |error| <= k * 2^-24 * sum |x_i w_i| (first-order bound)
+        assert bool(((got - exact).abs() <= scale * k * 2.0**-24).all()), rows
+
+
+@needs_panel
+def test_panel_rows_are_batch_invariant() -> None:
+    """A row's output does not depend on the other rows of the pass: bit-identical alone and in a
+    64-row pass, at every position (each tile shape), so a 1-token decode step and a tree pass
+    compute the same linear outputs."""
+    torch.manual_seed(0)
+    weight = torch.randn(200, 576)
+    panels = pack_panels(weight)
+    x = torch.randn(64, 576)
+    together = panel_linear(x, panels, 200)
+    for rows in (1, 5, 6, 13, 64):
+        part = panel_linear(x[:rows], panels, 200)
+        assert torch.equal(part, together[:rows]), rows
+    alone = torch.stack([panel_linear(x[i:i + 1], panels, 200)[0] for i in range(64)])
+    assert torch.equal(alone, together)
+
+
+@needs_panel
+def test_panel_layer_uses_the_stock_op_outside_its_rows_and_with_autograd() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    layer = PackedLinear(linear, kernel="panel")
+    big = torch.randn(PANEL_MAX_ROWS + 1, 64)
+    with torch.inference_mode():
+        assert torch.equal(layer(big), nn.functional.linear(big, linear.weight, linear.bias))
+    x = torch.randn(3, 64, requires_grad=True)
+    layer(x).sum().backward()                                # training still works: stock op
+    assert x.grad is not None and linear.weight.grad is not None
+    with pytest.raises(ValueError, match="float32 only"):
+        PackedLinear(nn.Linear(8, 8).to(torch.bfloat16), kernel="panel")
 
 
 def test_packing_is_skipped_where_it_does_not_apply() -> None:
@@ -216,7 +319,6 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
 
     from treespec.cli import ensure_calibration
     from treespec.cost import Calibration, default_calibration_path
-    from treespec.fastpath import is_packed
     from treespec.models import tiny_llama
 
     from _engine_helpers import word_tokenizer
@@ -228,7 +330,7 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
     target = Target.from_hf(model, word_tokenizer(words), name="tiny-demo")
     out = io.StringIO()
     path = ensure_calibration(target, "lookup", out=out)
-    assert path == default_calibration_path("tiny-demo", torch.float32, is_packed(model))
+    assert path == default_calibration_path("tiny-demo", torch.float32, linear_kernel(model))
     assert "measuring it once" in out.getvalue() and "calibrating" in out.getvalue()
     cal = Calibration.load(path)
     assert "lookup" in cal.acceptance and "lookup@T1" in cal.acceptance and cal.target(16) > 0

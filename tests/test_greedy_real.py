@@ -1,5 +1,5 @@
 """Greedy equivalence on the real model: at temperature 0, speculative decoding with SmolLM2-135M
-(fp32, on the packed fast path of ``treespec.fastpath``) and its early-exit drafter emits exactly
+(fp32, on each packed fast path of ``treespec.fastpath``: the panel GEMM and oneDNN) and its early-exit drafter emits exactly
 the tokens of ``model.generate(do_sample=False)`` on the stock HF model.
 
 Five MT-bench first turns (writing, roleplay, reasoning, math, coding), through the chat template
@@ -25,7 +25,8 @@ import torch
 
 from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, load_drafter, load_target
 from treespec.data import mtbench_questions
-from treespec.fastpath import packing_available
+from treespec.fastpath import KERNELS, packing_available
+from treespec.kernels import panel_status
 
 from _engine_helpers import hf_greedy
 
@@ -51,11 +52,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def target(one_thread):
-    """The engine's target: fp32 with the packed fast path (the default), which must stay exact."""
-    target = load_target("smollm2-135m", dtype=torch.float32)
-    assert ("onednn" in target.speed_path) == packing_available(), target.speed_path
+@pytest.fixture(scope="module", params=KERNELS)
+def target(request, one_thread):
+    """The engine's target: fp32 on each packed fast path (the panel GEMM, the default on AVX2
+    CPUs, and oneDNN), which must stay exact."""
+    kernel = request.param
+    available, why = panel_status() if kernel == "panel" else (packing_available(), "no oneDNN packing")
+    if not available:
+        pytest.skip(f"{kernel} kernel not available here: {why}")
+    target = load_target("smollm2-135m", dtype=torch.float32, pack=kernel)
+    assert target.speed_path.split("linear layers: ")[1].startswith(kernel), target.speed_path
     return target
 
 

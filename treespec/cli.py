@@ -88,16 +88,16 @@ def _build_generator(args, target=None):
         budget = int(args.budget)
     except ValueError:
         raise SystemExit(f"--budget must be an integer or 'auto', got {args.budget!r}") from None
-    from treespec.fastpath import is_packed
+    from treespec.fastpath import linear_kernel
 
-    acceptance = _sequoia_acceptance(args, target.dtype, is_packed(target.model)) if args.tree == "sequoia" else None
+    acceptance = _sequoia_acceptance(args, target.dtype, linear_kernel(target.model)) if args.tree == "sequoia" else None
     builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode, acceptance)
     return target, SpeculativeGenerator(target, drafter, builder, verify=args.verify)
 
 
-def _sequoia_acceptance(args, dtype: torch.dtype = torch.float32, packed: bool = False) -> tuple[float, ...] | None:
+def _sequoia_acceptance(args, dtype: torch.dtype = torch.float32, packed: bool | str = False) -> tuple[float, ...] | None:
     """--acceptance, else the calibrated vector of --drafter measured on a target with this
-    ``dtype`` and linear path (``packed``), else None (Sequoia's default)."""
+    ``dtype`` and linear path (``packed``: a bool or the kernel name), else None (Sequoia's default)."""
     if args.acceptance:
         try:
             return tuple(float(x) for x in args.acceptance.split(","))
@@ -171,11 +171,11 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     from treespec.cost import Calibration, acceptance_key, calibrate, default_calibration_path, machine_mismatch
     from treespec.cost.calibration import calibrate_batches
     from treespec.data import mtbench_questions
-    from treespec.fastpath import is_packed
+    from treespec.fastpath import linear_kernel
     from treespec.measure import ACCEPTANCE_TEMPERATURES, calibrate_acceptance, calibrate_drafter
 
     dtype = next(target.model.parameters()).dtype
-    path = default_calibration_path(target.name, dtype, is_packed(target.model))
+    path = default_calibration_path(target.name, dtype, linear_kernel(target.model))
     held_out = [q.turns[0] for q in mtbench_questions()[-4:]]   # the demo uses the first ones
     why = (f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) with drafter "
            f"{drafter_name!r} on this machine")

@@ -136,14 +136,15 @@ def drafter_cost_kind(drafter: Drafter) -> str:
 def target_calibration(target: Target):
     """The local calibration of ``target`` (its dtype, packed or not); a clear error without one."""
     from treespec.cost import Calibration, default_calibration_path, machine_mismatch
-    from treespec.fastpath import is_packed
+    from treespec.fastpath import linear_kernel
 
     dtype_name = str(next(target.model.parameters()).dtype).removeprefix("torch.")
-    packed = is_packed(target.model)
-    path = default_calibration_path(target.name, dtype_name, packed)
+    kernel = linear_kernel(target.model)
+    packed = kernel != "stock"
+    path = default_calibration_path(target.name, dtype_name, kernel)
     if not path.exists():
         raise ValueError(f"builder='auto' needs a calibration of {target.name!r} ({dtype_name}"
-                         f"{', packed' if packed else ''}) at {path}; run `treespec calibrate --model "
+                         f"{f', {kernel} linear layers' if packed else ''}) at {path}; run `treespec calibrate --model "
                          f"{target.name} --weights pretrained --dtype {dtype_name}"
                          f"{'' if packed else ' --no-pack'}` first")
     calibration = Calibration.load(path)

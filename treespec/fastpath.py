@@ -11,6 +11,11 @@ Glossary
   original parameter. The original stays the module's ``weight`` (same ``Parameter`` object, so
   tied embeddings, ``state_dict`` and fingerprints are unchanged); the packed copy is not part of
   the state. Memory: one extra copy of every packed weight (≈ +540 MB for SmolLM2 in fp32).
+- **panel linear** — the same module on the fp32 *panel GEMM* (:mod:`treespec.kernels`, compiled
+  once per machine): weights stored as 16-column panels and read once per pass for 1 to
+  :data:`PANEL_MAX_ROWS` rows, each output one in-order FMA chain (bit-identical for a row alone
+  or among others). Chosen on AVX2 CPUs without AVX-512, where it was measured; elsewhere ask for
+  it with ``kernel="panel"``.
 - **native bf16** — matrix units that multiply bf16 directly (x86 ``avx512_bf16`` or
   ``amx_bf16``; a CUDA device with compute capability ≥ 8.0). Without them bf16 is emulated and
   slower than fp32, so ``dtype="auto"`` picks fp32 there.
@@ -37,12 +42,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treespec.kernels import pack_panels, panel_linear, panel_status
+
 __all__ = [
     "CpuInfo",
     "PackReport",
     "PackedLinear",
     "cpu_info",
     "is_packed",
+    "linear_kernel",
     "machine_info",
     "machine_line",
     "native_bf16",
@@ -68,6 +76,13 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 #                               (the stock 2- and 3-row products are slower than the 4-row one) -> 2
 FP32_MIN_ROWS = 4
 FP32_MIN_ROWS_AVX2 = 2
+
+# The panel GEMM runs passes of 1..PANEL_MAX_ROWS rows (decode steps and trees); longer ones
+# (prefill) go to PyTorch's GEMM, which is as fast there. Whole-model linear layers, AMD EPYC
+# AVX2, 1 thread, ms (stock F.linear / oneDNN packed / panel): 1 row 53 / 70 / 46;
+# 4 rows 107 / 76 / 50; 16 rows 132 / 109 / 72; 32 rows 285 / 247 / 130.
+PANEL_MAX_ROWS = 64
+KERNELS = ("onednn", "panel")
 
 
 def fp32_min_rows(cpu: CpuInfo) -> int:
@@ -205,38 +220,55 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | 
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear`` whose weight is packed once for oneDNN's GEMM (CPU, fp32 or bf16).
+    """``nn.Linear`` whose weight is packed once for a faster CPU GEMM (fp32 or bf16).
 
-    ``forward`` uses the packed copy when the input has at least ``min_rows`` rows and matches
-    the packed dtype; otherwise the stock ``F.linear`` on the original weight. The packed copy is
-    rebuilt if the weight changes in place (its version counter moves), so it never goes stale.
+    ``kernel="onednn"``: oneDNN's blocked layout, used for inputs of at least ``min_rows`` rows in
+    the packed dtype. ``kernel="panel"``: the fp32 panel GEMM (:mod:`treespec.kernels`), used for
+    ``min_rows`` to ``max_rows`` rows. Other inputs take the stock ``F.linear`` on the original
+    weight. The packed copy is rebuilt if the weight changes in place (its version counter moves),
+    so it never goes stale.
     """
 
-    def __init__(self, linear: nn.Linear, min_rows: int = 1):
+    def __init__(self, linear: nn.Linear, min_rows: int = 1, kernel: str = "onednn",
+                 max_rows: int | None = None):
         super().__init__()
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"PackedLinear wraps an nn.Linear, got {type(linear).__name__}")
         if linear.weight.device.type != "cpu":
             raise ValueError(f"PackedLinear packs CPU weights; this one is on {linear.weight.device}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if kernel == "panel" and linear.weight.dtype != torch.float32:
+            raise ValueError(f"the panel kernel is float32 only; this weight is {linear.weight.dtype} "
+                             "(use kernel='onednn')")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight          # the same Parameter: ties and state_dict unchanged
         self.bias = linear.bias
+        self.kernel = kernel
         self.min_rows = int(min_rows)
+        self.max_rows = PANEL_MAX_ROWS if max_rows is None and kernel == "panel" else max_rows
         self._pack()
 
     def _pack(self) -> None:
-        self._packed = pack_weight(self.weight)
+        self._packed = pack_panels(self.weight) if self.kernel == "panel" else pack_weight(self.weight)
         self._version = self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight._version != self._version:
             self._pack()
-        return packed_linear(x, self.weight, self._packed, self.min_rows, self.bias)
+        if self.kernel == "onednn":
+            return packed_linear(x, self.weight, self._packed, self.min_rows, self.bias)
+        rows = x.numel() // max(x.shape[-1], 1)
+        if (self.min_rows <= rows <= self.max_rows and x.dtype == torch.float32 and x.device.type == "cpu"
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            return panel_linear(x, self._packed, self.out_features, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
+        rows = f"{self.min_rows}..{self.max_rows}" if self.max_rows is not None else f">= {self.min_rows}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, packed={self._packed.dtype}, min_rows={self.min_rows}")
+                f"bias={self.bias is not None}, kernel={self.kernel}, dtype={self.weight.dtype}, rows={rows}")
 
     def unpacked(self) -> nn.Linear:
         """A plain ``nn.Linear`` sharing this module's parameters."""
@@ -252,60 +284,101 @@ class PackReport:
     """What :func:`pack_linears` did: how many layers it packed, on which path, and why."""
 
     packed: int
-    path: str      # "onednn-bf16", "onednn-fp32 (>= 4 rows)" or "stock"
+    path: str      # e.g. "panel (fp32, 1..64 rows)", "onednn (bf16)", "onednn (fp32, >= 4 rows)", "stock"
     reason: str
 
     def __str__(self) -> str:
         return f"{self.path}: {self.reason}"
 
 
-def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo) -> tuple[int | None, str]:
-    """(min_rows, reason): min_rows None means leave the model as it is."""
+@dataclass(frozen=True)
+class _Plan:
+    kernel: str                # "onednn" or "panel"
+    min_rows: int
+    max_rows: int | None
+    reason: str
+
+
+def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
+                  kernel: str | None = None) -> _Plan | str:
+    """The plan, or the reason to leave the model as it is. ``kernel`` None picks by the CPU."""
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel must be None (pick by CPU) or one of {KERNELS}, got {kernel!r}")
+    if kernel == "panel" and dtype != torch.float32:
+        raise ValueError(f"kernel='panel' is float32 only; these weights are {dtype} (use kernel='onednn')")
     if device.type != "cpu":
-        return None, f"weights on {device}: packing is a CPU path"
+        return f"weights on {device}: packing is a CPU path"
+    if dtype == torch.float32 and kernel != "onednn":
+        # Measured on AVX2 CPUs; AVX-512 ones keep oneDNN until measured there (ask for it by name).
+        wanted = kernel == "panel" or ("avx512f" not in cpu.flags and "avx2" in cpu.flags)
+        if wanted:
+            ok, why = panel_status(cpu)
+            if ok:
+                return _Plan("panel", 1, PANEL_MAX_ROWS, "fp32 weights stored as 16-column panels, read once "
+                             f"per pass of 1..{PANEL_MAX_ROWS} rows (treespec.kernels); PyTorch's GEMM above")
+            if kernel == "panel":
+                raise ValueError(f"kernel='panel' is not available here: {why}")
+            fallback = f" (panel kernel unavailable: {why})"
+        else:
+            fallback = ""
+    else:
+        fallback = ""
     if not packing_available():
-        return None, "this PyTorch build has no oneDNN linear packing"
+        return "this PyTorch build has no oneDNN linear packing" + fallback
     if dtype == torch.bfloat16:
         if not cpu.native_bf16:
-            return None, "bf16 without native bf16 units: packing would not make it fast"
-        return 1, f"bf16 GEMM on {'/'.join(f for f in BF16_FLAGS if f in cpu.flags)} with weights packed once"
+            return "bf16 without native bf16 units: packing would not make it fast"
+        return _Plan("onednn", 1, None,
+                     f"bf16 GEMM on {'/'.join(f for f in BF16_FLAGS if f in cpu.flags)} with weights packed once")
     if dtype == torch.float32:
         rows = fp32_min_rows(cpu)
-        return rows, (f"fp32 weights packed once for >= {rows} rows on this "
-                      f"{'AVX-512' if 'avx512f' in cpu.flags else 'AVX2'} CPU (stock F.linear re-packs "
-                      "them on every call)")
-    return None, f"no packed path for {dtype}"
+        return _Plan("onednn", rows, None,
+                     f"fp32 weights packed once for >= {rows} rows on this "
+                     f"{'AVX-512' if 'avx512f' in cpu.flags else 'AVX2'} CPU (stock F.linear re-packs "
+                     f"them on every call){fallback}")
+    return f"no packed path for {dtype}"
 
 
-def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = None) -> PackReport:
+def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = None,
+                 kernel: str | None = None) -> PackReport:
     """Swap every ``nn.Linear`` of ``model`` for a :class:`PackedLinear`, in place, where it helps.
 
-    Helps = CPU weights in fp32 (packed for tree passes of >= 4 rows), or bf16 on a CPU with
-    native bf16 units (packed for every pass). Elsewhere (GPU, fp16, no oneDNN, ``enabled=False``)
-    the model is left untouched and the report says why. Modules, parameter names and the
-    ``forward`` code of the model are unchanged; only leaf ``nn.Linear`` objects are replaced.
+    Helps = CPU weights in fp32 (the panel GEMM on AVX2 CPUs, oneDNN packing for tree passes
+    elsewhere), or bf16 on a CPU with native bf16 units (oneDNN, every pass). Elsewhere (GPU,
+    fp16, no oneDNN, ``enabled=False``) the model is left untouched and the report says why.
+    ``kernel`` ("panel" or "onednn") overrides the CPU-based choice; asking for one that cannot
+    run here is a ``ValueError``. Modules, parameter names and the ``forward`` code of the model
+    are unchanged; only leaf ``nn.Linear`` objects are replaced.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not enabled:
         return PackReport(0, "stock", "packing turned off")
     weight = next(model.parameters())
-    min_rows, reason = _packing_plan(weight.dtype, weight.device, cpu if cpu is not None else cpu_info())
-    if min_rows is None:
-        return PackReport(0, "stock", reason)
+    plan = _packing_plan(weight.dtype, weight.device, cpu if cpu is not None else cpu_info(), kernel)
+    if isinstance(plan, str):
+        return PackReport(0, "stock", plan)
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == weight.dtype:
-                setattr(parent, name, PackedLinear(child, min_rows))
+                setattr(parent, name, PackedLinear(child, plan.min_rows, plan.kernel, plan.max_rows))
                 count += 1
-    kind = "bf16" if weight.dtype == torch.bfloat16 else f"fp32, >= {min_rows} rows"
-    return PackReport(count, f"onednn ({kind})" if count else "stock", reason)
+    if plan.kernel == "panel":
+        kind = f"fp32, {plan.min_rows}..{plan.max_rows} rows"
+    else:
+        kind = "bf16" if weight.dtype == torch.bfloat16 else f"fp32, >= {plan.min_rows} rows"
+    return PackReport(count, f"{plan.kernel} ({kind})" if count else "stock", plan.reason)
 
 
 def is_packed(model: nn.Module) -> bool:
-    """Whether any linear layer of ``model`` runs on the packed path."""
-    return any(isinstance(m, PackedLinear) for m in model.modules())
+    """Whether any linear layer of ``model`` runs on a packed path."""
+    return linear_kernel(model) != "stock"
+
+
+def linear_kernel(model: nn.Module) -> str:
+    """"panel", "onednn" or "stock": the path ``model``'s linear layers run on."""
+    return next((m.kernel for m in model.modules() if isinstance(m, PackedLinear)), "stock")
 
 
 def unpack_linears(model: nn.Module) -> int:

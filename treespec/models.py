@@ -208,7 +208,7 @@ def load_target(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     cache_dir: str | os.PathLike | None = None,
-    pack: bool = True,
+    pack: bool | str = True,
 ) -> Target:
     """Load a registered target by name. Unknown name -> ``KeyError`` listing known names.
 
@@ -218,17 +218,19 @@ def load_target(
     target from the fp32 one; compare it with plain decoding of the same weights.
     ``pack``: pre-pack the linear layers for the CPU's GEMM where it helps
     (:func:`treespec.fastpath.pack_linears`; fp32 output stays token-identical to HF ``generate``);
-    ``False`` keeps the stock modules. ``Target.speed_path`` says what was chosen and why.
+    ``"panel"`` or ``"onednn"`` names the kernel instead of letting the CPU decide; ``False`` keeps
+    the stock modules. ``Target.speed_path`` says what was chosen and why.
     """
     from treespec.fastpath import pack_linears, resolve_dtype
 
     if name not in TARGET_LOADERS:
         raise KeyError(f"unknown target {name!r}; known targets: {sorted(TARGET_LOADERS)}")
-    if not isinstance(pack, bool):
-        raise TypeError(f"pack must be True or False, got {pack!r}")
+    if not isinstance(pack, (bool, str)):
+        raise TypeError(f"pack must be True, False, 'panel' or 'onednn', got {pack!r}")
     resolved, why = resolve_dtype(dtype, device)
     target = TARGET_LOADERS[name](dtype=resolved, device=device, cache_dir=cache_dir)
-    report = pack_linears(target.model, enabled=pack)
+    report = pack_linears(target.model, enabled=pack is not False,
+                          kernel=pack if isinstance(pack, str) else None)
     dtype_name = str(resolved).removeprefix("torch.")
     return dataclasses.replace(target, speed_path=f"{dtype_name} ({why}); linear layers: {report}")
 

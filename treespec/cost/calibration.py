@@ -300,15 +300,20 @@ def acceptance_key(name: str, temperature: float) -> str:
     return name if temperature == 0.0 else f"{name}@T{temperature:g}"
 
 
-def default_calibration_path(model: str, dtype: str = "float32", packed: bool = False) -> Path:
+def default_calibration_path(model: str, dtype: str = "float32", packed: bool | str = False) -> Path:
     """``$TREESPEC_CACHE/calibration-<model>.json``, else under ``~/.cache/treespec``; weights
     other than float32 get their own file (``calibration-<model>-bfloat16.json``): the CPU's
-    verify curve depends on the dtype far more than on anything else. A target on the packed
-    linear path (``treespec.fastpath``) has its own curve too (``...-packed.json``)."""
+    verify curve depends on the dtype far more than on anything else. A target whose linear
+    layers run on a packed kernel (``treespec.fastpath.linear_kernel``) has its own curve too:
+    ``...-packed.json`` for oneDNN (``packed=True`` or ``"onednn"``), ``...-panel.json`` for the
+    panel GEMM."""
     if not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
+    if packed not in (False, True, "stock", "onednn", "panel"):
+        raise ValueError(f"packed must be a bool or 'stock' / 'onednn' / 'panel', got {packed!r}")
+    kernel = {False: "stock", True: "onednn"}.get(packed, packed)
     root = os.environ.get("TREESPEC_CACHE")
-    suffix = ("" if dtype == "float32" else f"-{dtype}") + ("-packed" if packed else "")
+    suffix = ("" if dtype == "float32" else f"-{dtype}") + {"stock": "", "onednn": "-packed", "panel": "-panel"}[kernel]
     return (Path(root) if root else Path.home() / ".cache" / "treespec") / f"calibration-{model}{suffix}.json"
 
 

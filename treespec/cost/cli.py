@@ -247,10 +247,10 @@ def _calibrate(args: argparse.Namespace) -> int:
                                            progress=lambda m: print(m, flush=True))
         finally:
             torch.set_num_threads(previous)
-    from treespec.fastpath import is_packed
+    from treespec.fastpath import linear_kernel
 
     dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
-    path = result.save(args.out or default_calibration_path(args.model, dtype_name, is_packed(model)))
+    path = result.save(args.out or default_calibration_path(args.model, dtype_name, linear_kernel(model)))
     print(f"saved {path}")
     return 0
 
