@@ -2,12 +2,14 @@
 
 Rows, all run side by side prompt by prompt (interleaved, so machine noise hits all alike), on
 MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sampled, seeded):
-- plain decoding: HF ``generate`` on the stock model, and for bf16 also on the packed model
-  (``treespec.fastpath``: plain bf16 decoding gets faster too, so it is the honest baseline);
+- plain decoding: HF ``generate`` on the stock model and on the packed model
+  (``treespec.fastpath``: plain decoding gets faster too, bf16 packed and fp32 on the panel GEMM,
+  so the faster of the two is the honest baseline);
 - HF assisted generation with the shipped ``small`` drafter, HF prompt lookup (stock fp32 model,
   as a user runs them; ``--all-peers`` adds them in bf16);
 - treespec on the packed target with the shipped eagle3 head: a chain, a best-first tree, and
-  ``builder="auto"`` (the cost model with this machine's calibration of the same path).
+  ``builder="auto"`` (the cost model with this machine's calibration of the same path);
+  ``--hybrid`` adds a best-first tree drafted by prompt lookup + eagle3 (``hybrid``).
 fp32 is the exact reference target; bf16 rows run only where the CPU has native bf16 units (a
 bf16 target is a different target: its rows are compared with plain decoding of the same bf16
 weights, and with the fastest plain decoding of any dtype, so a bf16 row cannot win by slowing
@@ -92,6 +94,10 @@ def build(args):
                 packed, eagle3, BestFirstBuilder(args.budget, max_width=4)),
             "treespec auto": treespec.SpeculativeGenerator(packed, eagle3, "auto"),
         }
+        if args.hybrid:
+            hybrid = treespec.load_drafter("hybrid", packed)
+            gens[f"treespec hybrid best-first {args.budget}"] = treespec.SpeculativeGenerator(
+                packed, hybrid, BestFirstBuilder(args.budget, max_width=4))
         paths[d]["auto"] = f"{gens['treespec auto'].builder.config} (calibration {cal})"
         rows = {
             "HF generate": lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s),
@@ -102,9 +108,10 @@ def build(args):
                 m, ids, args.max_new_tokens, e, t, s, assistant=a)
             rows["HF prompt lookup"] = lambda ids, t, s, m=stock.model, e=eos: hf_generate(
                 m, ids, args.max_new_tokens, e, t, s, lookup=args.chain_k)
-        if d == "bf16":
-            rows["HF generate (packed)"] = lambda ids, t, s, m=packed.model, e=eos: hf_generate(
-                m, ids, args.max_new_tokens, e, t, s)
+        # plain decoding on the fast path: the honest baseline wherever it is faster (bf16 packed,
+        # fp32 on the panel GEMM)
+        rows["HF generate (packed)"] = lambda ids, t, s, m=packed.model, e=eos: hf_generate(
+            m, ids, args.max_new_tokens, e, t, s)
         for name, g in gens.items():
             rows[name] = g
         runners[d] = rows
@@ -265,6 +272,8 @@ def main() -> None:
     ap.add_argument("--chain-k", type=int, default=3, help="chain length and prompt-lookup tokens")
     ap.add_argument("--budget", type=int, default=8, help="best-first tree nodes incl. the root")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hybrid", action="store_true",
+                    help="add a best-first row with the hybrid drafter (prompt lookup + eagle3)")
     ap.add_argument("--all-peers", action="store_true",
                     help="also run HF assisted / prompt lookup in bf16 (default: fp32 only, as users run them)")
     ap.add_argument("--note", default="", help="how the machine was used during the run")
