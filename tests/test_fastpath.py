@@ -354,3 +354,20 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
     assert ensure_calibration(target, "lookup", out=moved) == path
     assert "does not fit this machine" in moved.getvalue() and "Another CPU" in moved.getvalue()
     assert Calibration.load(path).device != data["device"]
+
+
+@needs_packing
+def test_demo_stock_baseline_restores_the_fast_path() -> None:
+    """The demo also times plain decoding with stock linear layers: it unpacks the target for
+    that run and packs it again with the same kernel; a stock target has no second baseline."""
+    from treespec.cli import stock_decode_speed
+
+    model = small_llama(seed=5)
+    pack_linears(model)
+    kernel = linear_kernel(model)
+    target = Target.from_hf(model, tokenizer=None, name="small")
+    ids = torch.tensor([5, 17, 200])
+    assert stock_decode_speed(target, ids, 4) > 0
+    assert linear_kernel(model) == kernel and kernel != "stock"
+    unpack_linears(model)
+    assert stock_decode_speed(target, ids, 4) is None

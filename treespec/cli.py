@@ -252,7 +252,28 @@ def cmd_demo(args) -> int:
           f"({base_n} tokens)")
     print(f"treespec {getattr(gen.builder, 'config', type(gen.builder).__name__)} + {args.drafter}: "
           f"{spec_tps:.1f} tokens/s -> speedup {spec_tps / base_tps:.2f}x (prefill included on both sides)")
+    stock_tps = stock_decode_speed(target, ids, args.max_new_tokens, args.temperature, args.seed)
+    if stock_tps is not None:
+        print(f"plain decoding with PyTorch's stock linear layers (what HF generate runs without treespec): "
+              f"{stock_tps:.1f} tokens/s -> treespec {spec_tps / stock_tps:.2f}x, plain on the fast path "
+              f"{base_tps / stock_tps:.2f}x")
     return 0
+
+
+def stock_decode_speed(target, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                       seed: int | None = None) -> float | None:
+    """tokens/s of HF ``generate`` with the target's linear layers put back to stock ``nn.Linear``
+    for the run (then packed again); None when they are stock already."""
+    from treespec.fastpath import linear_kernel, pack_linears, unpack_linears
+
+    kernel = linear_kernel(target.model)
+    if kernel == "stock":
+        return None
+    unpack_linears(target.model)
+    try:
+        return plain_decode_speed(target, ids, max_new_tokens, temperature, seed)[0]
+    finally:
+        pack_linears(target.model, kernel=kernel)
 
 
 def build_parser() -> argparse.ArgumentParser:
