@@ -34,14 +34,13 @@ what it did and why.
 from __future__ import annotations
 
 import os
-import platform
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treespec.cpu import BF16_FLAGS, RELEVANT_FLAGS, CpuInfo, _read_cpuinfo, cpu_info  # noqa: F401 (re-exported)
 from treespec.kernels import pack_panels, panel_linear, panel_status
 
 __all__ = [
@@ -62,10 +61,6 @@ __all__ = [
     "unpack_linears",
 ]
 
-# Flags that decide a path or explain a number; result files record these.
-RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
-                  "amx_int8", "avx512_fp16")
-BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 # fp32: below this many rows PyTorch's own kernel (a GEMV, no re-pack) is as fast or faster.
 # Where the crossover lies depends on the CPU. One linear layer, 1 thread, median us (stock F.linear
@@ -79,7 +74,7 @@ FP32_MIN_ROWS_AVX2 = 2
 
 # The panel GEMM runs passes of 1..PANEL_MAX_ROWS rows (decode steps and trees); longer ones
 # (prefill) go to PyTorch's GEMM, which is as fast there. Whole-model linear layers, AMD EPYC
-# AVX2, 1 thread, ms (stock F.linear / oneDNN packed / panel): 1 row 53 / 70 / 46;
+# AVX2, 1 thread, ms (stock F.linear / oneDNN packed / panel): 1 row 53 / 70 / 37;
 # 4 rows 107 / 76 / 50; 16 rows 132 / 109 / 72; 32 rows 285 / 247 / 130.
 PANEL_MAX_ROWS = 64
 KERNELS = ("onednn", "panel")
@@ -88,48 +83,6 @@ KERNELS = ("onednn", "panel")
 def fp32_min_rows(cpu: CpuInfo) -> int:
     """Fewest rows for which packed fp32 beats stock ``F.linear`` on ``cpu`` (measured above)."""
     return FP32_MIN_ROWS if "avx512f" in cpu.flags else FP32_MIN_ROWS_AVX2
-
-
-@dataclass(frozen=True)
-class CpuInfo:
-    """What the host CPU is: ``model`` name and the subset of :data:`RELEVANT_FLAGS` it has."""
-
-    model: str
-    flags: tuple[str, ...]
-    torch_capability: str   # PyTorch's own dispatch level ("AVX512", "AVX2", "DEFAULT"...)
-
-    @property
-    def native_bf16(self) -> bool:
-        return any(f in self.flags for f in BF16_FLAGS)
-
-
-def _read_cpuinfo(text: str) -> tuple[str, set[str]]:
-    model, flags = "", set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not model:
-            model = value.strip()
-        elif key in ("flags", "Features") and not flags:
-            flags = set(value.split())
-    return model, flags
-
-
-@lru_cache(maxsize=1)
-def cpu_info() -> CpuInfo:
-    """The host CPU (read once per process; the hardware does not change under it)."""
-    model, flags = "", set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            model, flags = _read_cpuinfo(f.read())
-    except OSError:
-        pass
-    model = model or platform.processor() or platform.machine()
-    try:
-        capability = torch.backends.cpu.get_cpu_capability()
-    except AttributeError:  # pragma: no cover - very old torch
-        capability = "unknown"
-    return CpuInfo(model, tuple(f for f in RELEVANT_FLAGS if f in flags), capability)
 
 
 def native_bf16(device: str | torch.device = "cpu", cpu: CpuInfo | None = None) -> tuple[bool, str]:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from treespec.cpu import CpuInfo, cpu_info
 
 __all__ = ["PANEL", "PanelUnavailable", "pack_panels", "panel_linear", "panel_status"]
 
@@ -70,14 +71,12 @@ def _build():
     return module, None
 
 
-def panel_status(cpu=None, build: bool = True) -> tuple[bool, str]:
+def panel_status(cpu: CpuInfo | None = None, build: bool = True) -> tuple[bool, str]:
     """Whether the panel kernel runs on this machine, and why not if it does not.
 
-    ``cpu``: a :class:`treespec.fastpath.CpuInfo` (default: this machine's). ``build=False``
+    ``cpu``: a :class:`treespec.cpu.CpuInfo` (default: this machine's). ``build=False``
     only checks the CPU flags (no compilation).
     """
-    from treespec.fastpath import cpu_info  # fastpath imports this module
-
     cpu = cpu if cpu is not None else cpu_info()
     lacking = [f for f in ("avx2", "fma") if f not in cpu.flags]
     if lacking:
