@@ -371,3 +371,18 @@ def test_demo_stock_baseline_restores_the_fast_path() -> None:
     assert linear_kernel(model) == kernel and kernel != "stock"
     unpack_linears(model)
     assert stock_decode_speed(target, ids, 4) is None
+
+
+@pytest.mark.parametrize("kernel", KERNEL_PARAMS)
+def test_a_trainable_weight_gets_its_gradient_through_either_kernel(kernel) -> None:
+    """A packed kernel has no backward: with grad mode on and a weight that requires grad, the
+    layer must run the stock op even when the input itself needs no gradient (the first layer
+    of a head trained on frozen features), or the weight's gradient would silently be lost."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    layer = PackedLinear(copy.deepcopy(linear), min_rows=1, kernel=kernel)
+    x = torch.randn(8, 64)                                   # no requires_grad
+    layer(x).square().sum().backward()
+    linear(x).square().sum().backward()
+    assert layer.weight.grad is not None
+    torch.testing.assert_close(layer.weight.grad, linear.weight.grad, rtol=0, atol=0)

@@ -158,13 +158,22 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
+def _fast_path_ok(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, rows: int, min_rows: int,
+                  max_rows: int | None) -> bool:
+    """Whether a packed kernel (weights in ``dtype``) may serve ``x``: ``min_rows``..``max_rows``
+    rows, the packed dtype, the CPU, and no autograd through either side (a packed kernel has no
+    backward: with a trainable weight the stock op must run, or its gradient would be lost)."""
+    return (min_rows <= rows and (max_rows is None or rows <= max_rows) and x.dtype == dtype
+            and weight.dtype == dtype and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, min_rows: int = 1,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through ``packed`` (:func:`pack_weight` of ``weight``) when
     x has >= ``min_rows`` rows in the packed dtype on the CPU without autograd; else the stock op."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if (packed is None or rows < min_rows or x.dtype != packed.dtype or x.device.type != "cpu"
-            or weight.dtype != packed.dtype or torch.is_grad_enabled() and x.requires_grad):
+    if packed is None or not _fast_path_ok(x, weight, packed.dtype, rows, min_rows, None):
         return F.linear(x, weight, bias)
     bias = None if bias is None else bias.detach()
     # [rows, in] -> [rows, out]
@@ -208,15 +217,17 @@ class PackedLinear(nn.Module):
         self._version = self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight._version != self._version:
+        # Runs ~200 times per target pass: each parameter is read once (nn.Module's attribute
+        # lookup for parameters is the slow path).
+        weight, bias = self.weight, self.bias
+        if weight._version != self._version:
             self._pack()
         if self.kernel == "onednn":
-            return packed_linear(x, self.weight, self._packed, self.min_rows, self.bias)
+            return packed_linear(x, weight, self._packed, self.min_rows, bias)
         rows = x.numel() // max(x.shape[-1], 1)
-        if (self.min_rows <= rows <= self.max_rows and x.dtype == torch.float32 and x.device.type == "cpu"
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            return panel_linear(x, self._packed, self.out_features, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        if _fast_path_ok(x, weight, torch.float32, rows, self.min_rows, self.max_rows):
+            return panel_linear(x, self._packed, self.out_features, bias)
+        return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
         rows = f"{self.min_rows}..{self.max_rows}" if self.max_rows is not None else f">= {self.min_rows}"
@@ -261,21 +272,18 @@ def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
         raise ValueError(f"kernel='panel' is float32 only; these weights are {dtype} (use kernel='onednn')")
     if device.type != "cpu":
         return f"weights on {device}: packing is a CPU path"
-    if dtype == torch.float32 and kernel != "onednn":
-        # Measured on AVX2 CPUs; AVX-512 ones keep oneDNN until measured there (ask for it by name).
-        wanted = kernel == "panel" or ("avx512f" not in cpu.flags and "avx2" in cpu.flags)
-        if wanted:
-            ok, why = panel_status(cpu)
-            if ok:
-                return _Plan("panel", 1, PANEL_MAX_ROWS, "fp32 weights stored as 16-column panels, read once "
-                             f"per pass of 1..{PANEL_MAX_ROWS} rows (treespec.kernels); PyTorch's GEMM above")
-            if kernel == "panel":
-                raise ValueError(f"kernel='panel' is not available here: {why}")
-            fallback = f" (panel kernel unavailable: {why})"
-        else:
-            fallback = ""
-    else:
-        fallback = ""
+    # The panel GEMM was measured on AVX2 CPUs; AVX-512 ones keep oneDNN until it is measured
+    # there (ask for it by name).
+    fallback = ""
+    if dtype == torch.float32 and (kernel == "panel" or kernel is None and "avx2" in cpu.flags
+                                   and "avx512f" not in cpu.flags):
+        ok, why = panel_status(cpu)
+        if ok:
+            return _Plan("panel", 1, PANEL_MAX_ROWS, "fp32 weights stored as 16-column panels, read once "
+                         f"per pass of 1..{PANEL_MAX_ROWS} rows (treespec.kernels); PyTorch's GEMM above")
+        if kernel == "panel":
+            raise ValueError(f"kernel='panel' is not available here: {why}")
+        fallback = f" (panel kernel unavailable: {why})"
     if not packing_available():
         return "this PyTorch build has no oneDNN linear packing" + fallback
     if dtype == torch.bfloat16:
