@@ -309,11 +309,11 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
     panel GEMM."""
     if not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
-    if packed not in (False, True, "stock", "onednn", "panel"):
+    kernel_suffix = {False: "", "stock": "", True: "-packed", "onednn": "-packed", "panel": "-panel"}
+    if packed not in kernel_suffix:
         raise ValueError(f"packed must be a bool or 'stock' / 'onednn' / 'panel', got {packed!r}")
-    kernel = {False: "stock", True: "onednn"}.get(packed, packed)
     root = os.environ.get("TREESPEC_CACHE")
-    suffix = ("" if dtype == "float32" else f"-{dtype}") + {"stock": "", "onednn": "-packed", "panel": "-panel"}[kernel]
+    suffix = ("" if dtype == "float32" else f"-{dtype}") + kernel_suffix[packed]
     return (Path(root) if root else Path.home() / ".cache" / "treespec") / f"calibration-{model}{suffix}.json"
 
 
