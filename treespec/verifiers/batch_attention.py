@@ -228,9 +228,9 @@ class BatchVerifier:
         new_lens = [p + len(k) for p, k in zip(self.prefix_lens, rows)]
         s_new = max(new_lens)
         # Only the kept tree slots move (row b: slot s + kl[i] -> p_b + i); the prefixes stay where
-        # they are. Then the tree slots of row b past its new length are zeroed: its old padding
-        # [P_b, S) held zeros already and past its new length is left alone. In place: a step
-        # costs O(kept + tree) slots per row, neither a copy of the cache nor its padding.
+        # they are. Row b's old padding [P_b, S) held zeros already, so of the slots past its new
+        # length only this step's tree slots [S, S') need zeroing. In place: a step costs
+        # O(kept + tree) slots per row, neither a copy of the cache nor of its padding.
         rb, src, dst, zb, zs = [], [], [], [], []
         for b, (p, kl, end) in enumerate(zip(self.prefix_lens, rows, new_lens)):
             rb += [b] * len(kl)
