@@ -2,7 +2,8 @@
 
 Paths (SmolLM2-135M, one process, same prompt prefix, interleaved point by point so machine
 noise hits all alike): fp32 with HF's stock linear layers, fp32 with oneDNN-packed weights, fp32 on
-the panel GEMM (``treespec.kernels``, where it builds; both exact fp32 paths), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units).
+the panel GEMM (``treespec.kernels``, where it builds; all exact fp32 paths), bf16 stock, bf16
+packed (bf16 rows only where the CPU has native bf16 units).
 Each point is one ``TreeVerifier.score`` (forward over n tree nodes with the tree mask after a
 cached prefix of P tokens, then softmax) followed by ``compact`` back to the prefix; the median of
 ``--reps`` is kept. Beside them, the machine's physical limit per dtype:
@@ -147,9 +148,8 @@ def main() -> None:
         "linear_params": params,
         "t_ms": {name: {str(n): t for n, t in row.items()} for name, row in ms.items()},
         "limit_ms": {k: {str(n): t * 1e3 for n, t in row.items()} for k, row in limit.items()},
-        "ratio_16_1": {name: row[16] / row[1] for name, row in ms.items() if 16 in row and 1 in row},
-        "ratio_4_1": {name: row[4] / row[1] for name, row in ms.items() if 4 in row and 1 in row},
-        "ratio_8_1": {name: row[8] / row[1] for name, row in ms.items() if 8 in row and 1 in row},
+        **{f"ratio_{k}_1": {name: row[k] / row[1] for name, row in ms.items() if k in row and 1 in row}
+           for k in (4, 8, 16)},
     }
     m = result["machine"]
     lines = [
