@@ -73,9 +73,9 @@ FP32_MIN_ROWS = 4
 FP32_MIN_ROWS_AVX2 = 2
 
 # The panel GEMM runs passes of 1..PANEL_MAX_ROWS rows (decode steps and trees); longer ones
-# (prefill) go to PyTorch's GEMM, which is as fast there. Whole-model linear layers, AMD EPYC
-# AVX2, 1 thread, ms (stock F.linear / oneDNN packed / panel): 1 row 53 / 70 / 37;
-# 4 rows 107 / 76 / 50; 16 rows 132 / 109 / 72; 32 rows 285 / 247 / 130.
+# (prefill) go to PyTorch's GEMM, whose re-pack is amortized there. Whole tree pass, AMD EPYC
+# AVX2, 1 thread, ms (stock / oneDNN packed / panel; benchmarks/results/verify_cost_avx2.md):
+# 1 node 102 / 95 / 66; 4 nodes 165 / 143 / 101; 16 nodes 224 / 206 / 139; 64 nodes 493 / 439 / 396.
 PANEL_MAX_ROWS = 64
 KERNELS = ("onednn", "panel")
 
