@@ -32,7 +32,8 @@ from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op threa
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no oneDNN packing")
 needs_panel = pytest.mark.skipif(not panel_status(build=False)[0], reason=panel_status(build=False)[1])
-KERNEL_PARAMS = [pytest.param("onednn", marks=needs_packing), pytest.param("panel", marks=needs_panel)]
+KERNEL_PARAMS = [pytest.param("onednn", marks=needs_packing), pytest.param("panel", marks=needs_panel),
+                 pytest.param("blocks", marks=needs_panel)]
 
 AVX2_ONLY = CpuInfo("AMD EPYC (test)", ("avx2", "fma"), "AVX2")
 AMX = CpuInfo("Intel Xeon (test)", ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), "AVX512")
@@ -186,8 +187,8 @@ def test_fp32_kernel_follows_the_cpu_kind() -> None:
     model = small_llama()
     report = pack_linears(model, cpu=AVX2_ONLY)
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert {(m.kernel, m.min_rows, m.max_rows) for m in layers} == {("panel", 1, PANEL_MAX_ROWS)}
-    assert report.path == f"panel (fp32, 1..{PANEL_MAX_ROWS} rows)"
+    assert {(m.kernel, m.min_rows, m.max_rows) for m in layers} == {("blocks", 1, PANEL_MAX_ROWS)}
+    assert report.path == f"blocks (fp32, 1..{PANEL_MAX_ROWS} rows; 15 as fp32 panels)"
     if packing_available():
         assert linear_kernel(_packed(small_llama(), cpu=AMX)) == "onednn"
     assert linear_kernel(_packed(small_llama(), cpu=AMX, kernel="panel")) == "panel"

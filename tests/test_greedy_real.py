@@ -25,7 +25,7 @@ import torch
 
 from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, load_drafter, load_target
 from treespec.data import mtbench_questions
-from treespec.fastpath import KERNELS, packing_available
+from treespec.fastpath import KERNELS, PANEL_KERNELS, packing_available
 from treespec.kernels import panel_status
 
 from _engine_helpers import hf_greedy
@@ -57,7 +57,7 @@ def target(request, one_thread):
     """The engine's target: fp32 on each packed fast path (the panel GEMM, the default on AVX2
     CPUs, and oneDNN), which must stay exact."""
     kernel = request.param
-    available, why = panel_status() if kernel == "panel" else (packing_available(), "no oneDNN packing")
+    available, why = panel_status() if kernel in PANEL_KERNELS else (packing_available(), "no oneDNN packing")
     if not available:
         pytest.skip(f"{kernel} kernel not available here: {why}")
     target = load_target("smollm2-135m", dtype=torch.float32, pack=kernel)

@@ -34,6 +34,7 @@ what it did and why.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespec.cpu import BF16_FLAGS, RELEVANT_FLAGS, CpuInfo, _read_cpuinfo, cpu_info  # noqa: F401 (re-exported)
-from treespec.kernels import pack_panels, panel_linear, panel_status
+from treespec.kernels import BlockPanels, block_linear, pack_blocks, pack_panels, panel_linear, panel_status
 
 __all__ = [
     "CpuInfo",
@@ -77,7 +78,8 @@ FP32_MIN_ROWS_AVX2 = 2
 # AVX2, 1 thread, ms (stock / oneDNN packed / panel; benchmarks/results/verify_cost_avx2.md):
 # 1 node 102 / 95 / 66; 4 nodes 165 / 143 / 101; 16 nodes 224 / 206 / 139; 64 nodes 493 / 439 / 396.
 PANEL_MAX_ROWS = 64
-KERNELS = ("onednn", "panel")
+KERNELS = ("onednn", "panel", "blocks")
+PANEL_KERNELS = ("panel", "blocks")
 
 
 def fp32_min_rows(cpu: CpuInfo) -> int:
@@ -186,9 +188,12 @@ class PackedLinear(nn.Module):
 
     ``kernel="onednn"``: oneDNN's blocked layout, used for inputs of at least ``min_rows`` rows in
     the packed dtype. ``kernel="panel"``: the fp32 panel GEMM (:mod:`treespec.kernels`), used for
-    ``min_rows`` to ``max_rows`` rows. Other inputs take the stock ``F.linear`` on the original
-    weight. The packed copy is rebuilt if the weight changes in place (its version counter moves),
-    so it never goes stale.
+    ``min_rows`` to ``max_rows`` rows. ``kernel="blocks"``: the same GEMM reading the weight as
+    exact 4- or 8-bit integer blocks where it is one (a weight dequantized from a GGUF Q4_1 or
+    Q8_0 checkpoint is; :func:`treespec.kernels.pack_blocks` checks every value), fp32 panels
+    where it is not; the outputs are bit-identical to ``"panel"``, from 5-6x fewer bytes.
+    Other inputs take the stock ``F.linear`` on the original weight. The packed copy is rebuilt
+    if the weight changes in place (its version counter moves), so it never goes stale.
     """
 
     def __init__(self, linear: nn.Linear, min_rows: int = 1, kernel: str = "onednn",
@@ -200,8 +205,8 @@ class PackedLinear(nn.Module):
             raise ValueError(f"PackedLinear packs CPU weights; this one is on {linear.weight.device}")
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        if kernel == "panel" and linear.weight.dtype != torch.float32:
-            raise ValueError(f"the panel kernel is float32 only; this weight is {linear.weight.dtype} "
+        if kernel in PANEL_KERNELS and linear.weight.dtype != torch.float32:
+            raise ValueError(f"the {kernel} kernel is float32 only; this weight is {linear.weight.dtype} "
                              "(use kernel='onednn')")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -209,12 +214,25 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.kernel = kernel
         self.min_rows = int(min_rows)
-        self.max_rows = PANEL_MAX_ROWS if max_rows is None and kernel == "panel" else max_rows
+        self.max_rows = PANEL_MAX_ROWS if max_rows is None and kernel in PANEL_KERNELS else max_rows
         self._pack()
 
     def _pack(self) -> None:
-        self._packed = pack_panels(self.weight) if self.kernel == "panel" else pack_weight(self.weight)
+        packed = None
+        if self.kernel == "blocks":
+            packed = pack_blocks(self.weight)
+        if packed is None:
+            packed = pack_weight(self.weight) if self.kernel == "onednn" else pack_panels(self.weight)
+        self._packed = packed
         self._version = self.weight._version
+
+    @property
+    def storage(self) -> str:
+        """How the packed copy holds the weight: "4-bit blocks", "8-bit blocks", "fp32 panels",
+        or "onednn"."""
+        if isinstance(self._packed, BlockPanels):
+            return f"{self._packed.bits}-bit blocks"
+        return "onednn" if self.kernel == "onednn" else "fp32 panels"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Runs ~200 times per target pass: each parameter is read once (nn.Module's attribute
@@ -226,13 +244,17 @@ class PackedLinear(nn.Module):
             return packed_linear(x, weight, self._packed, self.min_rows, bias)
         rows = x.numel() // max(x.shape[-1], 1)
         if _fast_path_ok(x, weight, torch.float32, rows, self.min_rows, self.max_rows):
-            return panel_linear(x, self._packed, self.out_features, bias)
+            packed = self._packed
+            if isinstance(packed, BlockPanels):
+                return block_linear(x, packed, bias)
+            return panel_linear(x, packed, self.out_features, bias)
         return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
         rows = f"{self.min_rows}..{self.max_rows}" if self.max_rows is not None else f">= {self.min_rows}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, kernel={self.kernel}, dtype={self.weight.dtype}, rows={rows}")
+                f"bias={self.bias is not None}, kernel={self.kernel}, storage={self.storage}, "
+                f"dtype={self.weight.dtype}, rows={rows}")
 
     def unpacked(self) -> nn.Linear:
         """A plain ``nn.Linear`` sharing this module's parameters."""
@@ -257,7 +279,7 @@ class PackReport:
 
 @dataclass(frozen=True)
 class _Plan:
-    kernel: str                # "onednn" or "panel"
+    kernel: str                # one of KERNELS
     min_rows: int
     max_rows: int | None
     reason: str
@@ -268,21 +290,25 @@ def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
     """The plan, or the reason to leave the model as it is. ``kernel`` None picks by the CPU."""
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be None (pick by CPU) or one of {KERNELS}, got {kernel!r}")
-    if kernel == "panel" and dtype != torch.float32:
-        raise ValueError(f"kernel='panel' is float32 only; these weights are {dtype} (use kernel='onednn')")
+    if kernel in PANEL_KERNELS and dtype != torch.float32:
+        raise ValueError(f"kernel={kernel!r} is float32 only; these weights are {dtype} (use kernel='onednn')")
     if device.type != "cpu":
         return f"weights on {device}: packing is a CPU path"
     # The panel GEMM was measured on AVX2 CPUs; AVX-512 ones keep oneDNN until it is measured
-    # there (ask for it by name).
+    # there (ask for it by name). Where it runs, exact integer blocks are read where the weights
+    # are ones (bit-identical outputs, fewer bytes).
     fallback = ""
-    if dtype == torch.float32 and (kernel == "panel" or kernel is None and "avx2" in cpu.flags
+    if dtype == torch.float32 and (kernel in PANEL_KERNELS or kernel is None and "avx2" in cpu.flags
                                    and "avx512f" not in cpu.flags):
         ok, why = panel_status(cpu)
         if ok:
-            return _Plan("panel", 1, PANEL_MAX_ROWS, "fp32 weights stored as 16-column panels, read once "
-                         f"per pass of 1..{PANEL_MAX_ROWS} rows (treespec.kernels); PyTorch's GEMM above")
-        if kernel == "panel":
-            raise ValueError(f"kernel='panel' is not available here: {why}")
+            chosen = kernel or "blocks"
+            stored = ("as exact 4/8-bit integer blocks where the weights are ones, else as fp32 "
+                      "16-column panels" if chosen == "blocks" else "as 16-column panels")
+            return _Plan(chosen, 1, PANEL_MAX_ROWS, f"fp32 weights stored {stored}, read once per pass "
+                         f"of 1..{PANEL_MAX_ROWS} rows (treespec.kernels); PyTorch's GEMM above")
+        if kernel in PANEL_KERNELS:
+            raise ValueError(f"kernel={kernel!r} is not available here: {why}")
         fallback = f" (panel kernel unavailable: {why})"
     if not packing_available():
         return "this PyTorch build has no oneDNN linear packing" + fallback
@@ -304,12 +330,13 @@ def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = N
                  kernel: str | None = None) -> PackReport:
     """Swap every ``nn.Linear`` of ``model`` for a :class:`PackedLinear`, in place, where it helps.
 
-    Helps = CPU weights in fp32 (the panel GEMM on AVX2 CPUs, oneDNN packing for tree passes
-    elsewhere), or bf16 on a CPU with native bf16 units (oneDNN, every pass). Elsewhere (GPU,
-    fp16, no oneDNN, ``enabled=False``) the model is left untouched and the report says why.
-    ``kernel`` ("panel" or "onednn") overrides the CPU-based choice; asking for one that cannot
-    run here is a ``ValueError``. Modules, parameter names and the ``forward`` code of the model
-    are unchanged; only leaf ``nn.Linear`` objects are replaced.
+    Helps = CPU weights in fp32 (the panel GEMM on AVX2 CPUs, over exact integer blocks where
+    the weights are ones; oneDNN packing for tree passes elsewhere), or bf16 on a CPU with native
+    bf16 units (oneDNN, every pass). Elsewhere (GPU, fp16, no oneDNN, ``enabled=False``) the model
+    is left untouched and the report says why. ``kernel`` (one of :data:`KERNELS`) overrides the
+    CPU-based choice; asking for one that cannot run here is a ``ValueError``. Modules, parameter
+    names and the ``forward`` code of the model are unchanged; only leaf ``nn.Linear`` objects
+    are replaced.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -319,17 +346,21 @@ def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = N
     plan = _packing_plan(weight.dtype, weight.device, cpu if cpu is not None else cpu_info(), kernel)
     if isinstance(plan, str):
         return PackReport(0, "stock", plan)
-    count = 0
+    layers = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == weight.dtype:
-                setattr(parent, name, PackedLinear(child, plan.min_rows, plan.kernel, plan.max_rows))
-                count += 1
-    if plan.kernel == "panel":
+                layer = PackedLinear(child, plan.min_rows, plan.kernel, plan.max_rows)
+                setattr(parent, name, layer)
+                layers.append(layer)
+    if plan.kernel in PANEL_KERNELS:
         kind = f"fp32, {plan.min_rows}..{plan.max_rows} rows"
+        if plan.kernel == "blocks":
+            stored = Counter(layer.storage for layer in layers)
+            kind += "; " + ", ".join(f"{n} as {what}" for what, n in sorted(stored.items()))
     else:
         kind = "bf16" if weight.dtype == torch.bfloat16 else f"fp32, >= {plan.min_rows} rows"
-    return PackReport(count, f"{plan.kernel} ({kind})" if count else "stock", plan.reason)
+    return PackReport(len(layers), f"{plan.kernel} ({kind})" if layers else "stock", plan.reason)
 
 
 def is_packed(model: nn.Module) -> bool:
@@ -338,7 +369,7 @@ def is_packed(model: nn.Module) -> bool:
 
 
 def linear_kernel(model: nn.Module) -> str:
-    """"panel", "onednn" or "stock": the path ``model``'s linear layers run on."""
+    """One of :data:`KERNELS`, or "stock": the path ``model``'s linear layers run on."""
     return next((m.kernel for m in model.modules() if isinstance(m, PackedLinear)), "stock")
 
 

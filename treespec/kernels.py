@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,9 +33,11 @@ import torch
 
 from treespec.cpu import CpuInfo, cpu_info
 
-__all__ = ["PANEL", "PanelUnavailable", "pack_panels", "panel_linear", "panel_status"]
+__all__ = ["BLOCK", "PANEL", "BlockPanels", "PanelUnavailable", "block_linear", "pack_blocks", "pack_panels",
+           "panel_linear", "panel_status"]
 
 PANEL = 16
+BLOCK = 32
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
@@ -121,3 +124,129 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     if bias is not None:
         y = y + bias.detach()
     return y.reshape(*x.shape[:-1], out_features)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block-quantized panels: fp32 weights that are exactly d q + m per block of 32 k values
+
+
+@dataclass(frozen=True)
+class BlockPanels:
+    """A float32 weight ``W [N, K]`` stored exactly as small integers and per-block scales.
+
+    ``W[n, k] = d[n, k // 32] * q[n, k] + m[n, k // 32]`` holds bit for bit (checked when
+    packed). ``blob`` is uint8 ``[P, K / 32, record]``: for each 16-column panel and block of 32
+    k values one record, read as one sequential stream: ``d`` (16 float32), ``m`` (16 float32,
+    4 bits only; 0 for 8 bits), then ``q`` for the 32 rows: 8 bytes a row for 4 bits (byte j =
+    column j in its low nibble, column j + 8 in its high one), 16 signed bytes for 8 bits.
+    """
+
+    blob: torch.Tensor
+    bits: int
+    out_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.blob.numel()
+
+
+def _fp16_steps(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """``x`` (float32, fp16-representable) moved ``steps`` fp16 ulps, as float32."""
+    return (x.half().view(torch.int16) + steps).view(torch.float16).float() if steps else x
+
+
+# Candidate scales: the one the block's range implies, rounded to fp16 as GGUF stores it, then
+# its fp16 neighbours (the quantizer rounds its own fp32 scale, not the range's).
+_SCALE_STEPS = (0, -1, 1, -2, 2)
+
+
+def _fit_blocks(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``blocks`` [N, K/32, 32] float32 -> (q, d, m) reproducing every value exactly, or None.
+
+    4 bits: q in 0..15, m = the block's minimum, d from its range / 15 (GGUF Q4_1). 8 bits: q in
+    -128..127, m = 0, d from its largest magnitude / 127 (GGUF Q8_0). Every candidate is checked
+    element by element: ``d * q + m`` in float32 must equal the weight bit for bit (d q itself is
+    exact: an 11-bit fp16 scale times a <= 8-bit integer).
+    """
+    if bits == 4:
+        m = blocks.amin(-1, keepdim=True)
+        base = ((blocks.amax(-1, keepdim=True) - m) / 15).half().float()
+        lo, hi = 0, 15
+    else:
+        m = torch.zeros_like(blocks[..., :1])
+        base = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+        lo, hi = -128, 127
+    if not torch.isfinite(base).all():
+        return None
+    q_out = torch.zeros_like(blocks, dtype=torch.int16)
+    d_out = torch.zeros_like(base)
+    done = torch.zeros_like(base, dtype=torch.bool)
+    for steps in _SCALE_STEPS:
+        d = _fp16_steps(base, steps)
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.where(d > 0, torch.round((blocks - m) / safe), torch.zeros_like(blocks)).clamp_(lo, hi)
+        ok = ((q * d + m) == blocks).all(-1, keepdim=True) & ~done
+        q_out = torch.where(ok, q.to(torch.int16), q_out)
+        d_out = torch.where(ok, d, d_out)
+        done |= ok
+        if bool(done.all()):
+            return q_out, d_out, m
+        if steps == 0 and float(done.float().mean()) < 0.5:
+            return None  # not this format: the neighbours only mend a few rounding cases
+    return None
+
+
+def _aligned_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts, -1)`` (uint8) in storage whose first byte is 64-byte aligned."""
+    shape = (*parts[0].shape[:-1], sum(t.shape[-1] for t in parts))
+    nbytes = int(torch.Size(shape).numel())
+    raw = torch.empty(nbytes + 64, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 64
+    out = raw[skip:skip + nbytes].view(shape)
+    return torch.cat(parts, -1, out=out)
+
+
+def pack_blocks(weight: torch.Tensor) -> BlockPanels | None:
+    """``weight`` [N, K] float32 (CPU) -> :class:`BlockPanels` if it is exactly 4-bit (tried
+    first) or 8-bit block-quantized, else None. K must be a multiple of 32."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"pack_blocks takes a 2-D float32 CPU weight, got {tuple(weight.shape)} "
+                         f"{weight.dtype} on {weight.device}")
+    n, k = weight.shape
+    if k % BLOCK or n == 0:
+        return None
+    w = weight.detach()
+    pad = -n % PANEL
+    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    for bits in (4, 8):
+        fit = _fit_blocks(blocks, bits)
+        if fit is None:
+            continue
+        q, d, m = (t if not pad else torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in fit)
+        p, nb = (n + pad) // PANEL, k // BLOCK
+        # [N', K/32, 32] -> [P, 16, K/32, 32] -> [P, K/32, 32, 16]: rows of q per block
+        q = q.reshape(p, PANEL, nb, BLOCK).permute(0, 2, 3, 1)
+        if bits == 4:
+            q = q.to(torch.uint8)
+            q = q[..., :8] | (q[..., 8:] << 4)
+        else:
+            q = q.to(torch.int8).view(torch.uint8)
+        # [N', K/32, 1] -> [P, K/32, 16] float32 -> bytes [P, K/32, 64]
+        scales = [t.reshape(p, PANEL, nb).transpose(1, 2).contiguous().view(torch.uint8)
+                  for t in ((d, m) if bits == 4 else (d,))]
+        parts = [*scales, q.reshape(p, nb, -1)]
+        return BlockPanels(_aligned_cat(parts), bits, n)
+    return None
+
+
+def block_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for ``blocks = pack_blocks(W)``; bit-identical to
+    :func:`panel_linear` on ``pack_panels(W)``. x [..., K] float32 on the CPU."""
+    k = blocks.blob.shape[1] * BLOCK
+    rows = x.numel() // k
+    y = _kernel().panel_linear_blocks(x.reshape(rows, k).contiguous(), blocks.blob, blocks.bits)
+    if y.shape[1] != blocks.out_features:
+        y = y[:, :blocks.out_features]
+    if bias is not None:
+        y = y + bias.detach()
+    return y.reshape(*x.shape[:-1], blocks.out_features)

@@ -218,7 +218,8 @@ def load_target(
     target from the fp32 one; compare it with plain decoding of the same weights.
     ``pack``: pre-pack the linear layers for the CPU's GEMM where it helps
     (:func:`treespec.fastpath.pack_linears`; fp32 output stays token-identical to HF ``generate``);
-    ``"panel"`` or ``"onednn"`` names the kernel instead of letting the CPU decide; ``False`` keeps
+    ``"blocks"``, ``"panel"`` or ``"onednn"`` names the kernel instead of letting the CPU decide
+    (``"blocks"``: the panel GEMM over exact integer blocks, see ``PackedLinear``); ``False`` keeps
     the stock modules. ``Target.speed_path`` says what was chosen and why.
     """
     from treespec.fastpath import pack_linears, resolve_dtype
@@ -226,7 +227,7 @@ def load_target(
     if name not in TARGET_LOADERS:
         raise KeyError(f"unknown target {name!r}; known targets: {sorted(TARGET_LOADERS)}")
     if not isinstance(pack, (bool, str)):
-        raise TypeError(f"pack must be True, False, 'panel' or 'onednn', got {pack!r}")
+        raise TypeError(f"pack must be True, False, 'blocks', 'panel' or 'onednn', got {pack!r}")
     resolved, why = resolve_dtype(dtype, device)
     target = TARGET_LOADERS[name](dtype=resolved, device=device, cache_dir=cache_dir)
     report = pack_linears(target.model, enabled=pack is not False,

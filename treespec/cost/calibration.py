@@ -306,12 +306,13 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
     verify curve depends on the dtype far more than on anything else. A target whose linear
     layers run on a packed kernel (``treespec.fastpath.linear_kernel``) has its own curve too:
     ``...-packed.json`` for oneDNN (``packed=True`` or ``"onednn"``), ``...-panel.json`` for the
-    panel GEMM."""
+    panel GEMM on fp32 panels, ``...-blocks.json`` for it on exact integer blocks."""
     if not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
-    kernel_suffix = {False: "", "stock": "", True: "-packed", "onednn": "-packed", "panel": "-panel"}
+    kernel_suffix = {False: "", "stock": "", True: "-packed", "onednn": "-packed", "panel": "-panel",
+                     "blocks": "-blocks"}
     if packed not in kernel_suffix:
-        raise ValueError(f"packed must be a bool or 'stock' / 'onednn' / 'panel', got {packed!r}")
+        raise ValueError(f"packed must be a bool or one of 'stock', 'onednn', 'panel', 'blocks'; got {packed!r}")
     root = os.environ.get("TREESPEC_CACHE")
     suffix = ("" if dtype == "float32" else f"-{dtype}") + kernel_suffix[packed]
     return (Path(root) if root else Path.home() / ".cache" / "treespec") / f"calibration-{model}{suffix}.json"

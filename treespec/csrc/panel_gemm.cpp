@@ -18,37 +18,40 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 
 namespace {
 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kChunk = 64;            // k values per chunk (4 KiB of one panel)
 constexpr int64_t kPrefetch = 64 * 16;    // prefetch distance in floats: one chunk ahead
+constexpr int64_t kBlock = 32;            // k values sharing one scale in block-quantized panels
 
-// R rows times G adjacent panels over k in [k0, k1): 2 R G accumulators of 8 floats in registers
-// (R G <= 6, so at most 12 of AVX2's 16 ymm registers). Partial sums come from y when k0 > 0.
+// R rows times G adjacent panels over kc values of k: 2 R G accumulators of 8 floats in registers
+// (R G <= 6, so at most 12 of AVX2's 16 ymm registers). x points at x[row 0, k0] (row stride ldx);
+// w at panel 0's row k0 (panel g at w + g * wstride); partial sums come from y when accumulate.
 // The loops are fully unrolled so the accumulator array lives in registers (without the pragmas
 // GCC keeps it on the stack and stores it every iteration, 2.5x slower).
 template <int R, int G>
-inline void tile(const float* __restrict x, int64_t K, const float* __restrict w, int64_t k0, int64_t k1,
-                 float* __restrict y, int64_t ldy, bool prefetch) {
+inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t wstride, int64_t kc,
+                 float* __restrict y, int64_t ldy, bool accumulate, bool prefetch) {
   __m256 a[R][2 * G];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
-    for (int j = 0; j < 2 * G; ++j) a[r][j] = k0 > 0 ? _mm256_loadu_ps(y + r * ldy + 8 * j) : _mm256_setzero_ps();
-  for (int64_t k = k0; k < k1; ++k) {
+    for (int j = 0; j < 2 * G; ++j) a[r][j] = accumulate ? _mm256_loadu_ps(y + r * ldy + 8 * j) : _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
     __m256 wv[2 * G];
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
-      const float* wg = w + g * K * kPanel + kPanel * k;
+      const float* wg = w + g * wstride + kPanel * k;
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetch), _MM_HINT_T0);
       wv[2 * g] = _mm256_loadu_ps(wg);
       wv[2 * g + 1] = _mm256_loadu_ps(wg + 8);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
 #pragma GCC unroll 16
       for (int j = 0; j < 2 * G; ++j) a[r][j] = _mm256_fmadd_ps(xv, wv[j], a[r][j]);
     }
@@ -59,33 +62,101 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict w
     for (int j = 0; j < 2 * G; ++j) _mm256_storeu_ps(y + r * ldy + 8 * j, a[r][j]);
 }
 
-// All M rows times panels [p0, p1) in groups of G panels: chunk by chunk, every row block (R rows,
-// then the rest) runs over the chunk while it is in cache; the first block prefetches ahead.
+// Every row of x (M rows, stride K) over one chunk of G panels: blocks of R rows, then the rest.
+// The first block prefetches ahead when prefetch is set.
+template <int R, int G>
+inline void rows(const float* x, int64_t M, int64_t K, int64_t k0, const float* w, int64_t wstride, int64_t kc,
+                 float* y, int64_t ldy, bool prefetch) {
+  const bool acc = k0 > 0;
+  int64_t r = 0;
+  for (; r + R <= M; r += R) tile<R, G>(x + r * K + k0, K, w, wstride, kc, y + r * ldy, ldy, acc, prefetch && r == 0);
+  const float* xr = x + r * K + k0;
+  float* yr = y + r * ldy;
+  const bool pf = prefetch && r == 0;
+  switch (M - r) {  // rows left, fewer than R
+    case 5: if constexpr (R > 5) tile<5, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 4: if constexpr (R > 4) tile<4, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 3: if constexpr (R > 3) tile<3, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 2: if constexpr (R > 2) tile<2, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 1: if constexpr (R > 1) tile<1, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    default: break;
+  }
+}
+
+// fp32 panels: all M rows times panels [p0, p1) in groups of G, chunk by chunk.
 template <int R, int G>
 int64_t panels(const float* x, int64_t M, int64_t K, const float* w, int64_t p0, int64_t p1, float* y,
                int64_t ldy) {
   int64_t p = p0;
   for (; p + G <= p1; p += G) {
-    const float* wq = w + p * K * kPanel;
-    float* yq = y + kPanel * p;
     for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-      const int64_t k1 = std::min(K, k0 + kChunk);
-      int64_t r = 0;
-      for (; r + R <= M; r += R) tile<R, G>(x + r * K, K, wq, k0, k1, yq + r * ldy, ldy, r == 0);
-      const float* xr = x + r * K;
-      float* yr = yq + r * ldy;
-      const bool pf = r == 0;
-      switch (M - r) {  // rows left, fewer than R
-        case 5: if constexpr (R > 5) tile<5, G>(xr, K, wq, k0, k1, yr, ldy, pf); break;
-        case 4: if constexpr (R > 4) tile<4, G>(xr, K, wq, k0, k1, yr, ldy, pf); break;
-        case 3: if constexpr (R > 3) tile<3, G>(xr, K, wq, k0, k1, yr, ldy, pf); break;
-        case 2: if constexpr (R > 2) tile<2, G>(xr, K, wq, k0, k1, yr, ldy, pf); break;
-        case 1: if constexpr (R > 1) tile<1, G>(xr, K, wq, k0, k1, yr, ldy, pf); break;
-        default: break;
-      }
+      const int64_t kc = std::min(K, k0 + kChunk) - k0;
+      rows<R, G>(x, M, K, k0, w + p * K * kPanel + kPanel * k0, K * kPanel, kc, y + kPanel * p, ldy, true);
     }
   }
   return p;  // first panel not done (fewer than G left)
+}
+
+// Block-quantized panels (see panel_linear_blocks): one record per panel and block of 32 k values,
+// d[16] and (4 bits) m[16] as floats, then the 32 rows of q. dequantize writes one chunk of panel
+// p, rows [k0, k0 + kc), as fp32 panel rows w[k][16] = fma(q, d, m), which is exactly d q + m:
+// the product of a <= 8-bit integer and an fp16 scale is exact in fp32, so only the sum rounds.
+template <int Bits>
+constexpr int64_t record_bytes() { return Bits == 4 ? 2 * 64 + kBlock * 8 : 64 + kBlock * 16; }
+
+template <int Bits>
+inline void dequantize(const uint8_t* __restrict blob, int64_t K, int64_t p, int64_t k0, int64_t kc,
+                       float* __restrict w) {
+  constexpr int64_t kRec = record_bytes<Bits>();
+  constexpr int64_t kBytes = Bits == 4 ? 8 : 16;  // bytes of one panel row of q
+  const uint8_t* rec = blob + (p * (K / kBlock) + k0 / kBlock) * kRec;
+  // Two chunks ahead: the records of one panel are one sequential stream.
+  for (int64_t line = 0; line < (kChunk / kBlock) * kRec; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * (kChunk / kBlock) * kRec + line), _MM_HINT_T0);
+  const __m256i low4 = _mm256_set1_epi32(15);
+  for (int64_t b = 0; b < kc; b += kBlock, rec += kRec) {
+    const float* s = reinterpret_cast<const float*>(rec);
+    const __m256 d0 = _mm256_load_ps(s), d1 = _mm256_load_ps(s + 8);
+    const __m256 m0 = Bits == 4 ? _mm256_load_ps(s + 16) : _mm256_setzero_ps();
+    const __m256 m1 = Bits == 4 ? _mm256_load_ps(s + 24) : _mm256_setzero_ps();
+    const uint8_t* qb = rec + (Bits == 4 ? 128 : 64);
+    float* wb = w + b * kPanel;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kBlock; ++k) {  // kc is a multiple of kBlock
+      __m256 q0, q1;
+      if constexpr (Bits == 4) {  // byte j holds column j (low nibble) and column j + 8 (high)
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + k * kBytes)));
+        q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
+        q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+      } else {  // signed bytes, column order
+        const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(qb + k * kBytes));
+        q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+        q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
+      }
+      _mm256_store_ps(wb + k * kPanel, _mm256_fmadd_ps(q0, d0, m0));
+      _mm256_store_ps(wb + k * kPanel + 8, _mm256_fmadd_ps(q1, d1, m1));
+    }
+  }
+}
+
+// Block-quantized panels: all M rows times panels [p0, p1) in groups of G. Each chunk of the G
+// panels is dequantized once into an L1-resident buffer, then every row block runs over it with
+// the same tiles (and so the same FMA order) as the fp32 panels.
+template <int R, int G, int Bits>
+int64_t qpanels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1, float* y,
+                int64_t ldy) {
+  constexpr int64_t kStride = kChunk * kPanel + 16;  // one cache line more than 4 KiB: no 4K aliasing
+  alignas(64) float buf[G * kStride];
+  int64_t p = p0;
+  for (; p + G <= p1; p += G) {
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      const int64_t kc = std::min(K, k0 + kChunk) - k0;
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) dequantize<Bits>(blob, K, p + g, k0, kc, buf + g * kStride);
+      rows<R, G>(x, M, K, k0, buf, kStride, kc, y + kPanel * p, ldy, false);
+    }
+  }
+  return p;
 }
 
 }  // namespace
@@ -114,6 +185,44 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp) {
   return y;
 }
 
+// x [M, K] float32; blob uint8 [P, K / 32, record]: per panel p and block of 32 k values, one
+// 64-byte-aligned record of d[16] floats, m[16] floats (4 bits only; 0 for 8 bits) and q for the
+// 32 rows (4 bits: 8 bytes a row, byte j = column j in its low nibble, column j + 8 in its high
+// one; 8 bits: 16 signed bytes a row). W[16 p + j, k] = d[j] q[k][j] + m[j] exactly. Returns
+// y [M, 16 P], bit-identical to panel_linear on the dequantized panels.
+torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "panel_linear_blocks: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && blob.dim() == 3, "panel_linear_blocks: x [M, K], blob [P, K / 32, record]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && blob.scalar_type() == at::kByte, "panel_linear_blocks: x float32, blob uint8");
+  TORCH_CHECK(x.is_contiguous() && blob.is_contiguous(), "panel_linear_blocks: contiguous inputs only");
+  const int64_t M = x.size(0), K = x.size(1), P = blob.size(0), ldy = kPanel * P;
+  TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock, "panel_linear_blocks: x has K = ", K,
+              ", the blob ", blob.size(1), " blocks of ", kBlock);
+  const int64_t rec = bits == 4 ? record_bytes<4>() : record_bytes<8>();
+  TORCH_CHECK(blob.size(2) == rec, "panel_linear_blocks: ", bits, "-bit records are ", rec, " bytes, got ", blob.size(2));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(blob.data_ptr()) % 64 == 0, "panel_linear_blocks: blob must be 64-byte aligned");
+  auto y = torch::empty({M, ldy}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* bp = blob.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  auto run = [&](auto bits_tag) {
+    constexpr int B = decltype(bits_tag)::value;
+    at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+      int64_t p = p0;
+      if (M == 1) p = qpanels<1, 4, B>(xp, M, K, bp, p, p1, yp, ldy);
+      else if (M == 2) p = qpanels<2, 3, B>(xp, M, K, bp, p, p1, yp, ldy);
+      else if (M == 3) p = qpanels<3, 2, B>(xp, M, K, bp, p, p1, yp, ldy);
+      qpanels<6, 1, B>(xp, M, K, bp, p, p1, yp, ldy);
+    });
+  };
+  if (bits == 4) run(std::integral_constant<int, 4>{});
+  else run(std::integral_constant<int, 8>{});
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "y = x @ W^T with W stored as 16-column panels");
+  m.def("panel_linear_blocks", &panel_linear_blocks,
+        "y = x @ W^T with W stored as 16-column panels of 4- or 8-bit integers and per-32 scales");
 }

@@ -1,0 +1,155 @@
+"""The panel GEMM over exact integer blocks (``kernel="blocks"``).
+
+A weight dequantized from a GGUF Q4_1 / Q8_0 checkpoint is, value for value, ``d q + m`` per
+block of 32; ``pack_blocks`` must find that form only where it reproduces every fp32 value bit
+for bit, and ``block_linear`` must then return exactly what the fp32 panel kernel returns, for
+every row count and row position. A model packed this way is the same fp32 target.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from treespec.fastpath import PackedLinear, linear_kernel, pack_linears
+from treespec.kernels import block_linear, pack_blocks, pack_panels, panel_linear, panel_status
+
+from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+from test_fastpath import AVX2_ONLY, random_tree, small_llama, tree_logits
+
+needs_panel = pytest.mark.skipif(not panel_status(build=False)[0], reason=panel_status(build=False)[1])
+
+
+def gguf_q4_1(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [N, K] through GGUF Q4_1 and back, as llama.cpp quantizes and dequantizes it: per
+    block of 32, d = (max - min) / 15 and m = min stored as fp16, q = trunc((x - min) / d + 0.5)."""
+    n, k = w.shape
+    b = w.reshape(n, k // 32, 32)
+    lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.trunc((b - lo) * inv + 0.5).clamp(max=15)
+    return (q * d.half().float() + lo.half().float()).reshape(n, k)
+
+
+def gguf_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [N, K] through GGUF Q8_0 and back: d = max |x| / 127 as fp16, q = round(x / d)."""
+    n, k = w.shape
+    b = w.reshape(n, k // 32, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(b * inv)
+    return (q * d.half().float()).reshape(n, k)
+
+
+def test_pack_blocks_finds_exact_blocks_and_nothing_else() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(40, 96)
+    assert pack_blocks(gguf_q4_1(w)).bits == 4
+    assert pack_blocks(gguf_q8_0(w)).bits == 8
+    assert pack_blocks(w) is None                        # plain fp32 weights: not blocks
+    assert pack_blocks(torch.randn(40, 100)) is None     # K not a multiple of 32
+    one_off = gguf_q4_1(w)
+    one_off[7, 50] = torch.nextafter(one_off[7, 50], torch.tensor(1e9))
+    assert pack_blocks(one_off) is None      # one value off the grid keeps the weight in fp32
+    # zero blocks (d = 0) and a constant block are blocks too
+    z = gguf_q4_1(w)
+    z[:, :32] = 0.0
+    z[3, 32:64] = 0.25
+    assert pack_blocks(z).bits == 4
+    with pytest.raises(ValueError, match="float32"):
+        pack_blocks(torch.zeros(16, 32, dtype=torch.float64))
+
+
+@needs_panel
+@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0])
+@pytest.mark.parametrize("n_out", [16, 40, 300])
+def test_block_linear_is_bit_identical_to_fp32_panels(fmt, n_out) -> None:
+    """Every tile shape (1..6 rows, blocks of 6 and the rest), K over several 64-wide chunks and a
+    32-wide tail (K = 96, 160), N not a multiple of 16, with a bias: the same bits as the fp32
+    panel kernel on the dequantized weight."""
+    torch.manual_seed(n_out)
+    for k in (96, 160):
+        weight = fmt(torch.randn(n_out, k) * 0.05)
+        bias = torch.randn(n_out)
+        blocks, panels = pack_blocks(weight), pack_panels(weight)
+        padded = -(-n_out // 16) * 16
+        assert blocks.nbytes == padded * k * (0.75 if blocks.bits == 4 else 1.125)   # bytes per weight
+        for rows in (1, 2, 3, 4, 5, 6, 7, 11, 13, 17, 64):
+            x = torch.randn(rows, k)
+            got = block_linear(x, blocks, bias)
+            assert got.shape == (rows, n_out)
+            assert torch.equal(got, panel_linear(x, panels, n_out, bias)), (k, rows)
+
+
+@needs_panel
+def test_block_rows_are_batch_invariant() -> None:
+    torch.manual_seed(1)
+    blocks = pack_blocks(gguf_q4_1(torch.randn(200, 576)))
+    x = torch.randn(64, 576)
+    together = block_linear(x, blocks)
+    alone = torch.stack([block_linear(x[i:i + 1], blocks)[0] for i in range(64)])
+    assert torch.equal(alone, together)
+
+
+def quantized_llama(seed: int = 0, tied: bool = False) -> nn.Module:
+    """``small_llama`` with every linear weight put through Q4_1 (the LM head through Q8_0)."""
+    model = small_llama(seed, tied=tied)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                fmt = gguf_q8_0 if name == "lm_head" else gguf_q4_1
+                module.weight.copy_(fmt(module.weight))
+    return model
+
+
+@needs_panel
+@pytest.mark.parametrize("n", [1, 2, 5, 17, 64, 65])
+def test_blocks_model_scores_trees_exactly_like_the_fp32_panel_model(n) -> None:
+    stock = quantized_llama()
+    panel, blocks = copy.deepcopy(stock), copy.deepcopy(stock)
+    pack_linears(panel, kernel="panel")
+    report = pack_linears(blocks, kernel="blocks")
+    assert linear_kernel(blocks) == "blocks"
+    assert "14 as 4-bit blocks" in report.path and "1 as 8-bit blocks" in report.path
+    rng = random.Random(n)
+    prefix = torch.tensor([rng.randrange(300) for _ in range(37)])
+    tree = random_tree(rng, n, 300)
+    got = tree_logits(blocks, prefix, tree)
+    assert torch.equal(got, tree_logits(panel, prefix, tree))
+    torch.testing.assert_close(got, tree_logits(stock, prefix, tree), rtol=0, atol=1e-5)
+
+
+@needs_panel
+def test_blocks_kernel_keeps_fp32_panels_where_weights_are_not_blocks() -> None:
+    model = small_llama()
+    report = pack_linears(model, kernel="blocks")
+    assert "15 as fp32 panels" in report.path
+    assert {m.storage for m in model.modules() if isinstance(m, PackedLinear)} == {"fp32 panels"}
+    # the CPU-based choice on an AVX2 machine is this kernel
+    assert linear_kernel(_pack(small_llama(), cpu=AVX2_ONLY)) == "blocks"
+
+
+def _pack(model, **kw):
+    pack_linears(model, **kw)
+    return model
+
+
+@needs_panel
+def test_block_layer_follows_in_place_weight_changes() -> None:
+    """Editing the weight in place re-packs it; a weight no longer on the grid leaves blocks."""
+    torch.manual_seed(2)
+    linear = nn.Linear(64, 48).requires_grad_(False)
+    linear.weight.copy_(gguf_q4_1(linear.weight))
+    layer = PackedLinear(linear, kernel="blocks")
+    assert layer.storage == "4-bit blocks"
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        linear.weight.mul_(1.001)
+        got = layer(x)
+    assert layer.storage == "fp32 panels"
+    torch.testing.assert_close(got, nn.functional.linear(x, linear.weight, linear.bias), rtol=0, atol=1e-5)
