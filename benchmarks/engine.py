@@ -114,7 +114,10 @@ def build(args):
             m, ids, args.max_new_tokens, e, t, s)
         for name, g in gens.items():
             rows[name] = g
-        runners[d] = rows
+        skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+        if skip - set(rows):
+            raise SystemExit(f"--skip names no row: {sorted(skip - set(rows))}; rows are {sorted(rows)}")
+        runners[d] = {n: r for n, r in rows.items() if n not in skip}
     return runners, paths, scorer
 
 
@@ -276,6 +279,7 @@ def main() -> None:
                     help="add a best-first row with the hybrid drafter (prompt lookup + eagle3)")
     ap.add_argument("--all-peers", action="store_true",
                     help="also run HF assisted / prompt lookup in bf16 (default: fp32 only, as users run them)")
+    ap.add_argument("--skip", default="", help="comma-separated rows to leave out, e.g. 'HF prompt lookup'")
     ap.add_argument("--note", default="", help="how the machine was used during the run")
     ap.add_argument("--resume", action="store_true", help="continue the run saved at --out")
     ap.add_argument("--out", default=str(RESULTS / "engine"))

@@ -74,6 +74,13 @@ def linear_params(model: torch.nn.Module) -> int:
                and m.weight.dim() == 2 and not isinstance(m, torch.nn.Embedding))
 
 
+def stored_bytes(model: torch.nn.Module) -> int:
+    """Bytes the packed linear layers read per pass (integer blocks or fp32 panels)."""
+    from treespec.fastpath import PackedLinear
+
+    return sum(m.packed_nbytes for m in model.modules() if isinstance(m, PackedLinear))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -88,6 +95,7 @@ def main() -> None:
     paths = {"fp32 stock": (torch.float32, False), "fp32 onednn": (torch.float32, "onednn")}
     if panel_status()[0]:
         paths["fp32 panel"] = (torch.float32, "panel")
+        paths["fp32 blocks"] = (torch.float32, "blocks")
     if cpu_info().native_bf16:
         paths.update({"bf16 stock": (torch.bfloat16, False), "bf16 packed": (torch.bfloat16, True)})
     verifiers, described = {}, {}
@@ -136,6 +144,9 @@ def main() -> None:
     for dt_name, peak in peaks.items():
         nbytes = params * (4 if dt_name == "fp32" else 2)
         limit[dt_name] = {n: max(nbytes / bandwidth, 2 * params * n / peak) for n in ns}
+    if "fp32 blocks" in verifiers:   # the same FLOPs from the bytes the block kernel reads
+        block_bytes = stored_bytes(verifiers["fp32 blocks"].model)
+        limit["fp32 blocks"] = {n: max(block_bytes / bandwidth, 2 * params * n / peaks["fp32"]) for n in ns}
 
     ms = {name: {n: statistics.median(samples[(name, n)]) * 1e3 for n in ns} for name in paths}
     result = {

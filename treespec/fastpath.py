@@ -227,6 +227,14 @@ class PackedLinear(nn.Module):
         self._version = self.weight._version
 
     @property
+    def packed_nbytes(self) -> int:
+        """Bytes of the packed copy: what one pass through the fast path reads."""
+        p = self._packed
+        if isinstance(p, BlockPanels):
+            return p.nbytes
+        return self.weight.numel() * self.weight.element_size() if self.kernel == "onednn" else p.numel() * 4
+
+    @property
     def storage(self) -> str:
         """How the packed copy holds the weight: "4-bit blocks", "8-bit blocks", "fp32 panels",
         or "onednn"."""
