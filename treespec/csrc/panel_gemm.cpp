@@ -110,9 +110,6 @@ inline void dequantize(const uint8_t* __restrict blob, int64_t K, int64_t p, int
   constexpr int64_t kRec = record_bytes<Bits>();
   constexpr int64_t kBytes = Bits == 4 ? 8 : 16;  // bytes of one panel row of q
   const uint8_t* rec = blob + (p * (K / kBlock) + k0 / kBlock) * kRec;
-  // Two chunks ahead: the records of one panel are one sequential stream.
-  for (int64_t line = 0; line < (kChunk / kBlock) * kRec; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * (kChunk / kBlock) * kRec + line), _MM_HINT_T0);
   const __m256i low4 = _mm256_set1_epi32(15);
   for (int64_t b = 0; b < kc; b += kBlock, rec += kRec) {
     const float* s = reinterpret_cast<const float*>(rec);
@@ -142,15 +139,31 @@ inline void dequantize(const uint8_t* __restrict blob, int64_t K, int64_t p, int
 // Block-quantized panels: all M rows times panels [p0, p1) in groups of G. Each chunk of the G
 // panels is dequantized once into an L1-resident buffer, then every row block runs over it with
 // the same tiles (and so the same FMA order) as the fp32 panels.
+// Prefetches the records of chunk c of panel p (prefetches never fault, so p may run past the end).
+template <int Bits>
+inline void prefetch_chunk(const uint8_t* blob, int64_t K, int64_t p, int64_t c) {
+  constexpr int64_t kRec = record_bytes<Bits>();
+  const uint8_t* rec = blob + (p * (K / kBlock) + c * (kChunk / kBlock)) * kRec;
+  for (int64_t line = 0; line < (kChunk / kBlock) * kRec; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(rec + line), _MM_HINT_T0);
+}
+
 template <int R, int G, int Bits>
 int64_t qpanels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1, float* y,
                 int64_t ldy) {
   constexpr int64_t kStride = kChunk * kPanel + 16;  // one cache line more than 4 KiB: no 4K aliasing
+  constexpr int64_t kAhead = 2;                       // chunks of prefetch distance, in the order consumed
   alignas(64) float buf[G * kStride];
+  const int64_t chunks = (K + kChunk - 1) / kChunk;
   int64_t p = p0;
   for (; p + G <= p1; p += G) {
-    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    for (int64_t k0 = 0, c = 0; k0 < K; k0 += kChunk, ++c) {
       const int64_t kc = std::min(K, k0 + kChunk) - k0;
+      // Consumed order: the G panels of a group chunk by chunk, then the next group.
+      const int64_t ahead = c + kAhead;
+      const int64_t pa = ahead < chunks ? p : p + G, ca = ahead < chunks ? ahead : ahead - chunks;
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) prefetch_chunk<Bits>(blob, K, pa + g, ca);
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) dequantize<Bits>(blob, K, p + g, k0, kc, buf + g * kStride);
       rows<R, G>(x, M, K, k0, buf, kStride, kc, y + kPanel * p, ldy, false);
