@@ -216,3 +216,67 @@ def test_auto_plans_each_temperature_with_its_own_acceptance() -> None:
     assert server._auto[(2, 0.0)].budget > 1 and server._auto[(2, 1.0)].budget == 1
     server.run()
     assert len(server.finished) == 2
+
+
+class _Injected(RuntimeError):
+    pass
+
+
+def cache_width(server) -> int:
+    layers = server.verifier.cache.layers if server.verifier.cache is not None else []
+    return layers[0].keys.shape[-2] if layers and layers[0].is_initialized else 0
+
+
+@pytest.mark.parametrize("kind", ("small", "eagle3", "lookup"))
+@pytest.mark.parametrize("where", ("draft", "accept"))
+def test_a_failed_step_leaves_every_request_as_it_was(kind: str, where: str, monkeypatch) -> None:
+    """A step that raises midway (inside drafting, after some of its drafter calls; or in
+    acceptance, after the target pass) changes nothing: stepping on, every request (greedy and
+    seeded sampled) ends exactly as in a run without the failures."""
+    import treespec.server as server_module
+
+    target = target_of(torch.float64)
+    real_accept = server_module.accept_batch
+
+    def run(fail_at: set[int]) -> tuple[dict, int]:
+        drafter = LookupDrafter(V) if kind == "lookup" else drafter_of(kind, target)
+        server = SpeculativeServer(target, drafter, DynamicTreeBuilder(budget=6, depth=3, top_k=2))
+        for prompt, cfg, seed in (([1, 2, 3, 1, 2], SamplingConfig(0.0), 1), ([5, 6, 7, 5, 6], SamplingConfig(1.0), 2),
+                                  ([9, 8], SamplingConfig(0.7, top_p=0.9), 3)):
+            server.add_request(torch.tensor(prompt), cfg, 10, seed)
+        armed = {"on": False, "calls": 0}
+        real_expand = server.drafter.expand_batch
+
+        def expand_batch(calls):
+            armed["calls"] += 1
+            if armed["on"] and armed["calls"] == 2:      # the step's second drafter call
+                armed["on"] = False
+                raise _Injected("drafter failed")
+            return real_expand(calls)
+
+        def accept_batch(*a, **kw):
+            if armed["on"]:
+                armed["on"] = False
+                raise _Injected("acceptance failed")
+            return real_accept(*a, **kw)
+
+        if where == "draft":
+            server.drafter.expand_batch = expand_batch
+        else:
+            monkeypatch.setattr(server_module, "accept_batch", accept_batch)
+        failures = step = 0
+        while server.live or server.queued:
+            armed.update(on=step in fail_at, calls=0)
+            width = cache_width(server)
+            try:
+                server.step()
+            except _Injected:
+                failures += 1
+                assert cache_width(server) == width     # no tree rows left in the target cache
+            step += 1
+        return {rid: r.tokens for rid, r in server.finished.items()}, failures
+
+    clean, none = run(set())
+    failed, count = run({1, 3})
+    assert none == 0 and count == 2
+    assert failed == clean

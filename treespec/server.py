@@ -198,16 +198,29 @@ class SpeculativeServer:
 
         t0 = clock()
         calls = getattr(self.drafter, "calls", 0)
-        jobs = [BuildJob(r.rid, r.builder or self._auto_builder(r.sampling.temperature), r.root, r.sampling,
-                         r.generator)
-                for r in self._live]
-        built = build_batch(self.drafter, jobs)
-        t1 = clock()
-        batch = TreeBatch.from_trees([x.tree for x in built], [r.sampling for r in self._live])
-        scored = self.verifier.score(batch)
-        t2 = clock()
-        results = accept_batch(batch, scored.probs, [r.generator for r in self._live], self.verify)
-        t3 = clock()
+        # A step that fails before its commits (a drafter error, an interrupt) leaves every
+        # request as it was: the drafter, the target cache and the random generators.
+        drafted = self.drafter.checkpoint()
+        rng = [r.generator.get_state() for r in self._live]
+        scored = None
+        try:
+            jobs = [BuildJob(r.rid, r.builder or self._auto_builder(r.sampling.temperature), r.root, r.sampling,
+                             r.generator)
+                    for r in self._live]
+            built = build_batch(self.drafter, jobs)
+            t1 = clock()
+            batch = TreeBatch.from_trees([x.tree for x in built], [r.sampling for r in self._live])
+            scored = self.verifier.score(batch)
+            t2 = clock()
+            results = accept_batch(batch, scored.probs, [r.generator for r in self._live], self.verify)
+            t3 = clock()
+        except BaseException:
+            if scored is not None:
+                self.verifier.discard()
+            self.drafter.restore(drafted)
+            for r, state in zip(self._live, rng):
+                r.generator.set_state(state)
+            raise
         self.verifier.compact([x.keep_src for x in results])
         out, done = {}, []
         for row, (r, x, acc) in enumerate(zip(self._live, built, results)):

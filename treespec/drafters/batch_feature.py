@@ -14,7 +14,7 @@ region (``used = committed``); ``drop`` removes the row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -36,6 +36,11 @@ class _Row:
     g: dict[int, torch.Tensor] = field(default_factory=dict)    # node -> predicted feature [H]
     slot: dict[int, int] = field(default_factory=dict)          # node -> cache column
     used: int = 0                                 # columns holding the row's cache
+
+    def copy(self) -> "_Row":
+        # tensors are replaced, never written in place: sharing them is safe
+        return replace(self, pending_tokens=list(self.pending_tokens), pending_raw=list(self.pending_raw),
+                       g=dict(self.g), slot=dict(self.slot))
 
 
 class BatchFeatureDrafter:
@@ -126,6 +131,16 @@ class BatchFeatureDrafter:
         self._queue(row, toks, features)
         width = max(r.used for r in self.rows.values())
         self.k, self.v = self.k[:, :, :width], self.v[:, :, :width]
+
+    def checkpoint(self) -> dict[Key, _Row]:
+        """The rows' bookkeeping. The K/V columns need no copy: an ``expand_batch`` writes only
+        past each row's ``used`` columns, and the rows restored say which columns count."""
+        return {key: row.copy() for key, row in self.rows.items()}
+
+    def restore(self, state: dict[Key, _Row]) -> None:
+        if state.keys() != self.rows.keys():
+            raise ValueError("restore: requests began or left since the checkpoint")
+        self.rows = {key: row.copy() for key, row in state.items()}
 
     def drop(self, key: Key) -> None:
         self._get(key)

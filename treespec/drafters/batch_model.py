@@ -15,7 +15,7 @@ were fed) after the prefix; ``drop`` removes the row.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -35,6 +35,9 @@ class _Row:
     pending: list[int] = field(default_factory=list)   # committed, not fed; the last is the root
     slots: dict[int, int] = field(default_factory=dict)  # tree node -> cache column
     used: int = 0                                 # columns of the row holding its cache
+
+    def copy(self) -> "_Row":
+        return replace(self, pending=list(self.pending), slots=dict(self.slots))
 
 
 class BatchModelDrafter:
@@ -133,6 +136,16 @@ class BatchModelDrafter:
         used[b] = row.prefix + len(fed)
         self._settle(moves, used)
         row.prefix, row.used, row.slots = used[b], used[b], {}
+
+    def checkpoint(self) -> dict[Key, _Row]:
+        """The rows' bookkeeping. The KV columns need no copy: an ``expand_batch`` writes only
+        past each row's ``used`` columns, and the rows restored say which columns count."""
+        return {key: row.copy() for key, row in self.rows.items()}
+
+    def restore(self, state: dict[Key, _Row]) -> None:
+        if state.keys() != self.rows.keys():
+            raise ValueError("restore: requests began or left since the checkpoint")
+        self.rows = {key: row.copy() for key, row in state.items()}
 
     def drop(self, key: Key) -> None:
         self._get(key)

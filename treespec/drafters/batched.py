@@ -15,6 +15,8 @@ Lifecycle (the single-request one, per key, with the requests of a step batched 
         -> [(logits [F_i, Vd], ids [Vd] | None), ...]   as ``expand_compact`` would give alone
     commit(key, path, tokens, features)         after verification, as ``Drafter.commit``
     drop(key)                                   the request left; its row is freed
+    checkpoint() -> state; restore(state)       undo every expand_batch since the checkpoint
+                                                (a step that failed before its commits)
 
 A request's part of a batched forward sees only its own cache columns (4-D mask), at its own
 positions, so it computes what the request's single drafter computes. What is guaranteed:
@@ -68,6 +70,13 @@ class BatchDrafter(Protocol):
 
     def drop(self, key: Key) -> None:
         """Forget request ``key`` (finished or cancelled); its memory is freed."""
+
+    def checkpoint(self) -> object:
+        """Every request's drafting state as of now, for ``restore``."""
+
+    def restore(self, state: object) -> None:
+        """Back to ``state`` (from ``checkpoint``): undoes the ``expand_batch`` calls made since.
+        Valid only if no ``begin``, ``commit`` or ``drop`` came in between."""
 
 
 class RequestDrafter:
@@ -172,6 +181,15 @@ class LoopBatchDrafter:
     def drop(self, key: Key) -> None:
         self._get(key)
         del self.drafters[key]
+
+    def checkpoint(self) -> dict[Key, Drafter]:
+        """Copies of every request's drafter (``fresh_copy``: weights shared, state copied)."""
+        return {key: fresh_copy(d) for key, d in self.drafters.items()}
+
+    def restore(self, state: dict[Key, Drafter]) -> None:
+        if state.keys() != self.drafters.keys():
+            raise ValueError("restore: requests began or left since the checkpoint")
+        self.drafters = {key: fresh_copy(d) for key, d in state.items()}
 
     def _get(self, key: Key) -> Drafter:
         try:

@@ -164,6 +164,14 @@ class BatchMedusaDrafter:
         self._get(key)
         del self.state[key]
 
+    def checkpoint(self) -> dict:
+        return dict(self.state)       # (f, root token, rows) tuples, never modified in place
+
+    def restore(self, state: dict) -> None:
+        if state.keys() != self.state.keys():
+            raise ValueError("restore: requests began or left since the checkpoint")
+        self.state = dict(state)
+
     def _get(self, key):
         if key not in self.state:
             raise KeyError(f"request {key!r} was never begun (or was dropped)")
