@@ -261,3 +261,46 @@ def test_auto_budget_speculates_only_above_its_minimum_gain():
     assert auto_budget(_calibration(), (0.5,), "lookup").budget == 7      # a clear gain: unchanged
     with pytest.raises(ValueError, match="min_gain must be >= 1"):
         auto_budget(_calibration(), (0.5,), "lookup", min_gain=0.9)
+
+
+def test_batched_drafter_curves_are_read_where_measured(tmp_path):
+    import dataclasses
+
+    cal = dataclasses.replace(_calibration(drafter_s=0.01),
+                              batch_drafters={"early_exit": {4: Curve.fit((1, 2, 4), [0.02, 0.03, 0.05])}})
+    cost = CalibratedCost(cal, "early_exit")
+    assert cost.draft_s([2], 4, cal.context) == pytest.approx(0.03)                 # the measured call
+    assert cost.draft_s([1, 2], 4, cal.context) == pytest.approx(0.05)              # one call per level
+    assert cost.draft_s([2], 1, cal.context) == pytest.approx(cal.drafters["early_exit"](2))
+    halfway = cal.drafters["early_exit"](2) + (0.03 - cal.drafters["early_exit"](2)) / 3
+    assert cost.draft_s([2], 2, cal.context) == pytest.approx(halfway)              # between B = 1 and 4
+    # a drafter measured at batch 1 only: B requests are one call over w·B nodes, as before
+    plain = _calibration(drafter_s=0.01)
+    assert CalibratedCost(plain, "early_exit").draft_s([2], 4, 0) == pytest.approx(plain.drafters["early_exit"](8))
+    assert plain.drafter_batch_s("early_exit", 2, 4) is None
+    assert Calibration.load(cal.save(tmp_path / "c.json")) == cal
+
+
+@pytest.mark.parametrize("kind", ["model", "feature"])
+def test_calibrate_drafter_batches_on_a_tiny_target(kind):
+    import dataclasses
+
+    from treespec.cost import calibrate
+    from treespec.drafters import ModelDrafter
+    from treespec.drafters.eagle import random_feature_drafter
+    from treespec.measure import calibrate_drafter_batches
+    from treespec.models import tiny_llama, tiny_target
+
+    target = tiny_target(vocab_size=32, seed=0)
+    drafter = (ModelDrafter(tiny_llama(vocab_size=32, num_layers=1, seed=3), 32) if kind == "model"
+               else random_feature_drafter(target, "eagle3", seed=1, draft_vocab=16))
+    cal = calibrate(target.model, "tiny", ns=(1, 3), context=6, early_exit_layers=1, n_warmup=0, n_rep=1)
+    with pytest.raises(ValueError, match="calibrate_drafter\\('mine'\\) first"):
+        calibrate_drafter_batches(cal, "mine", target, drafter=drafter)
+    cal = dataclasses.replace(cal, drafters={**cal.drafters, "mine": Curve.fit((1, 2), [1e-3, 2e-3])})
+    out = calibrate_drafter_batches(cal, "mine", target, batches=(2, 3), widths=(1, 2), n_warmup=0, n_rep=1,
+                                    drafter=drafter)
+    assert set(out.batch_drafters["mine"]) == {2, 3} and out.batch_drafters["mine"][2].ns == (1, 2)
+    assert all(s > 0 for c in out.batch_drafters["mine"].values() for s in c.seconds)
+    with pytest.raises(ValueError, match="batches must be ints >= 2"):
+        calibrate_drafter_batches(cal, "mine", target, batches=(1,), drafter=drafter)

@@ -172,7 +172,9 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     from treespec.cost.calibration import calibrate_batches
     from treespec.data import mtbench_questions
     from treespec.fastpath import linear_kernel
-    from treespec.measure import ACCEPTANCE_TEMPERATURES, calibrate_acceptance, calibrate_drafter
+    from treespec.measure import (
+        ACCEPTANCE_TEMPERATURES, calibrate_acceptance, calibrate_drafter, calibrate_drafter_batches,
+    )
 
     dtype = next(target.model.parameters()).dtype
     path = default_calibration_path(target.name, dtype, linear_kernel(target.model))
@@ -207,17 +209,23 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
         cal.save(path)
     missing_t = [t for t in ACCEPTANCE_TEMPERATURES if acceptance_key(drafter_name, t) not in cal.acceptance]
     missing_b = sorted(set(batches) - set(cal.batch_target))
-    if missing_t or missing_b:
+    drafts = drafter_name != "lookup" and drafter_name in cal.drafters
+    missing_d = sorted(set(batches) - set(cal.batch_drafters.get(drafter_name, {}))) if drafts else []
+    if missing_t or missing_b or missing_d:
         print(f"[adding to the calibration at {path}: "
               + "; ".join(([f"{drafter_name} acceptance at T = {', '.join(f'{t:g}' for t in missing_t)}"]
                            if missing_t else [])
-                          + ([f"batched passes at B = {', '.join(map(str, missing_b))}"] if missing_b else []))
+                          + ([f"batched passes at B = {', '.join(map(str, missing_b))}"] if missing_b else [])
+                          + ([f"batched {drafter_name} calls at B = {', '.join(map(str, missing_d))}"]
+                             if missing_d else []))
               + "]", file=out, flush=True)
+        say = lambda m: print(f"  {m}", file=out, flush=True)  # noqa: E731
         if missing_t:
             cal = calibrate_acceptance(cal, drafter_name, drafter_name, target, held_out, missing_t)
         if missing_b:
-            cal = calibrate_batches(cal, target.model, missing_b, progress=lambda m: print(f"  {m}", file=out,
-                                                                                           flush=True))
+            cal = calibrate_batches(cal, target.model, missing_b, progress=say)
+        if missing_d:
+            cal = calibrate_drafter_batches(cal, drafter_name, target, missing_d, progress=say)
         cal.save(path)
     return path
 

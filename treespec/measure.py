@@ -8,7 +8,8 @@ engine imports it:
   estimated from generations with one-level trees (``treespec.trees.SequoiaBuilder`` uses it).
 - ``calibrate_drafter``: a registered drafter's pass times by width and its acceptance vectors
   (greedy and T = 1), added to a ``treespec.cost.Calibration`` (``treespec calibrate --drafter
-  NAME``); ``calibrate_acceptance`` adds the vectors alone.
+  NAME``); ``calibrate_acceptance`` adds the vectors alone; ``calibrate_drafter_batches`` adds
+  its batched drafting call (B requests in one ``expand_batch``) for the server's planner.
 
 Both were defined in ``treespec.trees.sequoia`` and ``treespec.cost.calibration``; those
 paths still resolve to these functions.
@@ -22,14 +23,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from treespec.cost.calibration import DRAFT_WIDTHS, Calibration, Curve, acceptance_key
+from treespec.cost.calibration import DRAFT_WIDTHS, Calibration, Curve, _shuffled_curve, acceptance_key
 from treespec.drafters import load_drafter
-from treespec.drafters.base import Drafter, TimedDrafter
+from treespec.drafters.base import Drafter, TargetFeatures, TimedDrafter
 from treespec.engine import SpeculativeGenerator
 from treespec.trees.base import DraftMode, check_int
 from treespec.trees.static import StaticTreeBuilder
 
-__all__ = ["calibrate_acceptance", "calibrate_drafter", "measure_acceptance_vector"]
+__all__ = ["calibrate_acceptance", "calibrate_drafter", "calibrate_drafter_batches", "measure_acceptance_vector"]
 
 # Temperatures a drafter's acceptance is measured at by default: greedy, and T = 1 (acceptance
 # of the same drafts is lower when the target samples, so T > 0 requests need their own plan).
@@ -147,3 +148,72 @@ def calibrate_acceptance(
         vectors[key] = tuple(vector)
         say(f"{key} acceptance: " + ", ".join(f"{a:.3f}" for a in vector))
     return dataclasses.replace(calibration, acceptance=vectors)
+
+
+def calibrate_drafter_batches(
+    calibration: Calibration,
+    name: str,
+    target: Any,
+    batches: Sequence[int] = (2, 4),
+    widths: Sequence[int] = DRAFT_WIDTHS,
+    n_warmup: int = 1,
+    n_rep: int = 5,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: Callable[[str], None] | None = None,
+    drafter: Drafter | None = None,
+) -> Calibration:
+    """``calibration`` plus the registered drafter ``name``'s batched drafting call measured
+    for real (``drafter``: that drafter already loaded, default ``load_drafter(name, target)``): for each B in ``batches`` (> 1), B requests over ``calibration.context`` random
+    prompt tokens each (with the target's features where the drafter reads them), roots
+    expanded, then ONE ``expand_batch`` over ``w`` new children of every root per point
+    (``restore``d after each, so every call starts from the same state), in a shuffled
+    round-robin over ``widths``. Stored as ``Calibration.batch_drafters[name][B]``; the
+    planner's ``draft_s`` reads it instead of stretching the batch-1 curve to ``w B`` nodes."""
+    import torch
+
+    from treespec.device import synchronize
+    from treespec.drafters.base import PartialTree
+    from treespec.drafters.batched import as_batch_drafter
+    from treespec.verifiers.batch_attention import BatchVerifier
+
+    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 2 for b in batches):
+        raise ValueError(f"batches must be ints >= 2 (batch 1 is calibrate_drafter's curve), got {list(batches)}")
+    if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+        raise ValueError(f"widths must be positive ints, got {list(widths)}")
+    if name not in calibration.drafters:
+        raise ValueError(f"calibrate_drafter({name!r}) first: the batch-1 curve anchors the batched ones")
+    say = progress or (lambda message: None)
+    vocab = target.model.config.vocab_size
+    measured = dict(calibration.batch_drafters.get(name, {}))
+    single = drafter if drafter is not None else load_drafter(name, target)
+    for b in sorted(set(batches)):
+        drafter = as_batch_drafter(single)       # a fresh batched state, weights shared
+        gen = torch.Generator().manual_seed(seed + b)
+        prompts = [torch.randint(vocab, (calibration.context + 1,), generator=gen) for _ in range(b)]
+        if drafter.needs_target_hidden:
+            feats = BatchVerifier(target.model, drafter.target_layers).prefill(prompts)
+        else:
+            feats = [TargetFeatures.empty()] * b
+        for key, (prompt, f) in enumerate(zip(prompts, feats)):
+            drafter.begin(key, prompt, f)
+        roots = [int(p[-1]) for p in prompts]
+        drafter.expand_batch([(key, PartialTree.rooted(r), [0]) for key, r in enumerate(roots)])
+        rooted = drafter.checkpoint()
+
+        def passes(order: Sequence[int], drafter=drafter, roots=roots, rooted=rooted):
+            def make(w: int):
+                def fn() -> None:
+                    calls = []
+                    for key, r in enumerate(roots):
+                        tree = PartialTree.rooted(r)
+                        calls.append((key, tree, [tree.add(0, (r + 1 + i) % vocab) for i in range(w)]))
+                    drafter.expand_batch(calls)
+                    synchronize(target.device)
+                    drafter.restore(rooted)
+                return fn
+            return [make(w) for w in order]
+
+        measured[b] = _shuffled_curve(passes, sorted(set(widths)), n_warmup, n_rep, clock,
+                                      f"{name} batch {b}", say)
+    return dataclasses.replace(calibration, batch_drafters={**calibration.batch_drafters, name: measured})

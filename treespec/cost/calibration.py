@@ -179,6 +179,9 @@ class Calibration:
                   builder="auto" reads it with ``acceptance_for``.
         batch_target: B -> seconds of ONE batched verify pass of B requests with n nodes each
                   (``calibrate_batches``), against n; empty if not measured.
+        batch_drafters: drafter name -> B -> seconds of ONE batched drafting call
+                  (``BatchDrafter.expand_batch``) expanding w nodes for each of B requests,
+                  against w (``treespec.measure.calibrate_drafter_batches``); empty if not measured.
         device:   machine description (CPU model, threads, torch version).
         threads:  torch intra-op threads during the measurement (run the engine with the same).
         clock:    the timer's name: "perf_counter" (wall clock) or "thread_time" (CPU time).
@@ -193,6 +196,7 @@ class Calibration:
     drafter_layers: Mapping[str, int] = field(default_factory=dict)
     acceptance: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     batch_target: Mapping[int, Curve] = field(default_factory=dict)
+    batch_drafters: Mapping[str, Mapping[int, Curve]] = field(default_factory=dict)
     device: str = ""
     threads: int = 0
     clock: str = "perf_counter"
@@ -212,6 +216,8 @@ class Calibration:
             "drafter_layers": dict(self.drafter_layers),
             "acceptance": {name: list(a) for name, a in self.acceptance.items()},
             "batch_target": {str(b): curve.to_json() for b, curve in sorted(self.batch_target.items())},
+            "batch_drafters": {name: {str(b): curve.to_json() for b, curve in sorted(by_b.items())}
+                               for name, by_b in self.batch_drafters.items()},
             "device": self.device,
             "threads": self.threads,
             "clock": self.clock,
@@ -242,6 +248,8 @@ class Calibration:
             drafter_layers={kind: int(k) for kind, k in data.get("drafter_layers", {}).items()},
             acceptance={name: tuple(float(x) for x in a) for name, a in data.get("acceptance", {}).items()},
             batch_target={int(b): Curve.from_json(c) for b, c in data.get("batch_target", {}).items()},
+            batch_drafters={name: {int(b): Curve.from_json(c) for b, c in by_b.items()}
+                            for name, by_b in data.get("batch_drafters", {}).items()},
             device=data.get("device", ""),
             threads=int(data.get("threads", 0)),
             clock=data.get("clock", "perf_counter"),
@@ -275,21 +283,34 @@ class Calibration:
         None when no batch above 1 was measured and ``batch`` > 1."""
         if batch == 1:
             return self.target(n_tokens)
-        if not self.batch_target:
-            return None
-        curves = {1: self.target, **self.batch_target}
-        bs = sorted(curves)
-        if batch in curves:
-            return curves[batch](n_tokens)
-        hi = next((b for b in bs if b > batch), None)
-        lo, hi = (bs[-2], bs[-1]) if hi is None else (max(b for b in bs if b < batch), hi)
-        t_lo, t_hi = curves[lo](n_tokens), curves[hi](n_tokens)
-        return max(t_lo, t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo))
+        return _across_batches({1: self.target, **self.batch_target}, n_tokens, batch)
+
+    def drafter_batch_s(self, name: str, width: float, batch: int) -> float | None:
+        """Measured seconds of one batched drafting call of drafter ``name`` expanding ``width``
+        nodes for each of ``batch`` requests, read across B as ``target_batch_s`` does (B = 1 is
+        ``drafters[name]``). None when nothing above B = 1 was measured for it."""
+        if batch == 1:
+            return self.drafters[name](width)
+        return _across_batches({1: self.drafters[name], **self.batch_drafters.get(name, {})}, width, batch)
 
     @property
     def bandwidth(self) -> float:
         """Bytes/s the n = 1 pass attained (weight bytes / t(1)): used for KV-read corrections."""
         return self.shape.weight_bytes / self.target(1)
+
+
+def _across_batches(curves: Mapping[int, Curve], n: float, batch: int) -> float | None:
+    """Seconds at ``batch`` from per-B curves (B = 1 included): linear in B between measured
+    batch sizes, past the largest with the last two's slope. None if only B = 1 is known."""
+    if len(curves) < 2:
+        return None
+    if batch in curves:
+        return curves[batch](n)
+    bs = sorted(curves)
+    hi = next((b for b in bs if b > batch), None)
+    lo, hi = (bs[-2], bs[-1]) if hi is None else (max(b for b in bs if b < batch), hi)
+    t_lo, t_hi = curves[lo](n), curves[hi](n)
+    return max(t_lo, t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo))
 
 
 def acceptance_key(name: str, temperature: float) -> str:
@@ -364,7 +385,10 @@ class CalibratedCost:
     def draft_s(self, widths: Sequence[int], batch: int, context: int) -> float:
         if not widths or self.drafter_kind == "lookup":
             return 0.0
-        curve = self.calibration.drafters[self.drafter_kind]
+        cal = self.calibration
+        if batch > 1 and self.drafter_kind in cal.batch_drafters:   # the batched call itself
+            return self.scale * sum(cal.drafter_batch_s(self.drafter_kind, w, batch) for w in widths)
+        curve = cal.drafters[self.drafter_kind]
         return self.scale * sum(curve(w * batch) for w in widths)
 
 

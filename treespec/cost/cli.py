@@ -235,7 +235,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             torch.set_num_threads(previous)
     if drafters:
         from treespec.data import mtbench_questions
-        from treespec.measure import calibrate_drafter  # runs the engine: above the cost model
+        from treespec.measure import calibrate_drafter, calibrate_drafter_batches  # run the engine
 
         held_out = [q.turns[0] for q in mtbench_questions()[-4:]]  # benchmarks use the first ones
         previous = torch.get_num_threads()
@@ -245,6 +245,9 @@ def _calibrate(args: argparse.Namespace) -> int:
             for name in drafters:
                 result = calibrate_drafter(result, name, target, held_out, clock=clock,
                                            progress=lambda m: print(m, flush=True))
+                if args.batch_sizes and name != "lookup":   # its batched drafting call too
+                    result = calibrate_drafter_batches(result, name, target, args.batch_sizes, clock=clock,
+                                                       progress=lambda m: print(m, flush=True))
         finally:
             torch.set_num_threads(previous)
     from treespec.fastpath import linear_kernel
