@@ -13,6 +13,14 @@ Glossary
 - **batch-invariant** — each output is one FMA chain over ``k`` in order, so a row's result is
   bit-identical whether it is multiplied alone or with other rows. A 1-token decode step and a
   tree pass therefore see the same linear outputs for the same row.
+- **exact blocks** — a weight dequantized from a GGUF Q4_1 / Q8_0 checkpoint (SmolLM2's, the
+  target here) is, value for value, ``d q + m`` per block of 32 ``k`` values, with ``q`` a 4- or
+  8-bit integer and ``d``, ``m`` fp16 numbers. :func:`pack_blocks` finds that form and checks
+  every value bit for bit; :func:`block_linear` then reads 0.75 (4-bit) or 1.125 (8-bit) bytes a
+  weight instead of 4, rebuilds each 64-row chunk of a panel in L1 with ``fma(q, d, m)`` (exactly
+  ``d q + m``: an 11-bit scale times a <= 8-bit integer is exact in fp32, so only the sum rounds,
+  as in the dequantized weight) and runs the same tiles. Its outputs are bit-identical to the fp32
+  panels: it is the same fp32 target, read from 5x fewer bytes.
 
 The kernel is compiled from source with ``torch.utils.cpp_extension`` the first time it is
 needed (about a minute; cached in PyTorch's extension directory, rebuilt when the source
