@@ -75,8 +75,9 @@ FP32_MIN_ROWS_AVX2 = 2
 
 # The panel GEMM runs passes of 1..PANEL_MAX_ROWS rows (decode steps and trees); longer ones
 # (prefill) go to PyTorch's GEMM, whose re-pack is amortized there. Whole tree pass, AMD EPYC
-# AVX2, 1 thread, ms (stock / oneDNN packed / panel; benchmarks/results/verify_cost_avx2.md):
-# 1 node 102 / 95 / 66; 4 nodes 165 / 143 / 101; 16 nodes 224 / 206 / 139; 64 nodes 493 / 439 / 396.
+# AVX2, 1 thread, ms (stock / oneDNN packed / panel / blocks; benchmarks/results/verify_cost_avx2.md):
+# 1 node 84 / 95 / 65 / 57; 4 nodes 173 / 145 / 99 / 61; 16 nodes 208 / 224 / 169 / 145;
+# 64 nodes 503 / 466 / 444 / 404.
 PANEL_MAX_ROWS = 64
 KERNELS = ("onednn", "panel", "blocks")
 PANEL_KERNELS = ("panel", "blocks")
@@ -191,7 +192,8 @@ class PackedLinear(nn.Module):
     ``min_rows`` to ``max_rows`` rows. ``kernel="blocks"``: the same GEMM reading the weight as
     exact 4- or 8-bit integer blocks where it is one (a weight dequantized from a GGUF Q4_1 or
     Q8_0 checkpoint is; :func:`treespec.kernels.pack_blocks` checks every value), fp32 panels
-    where it is not; the outputs are bit-identical to ``"panel"``, from 5-6x fewer bytes.
+    where it is not; the outputs are bit-identical to ``"panel"``, from 5.3x (4-bit) or 3.6x
+    (8-bit) fewer bytes.
     Other inputs take the stock ``F.linear`` on the original weight. The packed copy is rebuilt
     if the weight changes in place (its version counter moves), so it never goes stale.
     """

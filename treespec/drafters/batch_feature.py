@@ -21,7 +21,7 @@ import torch
 
 from treespec.drafters.base import PartialTree, TargetFeatures
 from treespec.drafters.batched import (
-    DraftAnswer, DraftCall, Key, RowInputs, ancestor_columns, batch_inputs, check_calls,
+    DraftAnswer, DraftCall, Key, RowCheckpoints, RowInputs, ancestor_columns, batch_inputs, check_calls,
 )
 
 
@@ -43,7 +43,7 @@ class _Row:
                        g=dict(self.g), slot=dict(self.slot))
 
 
-class BatchFeatureDrafter:
+class BatchFeatureDrafter(RowCheckpoints):
     """Many requests of a feature-head drafter (see the module docstring)."""
 
     needs_target_hidden = True
@@ -131,16 +131,6 @@ class BatchFeatureDrafter:
         self._queue(row, toks, features)
         width = max(r.used for r in self.rows.values())
         self.k, self.v = self.k[:, :, :width], self.v[:, :, :width]
-
-    def checkpoint(self) -> dict[Key, _Row]:
-        """The rows' bookkeeping. The K/V columns need no copy: an ``expand_batch`` writes only
-        past each row's ``used`` columns, and the rows restored say which columns count."""
-        return {key: row.copy() for key, row in self.rows.items()}
-
-    def restore(self, state: dict[Key, _Row]) -> None:
-        if state.keys() != self.rows.keys():
-            raise ValueError("restore: requests began or left since the checkpoint")
-        self.rows = {key: row.copy() for key, row in state.items()}
 
     def drop(self, key: Key) -> None:
         self._get(key)

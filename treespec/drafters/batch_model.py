@@ -23,8 +23,8 @@ from transformers import DynamicCache
 
 from treespec.drafters.base import PartialTree, TargetFeatures
 from treespec.drafters.batched import (
-    DraftAnswer, DraftCall, Key, RowInputs, ancestor_columns, batch_inputs, check_calls, move_columns,
-    settle_moves,
+    DraftAnswer, DraftCall, Key, RowCheckpoints, RowInputs, ancestor_columns, batch_inputs, check_calls,
+    move_columns, settle_moves,
 )
 from treespec.masks import attn_implementation_of, to_hf_mask
 
@@ -40,7 +40,7 @@ class _Row:
         return replace(self, pending=list(self.pending), slots=dict(self.slots))
 
 
-class BatchModelDrafter:
+class BatchModelDrafter(RowCheckpoints):
     """Many requests of an independent-model drafter (see the module docstring)."""
 
     needs_target_hidden = False
@@ -136,16 +136,6 @@ class BatchModelDrafter:
         used[b] = row.prefix + len(fed)
         self._settle(moves, used)
         row.prefix, row.used, row.slots = used[b], used[b], {}
-
-    def checkpoint(self) -> dict[Key, _Row]:
-        """The rows' bookkeeping. The KV columns need no copy: an ``expand_batch`` writes only
-        past each row's ``used`` columns, and the rows restored say which columns count."""
-        return {key: row.copy() for key, row in self.rows.items()}
-
-    def restore(self, state: dict[Key, _Row]) -> None:
-        if state.keys() != self.rows.keys():
-            raise ValueError("restore: requests began or left since the checkpoint")
-        self.rows = {key: row.copy() for key, row in state.items()}
 
     def drop(self, key: Key) -> None:
         self._get(key)

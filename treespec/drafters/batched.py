@@ -79,6 +79,23 @@ class BatchDrafter(Protocol):
         Valid only if no ``begin``, ``commit`` or ``drop`` came in between."""
 
 
+class RowCheckpoints:
+    """``checkpoint`` / ``restore`` for batched drafters whose per-request state is ``self.rows``
+    (key -> a row record with ``copy()``) over ragged KV rows: an ``expand_batch`` writes only
+    past each row's ``used`` columns, so the records alone say which columns count and the KV
+    tensors need no copy."""
+
+    rows: dict
+
+    def checkpoint(self) -> dict:
+        return {key: row.copy() for key, row in self.rows.items()}
+
+    def restore(self, state: dict) -> None:
+        if state.keys() != self.rows.keys():
+            raise ValueError("restore: requests began or left since the checkpoint")
+        self.rows = {key: row.copy() for key, row in state.items()}
+
+
 class RequestDrafter:
     """One request of a BatchDrafter seen as a single-request drafter (``expand`` /
     ``expand_compact``): what a builder reads (vocabulary, flags) and what a builder without
