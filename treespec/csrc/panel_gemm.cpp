@@ -136,9 +136,6 @@ inline void dequantize(const uint8_t* __restrict blob, int64_t K, int64_t p, int
   }
 }
 
-// Block-quantized panels: all M rows times panels [p0, p1) in groups of G. Each chunk of the G
-// panels is dequantized once into an L1-resident buffer, then every row block runs over it with
-// the same tiles (and so the same FMA order) as the fp32 panels.
 // Prefetches the records of chunk c of panel p (prefetches never fault, so p may run past the end).
 template <int Bits>
 inline void prefetch_chunk(const uint8_t* blob, int64_t K, int64_t p, int64_t c) {
@@ -148,6 +145,9 @@ inline void prefetch_chunk(const uint8_t* blob, int64_t K, int64_t p, int64_t c)
     _mm_prefetch(reinterpret_cast<const char*>(rec + line), _MM_HINT_T0);
 }
 
+// Block-quantized panels: all M rows times panels [p0, p1) in groups of G. Each chunk of the G
+// panels is dequantized once into an L1-resident buffer, then every row block runs over it with
+// the same tiles (and so the same FMA order) as the fp32 panels.
 template <int R, int G, int Bits>
 int64_t qpanels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1, float* y,
                 int64_t ldy) {
