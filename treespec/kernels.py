@@ -123,10 +123,14 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for ``panels = pack_panels(W)``; x [..., K] float32 on the CPU."""
-    k = panels.shape[1]
+    return _linear(x, panels.shape[1], out_features, bias, lambda x2: _kernel().panel_linear(x2, panels))
+
+
+def _linear(x: torch.Tensor, k: int, out_features: int, bias: torch.Tensor | None, run) -> torch.Tensor:
+    """``run`` ([rows, K] contiguous -> [rows, 16 P]) on x [..., K]: the padded panel columns
+    dropped, the bias added, the leading dimensions restored."""
     rows = x.numel() // k
-    # [..., K] -> [rows, K] -> [rows, N]
-    y = _kernel().panel_linear(x.reshape(rows, k).contiguous(), panels)
+    y = run(x.reshape(rows, k).contiguous())
     if y.shape[1] != out_features:         # zero-padded last panel
         y = y[:, :out_features]
     if bias is not None:
@@ -250,11 +254,5 @@ def pack_blocks(weight: torch.Tensor) -> BlockPanels | None:
 def block_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for ``blocks = pack_blocks(W)``; bit-identical to
     :func:`panel_linear` on ``pack_panels(W)``. x [..., K] float32 on the CPU."""
-    k = blocks.blob.shape[1] * BLOCK
-    rows = x.numel() // k
-    y = _kernel().panel_linear_blocks(x.reshape(rows, k).contiguous(), blocks.blob, blocks.bits)
-    if y.shape[1] != blocks.out_features:
-        y = y[:, :blocks.out_features]
-    if bias is not None:
-        y = y + bias.detach()
-    return y.reshape(*x.shape[:-1], blocks.out_features)
+    return _linear(x, blocks.blob.shape[1] * BLOCK, blocks.out_features, bias,
+                   lambda x2: _kernel().panel_linear_blocks(x2, blocks.blob, blocks.bits))
