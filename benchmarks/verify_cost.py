@@ -140,13 +140,14 @@ def main() -> None:
         peaks["bf16"] = measure_gemm_peak(torch.bfloat16)
     model = verifiers["fp32 stock"].model
     params = linear_params(model)
-    limit = {}
-    for dt_name, peak in peaks.items():
-        nbytes = params * (4 if dt_name == "fp32" else 2)
-        limit[dt_name] = {n: max(nbytes / bandwidth, 2 * params * n / peak) for n in ns}
+
+    def roofline(nbytes: float, peak: float) -> dict[int, float]:
+        """Seconds per pass of n rows: the weight read or the multiply-adds, whichever is longer."""
+        return {n: max(nbytes / bandwidth, 2 * params * n / peak) for n in ns}
+
+    limit = {dt_name: roofline(params * (4 if dt_name == "fp32" else 2), peak) for dt_name, peak in peaks.items()}
     if "fp32 blocks" in verifiers:   # the same FLOPs from the bytes the block kernel reads
-        block_bytes = stored_bytes(verifiers["fp32 blocks"].model)
-        limit["fp32 blocks"] = {n: max(block_bytes / bandwidth, 2 * params * n / peaks["fp32"]) for n in ns}
+        limit["fp32 blocks"] = roofline(stored_bytes(verifiers["fp32 blocks"].model), peaks["fp32"])
 
     ms = {name: {n: statistics.median(samples[(name, n)]) * 1e3 for n in ns} for name in paths}
     result = {
