@@ -91,9 +91,14 @@ class RowCheckpoints:
         return {key: row.copy() for key, row in self.rows.items()}
 
     def restore(self, state: dict) -> None:
-        if state.keys() != self.rows.keys():
-            raise ValueError("restore: requests began or left since the checkpoint")
+        check_restorable(state, self.rows)
         self.rows = {key: row.copy() for key, row in state.items()}
+
+
+def check_restorable(state: dict, live: dict) -> None:
+    """``restore`` needs the requests of its checkpoint, no more and no fewer."""
+    if state.keys() != live.keys():
+        raise ValueError("restore: requests began or left since the checkpoint")
 
 
 class RequestDrafter:
@@ -204,8 +209,7 @@ class LoopBatchDrafter:
         return {key: fresh_copy(d) for key, d in self.drafters.items()}
 
     def restore(self, state: dict[Key, Drafter]) -> None:
-        if state.keys() != self.drafters.keys():
-            raise ValueError("restore: requests began or left since the checkpoint")
+        check_restorable(state, self.drafters)
         self.drafters = {key: fresh_copy(d) for key, d in state.items()}
 
     def _get(self, key: Key) -> Drafter:

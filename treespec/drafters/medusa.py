@@ -168,8 +168,9 @@ class BatchMedusaDrafter:
         return dict(self.state)       # (f, root token, rows) tuples, never modified in place
 
     def restore(self, state: dict) -> None:
-        if state.keys() != self.state.keys():
-            raise ValueError("restore: requests began or left since the checkpoint")
+        from treespec.drafters.batched import check_restorable
+
+        check_restorable(state, self.state)
         self.state = dict(state)
 
     def _get(self, key):
