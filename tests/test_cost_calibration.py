@@ -281,19 +281,20 @@ def test_batched_drafter_curves_are_read_where_measured(tmp_path):
     assert Calibration.load(cal.save(tmp_path / "c.json")) == cal
 
 
-@pytest.mark.parametrize("kind", ["model", "feature"])
+@pytest.mark.parametrize("kind", ["model", "feature", "lookup"])
 def test_calibrate_drafter_batches_on_a_tiny_target(kind):
     import dataclasses
 
     from treespec.cost import calibrate
-    from treespec.drafters import ModelDrafter
+    from treespec.drafters import LookupDrafter, ModelDrafter
     from treespec.drafters.eagle import random_feature_drafter
     from treespec.measure import calibrate_drafter_batches
     from treespec.models import tiny_llama, tiny_target
 
     target = tiny_target(vocab_size=32, seed=0)
-    drafter = (ModelDrafter(tiny_llama(vocab_size=32, num_layers=1, seed=3), 32) if kind == "model"
-               else random_feature_drafter(target, "eagle3", seed=1, draft_vocab=16))
+    drafter = {"model": lambda: ModelDrafter(tiny_llama(vocab_size=32, num_layers=1, seed=3), 32),
+               "feature": lambda: random_feature_drafter(target, "eagle3", seed=1, draft_vocab=16),
+               "lookup": lambda: LookupDrafter(32)}[kind]()
     cal = calibrate(target.model, "tiny", ns=(1, 3), context=6, early_exit_layers=1, n_warmup=0, n_rep=1)
     with pytest.raises(ValueError, match="calibrate_drafter\\('mine'\\) first"):
         calibrate_drafter_batches(cal, "mine", target, drafter=drafter)

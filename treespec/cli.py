@@ -209,8 +209,8 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
         cal.save(path)
     missing_t = [t for t in ACCEPTANCE_TEMPERATURES if acceptance_key(drafter_name, t) not in cal.acceptance]
     missing_b = sorted(set(batches) - set(cal.batch_target))
-    drafts = drafter_name != "lookup" and drafter_name in cal.drafters
-    missing_d = sorted(set(batches) - set(cal.batch_drafters.get(drafter_name, {}))) if drafts else []
+    missing_d = (sorted(set(batches) - set(cal.batch_drafters.get(drafter_name, {})))
+                 if drafter_name in cal.drafters else [])
     if missing_t or missing_b or missing_d:
         print(f"[adding to the calibration at {path}: "
               + "; ".join(([f"{drafter_name} acceptance at T = {', '.join(f'{t:g}' for t in missing_t)}"]

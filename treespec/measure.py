@@ -164,7 +164,8 @@ def calibrate_drafter_batches(
     drafter: Drafter | None = None,
 ) -> Calibration:
     """``calibration`` plus the registered drafter ``name``'s batched drafting call measured
-    for real (``drafter``: that drafter already loaded, default ``load_drafter(name, target)``): for each B in ``batches`` (> 1), B requests over ``calibration.context`` random
+    for real (``drafter``: that drafter already loaded, default ``load_drafter(name, target)``):
+    for each B in ``batches`` (> 1), B requests over ``calibration.context`` random
     prompt tokens each (with the target's features where the drafter reads them), roots
     expanded, then ONE ``expand_batch`` over ``w`` new children of every root per point
     (``restore``d after each, so every call starts from the same state), in a shuffled
@@ -188,29 +189,29 @@ def calibrate_drafter_batches(
     measured = dict(calibration.batch_drafters.get(name, {}))
     single = drafter if drafter is not None else load_drafter(name, target)
     for b in sorted(set(batches)):
-        drafter = as_batch_drafter(single)       # a fresh batched state, weights shared
+        batched = as_batch_drafter(single)       # a fresh batched state, weights shared
         gen = torch.Generator().manual_seed(seed + b)
         prompts = [torch.randint(vocab, (calibration.context + 1,), generator=gen) for _ in range(b)]
-        if drafter.needs_target_hidden:
-            feats = BatchVerifier(target.model, drafter.target_layers).prefill(prompts)
+        if batched.needs_target_hidden:
+            feats = BatchVerifier(target.model, batched.target_layers).prefill(prompts)
         else:
             feats = [TargetFeatures.empty()] * b
         for key, (prompt, f) in enumerate(zip(prompts, feats)):
-            drafter.begin(key, prompt, f)
+            batched.begin(key, prompt, f)
         roots = [int(p[-1]) for p in prompts]
-        drafter.expand_batch([(key, PartialTree.rooted(r), [0]) for key, r in enumerate(roots)])
-        rooted = drafter.checkpoint()
+        batched.expand_batch([(key, PartialTree.rooted(r), [0]) for key, r in enumerate(roots)])
+        rooted = batched.checkpoint()
 
-        def passes(order: Sequence[int], drafter=drafter, roots=roots, rooted=rooted):
+        def passes(order: Sequence[int], batched=batched, roots=roots, rooted=rooted):
             def make(w: int):
                 def fn() -> None:
                     calls = []
                     for key, r in enumerate(roots):
                         tree = PartialTree.rooted(r)
                         calls.append((key, tree, [tree.add(0, (r + 1 + i) % vocab) for i in range(w)]))
-                    drafter.expand_batch(calls)
+                    batched.expand_batch(calls)
                     synchronize(target.device)
-                    drafter.restore(rooted)
+                    batched.restore(rooted)
                 return fn
             return [make(w) for w in order]
 

@@ -245,7 +245,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             for name in drafters:
                 result = calibrate_drafter(result, name, target, held_out, clock=clock,
                                            progress=lambda m: print(m, flush=True))
-                if args.batch_sizes and name != "lookup":   # its batched drafting call too
+                if args.batch_sizes:   # its batched drafting call too
                     result = calibrate_drafter_batches(result, name, target, args.batch_sizes, clock=clock,
                                                        progress=lambda m: print(m, flush=True))
         finally:
