@@ -218,6 +218,20 @@ class DraftTree:
         return self._ancestry[1]
 
     @cached_property
+    def subtree_sizes(self) -> tuple[int, ...]:
+        """subtree_sizes[i]: nodes in the subtree rooted at i, i included."""
+        par = self._parents_list
+        size = [1] * len(par)
+        for i in range(len(par) - 1, 0, -1):  # children come after their parents
+            size[par[i]] += size[i]
+        return tuple(size)
+
+    @cached_property
+    def is_chain(self) -> bool:
+        """Every node has at most one child."""
+        return all(len(k) <= 1 for k in self.children)
+
+    @cached_property
     def leaves(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.children) if not k)
 
