@@ -81,9 +81,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['loadavg_after']:.1f} after (shared machine).", "",
              *([machine_line({**meta["machine"], "torch_threads": meta["threads"]}), ""] if "machine" in meta else []),
              "Deterministic trees run the token walk under every rule (same output law, see "
-             "treespec/verifiers/rejection.py). Block verification reads every row of the chain once "
-             "(its float64 mass, for exact normalisation) where the token rule stops reading at its first "
-             "rejection: that is the 64-node chain's cost. 'accepted' is the mean over 100 calls on one "
+             "treespec/verifiers/rejection.py). Every rule reads a row only where it rejects or draws: the "
+             "joint rules take rows as distributions and read no row for its mass, walk a zero-weight "
+             "subtree without visiting it, and build residuals in a reused buffer (treespec/verifiers/"
+             "joint.py). A ratio above 1 is the walk's extra residual steps. 'accepted' is the mean over 100 calls on one "
              "fixed draft; block verification is optimal in expectation over drafts, not per draft.", "",
              "| rule | shape | mode | scenario | token ms | new ms | ratio | accepted token -> new |",
              "|---|---|---|---|---|---|---|---|"]

@@ -236,6 +236,50 @@ def test_a_child_q_cannot_have_drawn_is_refused():
         accept(bad, probs, None, "traversal")
 
 
+def _poisoned_chain(n: int, vocab: int, read: set[int], reject_first: bool):
+    """A stochastic chain whose rows outside ``read`` are NaN except at the drafted tokens (the
+    two gathers every rule makes); reject_first: p gives x_1 no mass, else p = q (all accepted)."""
+    g = torch.Generator().manual_seed(n)
+    q = torch.softmax(torch.randn(n, vocab, dtype=torch.float64, generator=g), -1)
+    toks = [0] + [int(torch.multinomial(q[i], 1, generator=g)) for i in range(n - 1)]
+    p = q.clone()
+    if reject_first:
+        p[0, toks[1]] = 0.0
+        p[0] /= p[0].sum()
+    for rows in (p, q):
+        for i in set(range(n)) - read:
+            keep = rows[i, toks[i + 1]].item() if i + 1 < n else None
+            rows[i] = float("nan")
+            if keep is not None:
+                rows[i, toks[i + 1]] = keep
+    tree = DraftTree.from_builder(torch.tensor(toks), torch.arange(-1, n - 1), q, "with_replacement")
+    return tree, p
+
+
+@pytest.mark.parametrize("rule", ["block", "traversal"])
+def test_rows_the_rules_never_need_are_never_read(rule):
+    """Like the token rule, the joint rules read a row only where they reject or draw: a 64-node
+    chain rejected at its first draft reads row 0 alone; one accepted whole, the last row alone
+    (rows are distributions, so no row is read for its mass)."""
+    n = 64
+    tree, p = _poisoned_chain(n, 300, {0}, reject_first=True)
+    for seed in range(5):
+        out = accept(tree, p, torch.Generator().manual_seed(seed), rule)
+        assert out.num_accepted == 0 and out.tokens.tolist() != [int(tree.tokens[1])]
+    tree, p = _poisoned_chain(n, 300, {n - 1}, reject_first=False)
+    for seed in range(5):
+        out = accept(tree, p, torch.Generator().manual_seed(seed), rule)
+        assert out.tokens[:-1].tolist() == tree.tokens[1:].tolist()
+
+
+@pytest.mark.parametrize("rule", ["block", "traversal"])
+def test_a_target_row_that_is_not_a_distribution_is_refused_where_read(rule):
+    tree, p = _poisoned_chain(6, 50, set(range(6)), reject_first=True)
+    p[0] *= 0.9  # a top-p tail dropped without renormalising
+    with pytest.raises(ValueError, match=r"target_probs row sums to 0\.9.*renormalise"):
+        accept(tree, p, torch.Generator().manual_seed(0), rule)
+
+
 # ------------------------------------------------------------------ the engine
 V = 16
 

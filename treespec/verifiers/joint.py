@@ -42,9 +42,17 @@ child drawn from q̂ contributes min(α p̂, q̂) and is rejected with probabili
 residual step makes the rest contribute max(α p̂ - q̂, 0); together α p̂.
 tests/test_exact_law_joint.py computes the output law by enumeration for every mode.
 
+Rows are distributions: p̂_u and q̂_u start as the input rows themselves, taken to sum to 1 (as
+``treespec.sampling.process`` returns them, to float32 round-off); neither rule renormalises a
+row it does not read. Reading every row's mass up front would cost a pass over the whole
+[N, V] block, which for a 64-node chain is ten times the token rule's whole call (see
+benchmarks/accept_rules.py). A row the rule does read (a residual step or the final draw) is
+checked: one off 1 by more than DraftTree's tolerance for q rows (1e-3) is a ValueError. In exact arithmetic on
+normalised rows this is the papers' rule; rows off 1 by ε move the output law by O(ε).
+
 Cost: a residual step is one float64 pass over a row; it is skipped when the test it feeds
 cannot pass (h_i <= p_i, and a node's α only decreases: a uniform >= α rejects). Deterministic
-steps are scalar. Block verification still reads every row of the chain once (its mass).
+steps are scalar. So like the token rule, both rules read only the rows where they reject.
 
 Round-off: a residual mass r below ``_NULL_MASS`` is 0. If then 1 - α_u is also null, the
 rejection itself had probability ~0 and the state is kept; otherwise α_u <- 0.
@@ -52,64 +60,82 @@ rejection itself had probability ~0 and the state is kept; otherwise α_u <- 0.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from treespec.tree import DraftTree
+from treespec.tree import _ROW_SUM_ATOL, DraftTree
 from treespec.verifiers.acceptance import _NULL_MASS, Acceptance, _draw, _long_tensor
+
+
+
+def _check_mass(mass: float) -> None:
+    """A target row the rule reads must sum to 1 (to the tolerance DraftTree allows q rows)."""
+    if not abs(mass - 1.0) <= _ROW_SUM_ATOL:
+        raise ValueError(f"a target_probs row sums to {mass:.6f}, not 1; the block and traversal "
+                         "rules take rows as distributions (renormalise them, e.g. with "
+                         "treespec.sampling.process)")
+
+
+def _alpha(a: float, x: int, p: float, q: float) -> float:
+    """α of a child with token x: min(a p / q, 1), p and q its normalised target / draft chances."""
+    if not q > 0.0:
+        raise ValueError(f"child token {x} has draft probability {q} under its parent's "
+                         "draft_probs, so it cannot have been drawn from it; fix the builder "
+                         "or the sampling mode")
+    return min(a * p / q, 1.0)
 
 
 class _Residual:
     """α_u and the residual p̂_u (and q̂_u) of one node.
 
-    p̂ is kept unnormalised with mass pm: the input row until the first stochastic update, then
-    a float64 copy; a deterministic update only records the removed token (row work is left to
-    the draw). q̂ is the input row without the tokens in ``q_out`` (without_replacement), mass qm.
+    p̂ is kept unnormalised with mass pm: the input row (mass 1) until its first stochastic
+    residual step, then float64 (residuals are built in a spare buffer, swapped in when kept); a
+    deterministic update only records the removed token (row work is left to the draw). q̂ is the input row without the tokens in ``q_out``
+    (without_replacement), mass qm.
     """
 
-    def __init__(self, alpha: float, p_row: torch.Tensor, q_row: torch.Tensor | None, inner: bool):
-        # p_row, q_row: [V] input rows of node u (q_row None: deterministic children); the
-        # float64 masses pm, qm are summed only if u has children to verify
-        self.alpha, self.p_row, self.q_row = alpha, p_row, q_row
-        self.p: torch.Tensor | None = None  # [V] float64, after the first stochastic update
+    def __init__(self, alpha: float, u: int, probs: torch.Tensor, drafts: torch.Tensor | None):
+        # probs: [N, V] target rows; drafts: [N, V] q rows, None for deterministic children. Node
+        # u's rows are indexed only when read (a view costs microseconds; most nodes need none).
+        self.alpha, self.u, self.probs, self.drafts = alpha, u, probs, drafts
+        self.p: torch.Tensor | None = None  # [V] float64, from the first stochastic update on
+        self.spare: torch.Tensor | None = None  # [V] float64, where the next residual is built
         self.p_out: list[int] = []          # tokens removed from p̂ (deterministic updates)
         self.q_out: list[int] = []          # tokens removed from q̂ (without_replacement)
         self.pm = self.qm = 1.0
-        if inner:
-            self.pm = float(p_row.sum(dtype=torch.float64))  # row by row: a batched float64
-            if not self.pm > 0.0:                             # sum is ~10x slower
-                raise ValueError("a target_probs row sums to 0; rows must be distributions")
-            if q_row is not None:
-                self.qm = float(q_row.sum(dtype=torch.float64))
 
     def child_alpha(self, x: int, px: float, qx: float) -> float:
         """α_c = min(α p̂(x) / q̂(x), 1); px, qx: the input rows' values at x (q̂ = δ_x if no q)."""
         p = 0.0 if x in self.p_out else (px if self.p is None else float(self.p[x]))
-        q = 1.0 if self.q_row is None else (0.0 if x in self.q_out else qx)
-        if not q > 0.0:
-            raise ValueError(f"child token {x} has draft probability {q} under its parent's "
-                             "draft_probs, so it cannot have been drawn from it; fix the builder "
-                             "or the sampling mode")
-        return min(self.alpha * (p / self.pm) / (q / self.qm), 1.0)
+        q = 1.0 if self.drafts is None else (0.0 if x in self.q_out else qx)
+        return _alpha(self.alpha, x, p / self.pm, q / self.qm)
 
     def reject(self, x: int, px: float, qx: float, without_replacement: bool) -> None:
         """The subtree of the child with token x was rejected: the residual step."""
         a = self.alpha
         if a <= 0.0:  # m = max(0 - q̂, 0) = 0: α stays 0, and nothing below u can be accepted
             return
-        if self.q_row is None:  # q̂ = δ_x: m = α p̂ with x removed
+        if self.drafts is None:  # q̂ = δ_x: m = α p̂ with x removed
             rest_m = self.pm - px
         else:  # m = (α / pm) · max(p - (pm / (α qm)) q, 0), computed in float64
-            p = self.p if self.p is not None else self.p_row.to("cpu", torch.float64)
-            rest = torch.sub(p, self.q_row.cpu(), alpha=self.pm / (a * self.qm)).clamp_(min=0.0)
-            if self.q_out:  # q̂ is 0 there
+            if self.p is None:  # the first read of this node's rows: are they distributions?
+                p_row = self.probs[self.u]
+                _check_mass(float(p_row.sum()))  # (DraftTree checked the q rows)
+                self.p = p_row.to("cpu", torch.float64, copy=True)  # the same values as the row
+                self.spare = torch.empty_like(self.p)
+            p = self.p  # into the spare buffer: a null residual below keeps p̂ as it was
+            rest = torch.sub(p, self.drafts[self.u].cpu(), alpha=self.pm / (a * self.qm), out=self.spare)
+            rest.clamp_(min=0.0)
+            if self.q_out:  # q̂ is 0 there: m = p̂
                 rest[self.q_out] = p[self.q_out]
             rest_m = float(rest.sum())
         r = a * rest_m / self.pm
         if rest_m > _NULL_MASS * self.pm:
-            if self.q_row is None:
+            if self.drafts is None:
                 self.p_out.append(x)
             else:
-                self.p = rest
+                self.p, self.spare = rest, self.p
             self.pm, self.alpha = rest_m, r / (1.0 - a + r)
         elif 1.0 - a > _NULL_MASS:
             self.alpha = 0.0  # nothing left to emit here: this node can no longer be accepted
@@ -120,11 +146,15 @@ class _Residual:
 
     def row(self) -> torch.Tensor:
         """[V] the (unnormalised) distribution the new token is drawn from."""
+        if self.p is not None:
+            return self.p
+        p_row = self.probs[self.u]
+        _check_mass(float(p_row.sum()))
         if self.p_out:
-            row = self.p_row.to("cpu", torch.float64, copy=True)
+            row = p_row.to("cpu", torch.float64, copy=True)
             row[self.p_out] = 0.0
             return row
-        return self.p_row if self.p is None else self.p
+        return p_row
 
 
 def _result(tree: DraftTree, path: list[int], node: _Residual, tests: int, us) -> Acceptance:
@@ -152,7 +182,7 @@ def _child_values(tree: DraftTree, target_probs: torch.Tensor) -> tuple[list[flo
 
 def check_chain(tree: DraftTree) -> None:
     """Block verification's precondition: a chain (every node has at most one child)."""
-    if any(len(k) > 1 for k in tree.children):
+    if not tree.is_chain:
         raise ValueError("rule='block' verifies a chain (at most one child per node), but this tree "
                          "branches; use rule='traversal' (trees) or rule='token'")
 
@@ -164,20 +194,19 @@ def accept_block(tree: DraftTree, target_probs: torch.Tensor, us) -> Acceptance:
     gamma, x = tree.num_nodes - 1, tree._tokens_list
     q = tree.draft_probs if tree.sampling != "deterministic" else None
     p_kid, q_kid = _child_values(tree, target_probs)
-    p, nodes = [1.0], []  # p_i = min(p_{i-1} p̂_{i-1}(x_i) / q̂_{i-1}(x_i), 1)
+    p = [1.0]  # p_i = min(p_{i-1} p̂_{i-1}(x_i) / q̂_{i-1}(x_i), 1): scalars, no row is read
     for i in range(gamma):
-        nodes.append(_Residual(p[i], target_probs[i], None if q is None else q[i], p[i] > 0.0))
-        p.append(nodes[i].child_alpha(x[i + 1], p_kid[i + 1], q_kid[i + 1]))
+        p.append(_alpha(p[i], x[i + 1], p_kid[i + 1], q_kid[i + 1]))
     if gamma and next(us) < p[gamma]:  # h_γ = p_γ: the whole block is accepted
-        leaf = _Residual(1.0, target_probs[gamma], None, False)
-        return _result(tree, list(range(1, gamma + 1)), leaf, 1, us)
+        return _result(tree, list(range(1, gamma + 1)), _Residual(1.0, gamma, target_probs, None), 1, us)
     for i in range(gamma - 1, 0, -1):  # backward: stop at i w.p. h_i = r_i / (r_i + 1 - p_i)
         eta = next(us)
         if eta < p[i]:  # h_i <= p_i: only then is r_i (a pass over the row) needed
-            nodes[i].reject(x[i + 1], p_kid[i + 1], q_kid[i + 1], False)
-            if eta < nodes[i].alpha:
-                return _result(tree, list(range(1, i + 1)), nodes[i], gamma - i + 1, us)
-    root = nodes[0] if gamma else _Residual(1.0, target_probs[0], None, False)
+            node = _Residual(p[i], i, target_probs, q)
+            node.reject(x[i + 1], p_kid[i + 1], q_kid[i + 1], False)
+            if eta < node.alpha:
+                return _result(tree, list(range(1, i + 1)), node, gamma - i + 1, us)
+    root = _Residual(1.0, 0, target_probs, q if gamma else None)
     if gamma:
         root.reject(x[1], p_kid[1], q_kid[1], False)  # τ = 0: residual norm(max(p̂ - q̂, 0))
     return _result(tree, [], root, gamma, us)
@@ -190,12 +219,17 @@ def accept_traversal(tree: DraftTree, target_probs: torch.Tensor, us) -> Accepta
     x, children = tree._tokens_list, tree.children
     q = tree.draft_probs if tree.sampling != "deterministic" else None
     p_kid, q_kid = _child_values(tree, target_probs)
+    sizes = tree.subtree_sizes
     tests = 0
 
     def visit(u: int, alpha: float) -> tuple[list[int], _Residual] | None:
         nonlocal tests
+        if alpha <= 0.0:  # (not the root) every test below fails: one uniform and test per node
+            tests += sizes[u]
+            next(itertools.islice(us, sizes[u] - 1, None))
+            return None
         kids = children[u]
-        node = _Residual(alpha, target_probs[u], None if q is None else q[u], bool(kids) and alpha > 0.0)
+        node = _Residual(alpha, u, target_probs, q)
         for j, c in enumerate(kids):
             found = visit(c, node.child_alpha(x[c], p_kid[c], q_kid[c]))
             if found is not None:
