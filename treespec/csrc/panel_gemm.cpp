@@ -172,6 +172,62 @@ int64_t qpanels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64
   return p;
 }
 
+// Block-quantized panels for 1-4 rows, fused: each panel row of weights is dequantized into
+// two registers and multiplied at once, with no L1 buffer (no store and reload per weight). The
+// weights are the same fma(q, d, m) values and every output the same in-order FMA chain over k as
+// the buffered path, so the result is bit-identical to it (and to the fp32 panels). Registers: 2 R
+// accumulators, d and m (4), the nibble mask, two weight vectors and x: 2 R + 8 <= 16 for R <= 4.
+template <int R, int Bits>
+void fused_panels(const float* x, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1, float* y,
+                  int64_t ldy) {
+  constexpr int64_t kRec = record_bytes<Bits>();
+  constexpr int64_t kBytes = Bits == 4 ? 8 : 16;  // bytes of one panel row of q
+  constexpr int64_t kAheadBytes = 4 * kRec;       // prefetch distance: four records
+  const __m256i low4 = _mm256_set1_epi32(15);
+  const int64_t blocks = K / kBlock;
+  for (int64_t p = p0; p < p1; ++p) {
+    __m256 a[R][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    const uint8_t* rec = blob + p * blocks * kRec;
+    for (int64_t b = 0; b < blocks; ++b, rec += kRec) {
+      for (int64_t line = 0; line < kRec; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + kAheadBytes + line), _MM_HINT_T0);
+      const float* s = reinterpret_cast<const float*>(rec);
+      const __m256 d0 = _mm256_load_ps(s), d1 = _mm256_load_ps(s + 8);
+      const __m256 m0 = Bits == 4 ? _mm256_load_ps(s + 16) : _mm256_setzero_ps();
+      const __m256 m1 = Bits == 4 ? _mm256_load_ps(s + 24) : _mm256_setzero_ps();
+      const uint8_t* qb = rec + (Bits == 4 ? 128 : 64);
+      const float* xb = x + b * kBlock;
+#pragma GCC unroll 4
+      for (int64_t k = 0; k < kBlock; ++k) {
+        __m256 q0, q1;
+        if constexpr (Bits == 4) {
+          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + k * kBytes)));
+          q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
+          q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        } else {
+          const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(qb + k * kBytes));
+          q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+          q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
+        }
+        const __m256 w0 = _mm256_fmadd_ps(q0, d0, m0), w1 = _mm256_fmadd_ps(q1, d1, m1);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(xb + r * K + k);
+          a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
+          a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(y + r * ldy + kPanel * p, a[r][0]);
+      _mm256_storeu_ps(y + r * ldy + kPanel * p + 8, a[r][1]);
+    }
+  }
+}
+
 }  // namespace
 
 // x [M, K] float32 contiguous; wp [P, K, 16] float32 contiguous -> y [M, 16 P].
@@ -222,11 +278,13 @@ torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& b
   auto run = [&](auto bits_tag) {
     constexpr int B = decltype(bits_tag)::value;
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-      int64_t p = p0;
-      if (M == 1) p = qpanels<1, 4, B>(xp, M, K, bp, p, p1, yp, ldy);
-      else if (M == 2) p = qpanels<2, 3, B>(xp, M, K, bp, p, p1, yp, ldy);
-      else if (M == 3) p = qpanels<3, 2, B>(xp, M, K, bp, p, p1, yp, ldy);
-      qpanels<6, 1, B>(xp, M, K, bp, p, p1, yp, ldy);
+      switch (M) {  // 1-4 rows: fused; more rows share one dequantized chunk per panel
+        case 1: fused_panels<1, B>(xp, K, bp, p0, p1, yp, ldy); break;
+        case 2: fused_panels<2, B>(xp, K, bp, p0, p1, yp, ldy); break;
+        case 3: fused_panels<3, B>(xp, K, bp, p0, p1, yp, ldy); break;
+        case 4: fused_panels<4, B>(xp, K, bp, p0, p1, yp, ldy); break;
+        default: qpanels<6, 1, B>(xp, M, K, bp, p0, p1, yp, ldy);
+      }
     });
   };
   if (bits == 4) run(std::integral_constant<int, 4>{});
