@@ -19,9 +19,9 @@ Glossary
   every value bit for bit; :func:`block_linear` then reads 0.75 (4-bit) or 1.125 (8-bit) bytes a
   weight instead of 4 and rebuilds the weights with ``fma(q, d, m)`` (exactly ``d q + m``: an
   11-bit scale times a <= 8-bit integer is exact in fp32, so only the sum rounds, as in the
-  dequantized weight). For 1-4 rows each rebuilt panel row goes straight from registers into the
-  row's FMAs, with no store and reload through a buffer; for more rows each 64-row chunk of a panel is rebuilt once in L1 and runs the fp32
-  tiles. Either way every output is the same in-order FMA chain over the same fp32 weights, so
+  dequantized weight). For 1-4 rows each rebuilt panel row goes straight from registers into
+  the rows' FMAs (no store and reload through a buffer); for more rows each 64-row chunk of a
+  panel is rebuilt once in L1 and runs the fp32 tiles. Either way every output is the same in-order FMA chain over the same fp32 weights, so
   the outputs are bit-identical to the fp32 panels: the same fp32 target, read from 5x fewer bytes.
 
 The kernel is compiled from source with ``torch.utils.cpp_extension`` the first time it is
