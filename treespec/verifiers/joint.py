@@ -44,11 +44,11 @@ tests/test_exact_law_joint.py computes the output law by enumeration for every m
 
 Rows are distributions: p̂_u and q̂_u start as the input rows themselves, taken to sum to 1 (as
 ``treespec.sampling.process`` returns them, to float32 round-off); neither rule renormalises a
-row it does not read. Reading every row's mass up front would cost a pass over the whole
-[N, V] block, which for a 64-node chain is ten times the token rule's whole call (see
-benchmarks/accept_rules.py). A row the rule does read (a residual step or the final draw) is
-checked: one off 1 by more than DraftTree's tolerance for q rows (1e-3) is a ValueError. In exact arithmetic on
-normalised rows this is the papers' rule; rows off 1 by ε move the output law by O(ε).
+row. Reading every row's mass up front would cost a pass over the whole [N, V] block, which
+for a 64-node chain is ten times the token rule's whole call (see benchmarks/accept_rules.py).
+A target row the rule does read (a residual step or the final draw) is checked: one off 1 by
+more than DraftTree's tolerance for q rows (1e-3) is a ValueError. On normalised rows this is
+the papers' rule exactly; rows off 1 by ε move the output law by O(ε).
 
 Cost: a residual step is one float64 pass over a row; it is skipped when the test it feeds
 cannot pass (h_i <= p_i, and a node's α only decreases: a uniform >= α rejects). Deterministic
@@ -66,7 +66,6 @@ import torch
 
 from treespec.tree import _ROW_SUM_ATOL, DraftTree
 from treespec.verifiers.acceptance import _NULL_MASS, Acceptance, _draw, _long_tensor
-
 
 
 def _check_mass(mass: float) -> None:
@@ -90,9 +89,9 @@ class _Residual:
     """α_u and the residual p̂_u (and q̂_u) of one node.
 
     p̂ is kept unnormalised with mass pm: the input row (mass 1) until its first stochastic
-    residual step, then float64 (residuals are built in a spare buffer, swapped in when kept); a
-    deterministic update only records the removed token (row work is left to the draw). q̂ is the input row without the tokens in ``q_out``
-    (without_replacement), mass qm.
+    residual step, then float64 (residuals are built in a spare buffer, swapped in when kept);
+    a deterministic update only records the removed token (row work is left to the draw). q̂ is
+    the input row without the tokens in ``q_out`` (without_replacement), mass qm.
     """
 
     def __init__(self, alpha: float, u: int, probs: torch.Tensor, drafts: torch.Tensor | None):
