@@ -68,8 +68,10 @@ from treespec.tree import _ROW_SUM_ATOL, DraftTree
 from treespec.verifiers.acceptance import _NULL_MASS, Acceptance, _draw, _long_tensor
 
 
-def _check_mass(mass: float) -> None:
+def _check_mass(row: torch.Tensor) -> None:
     """A target row the rule reads must sum to 1 (to the tolerance DraftTree allows q rows)."""
+    # summed in float32 at least (a bf16 sum is off by more than the tolerance), float64 as is
+    mass = float(row.sum(dtype=torch.float64 if row.dtype == torch.float64 else torch.float32))
     if not abs(mass - 1.0) <= _ROW_SUM_ATOL:
         raise ValueError(f"a target_probs row sums to {mass:.6f}, not 1; the block and traversal "
                          "rules take rows as distributions (renormalise them, e.g. with "
@@ -120,7 +122,7 @@ class _Residual:
         else:  # m = (α / pm) · max(p - (pm / (α qm)) q, 0), computed in float64
             if self.p is None:  # the first read of this node's rows: are they distributions?
                 p_row = self.probs[self.u]
-                _check_mass(float(p_row.sum()))  # (DraftTree checked the q rows)
+                _check_mass(p_row)  # (DraftTree checked the q rows)
                 self.p = p_row.to("cpu", torch.float64, copy=True)  # the same values as the row
                 self.spare = torch.empty_like(self.p)
             p = self.p  # into the spare buffer: a null residual below keeps p̂ as it was
@@ -148,7 +150,7 @@ class _Residual:
         if self.p is not None:
             return self.p
         p_row = self.probs[self.u]
-        _check_mass(float(p_row.sum()))
+        _check_mass(p_row)
         if self.p_out:
             row = p_row.to("cpu", torch.float64, copy=True)
             row[self.p_out] = 0.0
