@@ -15,7 +15,9 @@ import torch
 from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, data, load_target
 from treespec.data import MissingPackageError, mtbench_questions
 from treespec.drafters import ModelDrafter
+from treespec.drafters.base import PartialTree
 from treespec.models import Target
+from treespec.trees.base import finish
 
 from _engine_helpers import (  # noqa: F401
     NGramDrafter, one_thread, peaky_llama, peaky_target, word_tokenizer,
@@ -195,6 +197,43 @@ def test_greedy_output_equals_plain_greedy_with_a_poor_drafter(target, builder, 
     assert res.token_ids.tolist() == greedy_reference(target.model, prompt, 40)
     assert sum(res.stats.depth_accepts) < sum(res.stats.depth_attempts)  # rejections happened
     assert res.stats.steps < 40  # and acceptances too
+
+
+class _UntouchableDrafter(NGramDrafter):
+    """A drafter every call of which fails the test."""
+
+    def begin(self, prompt_ids, features):
+        raise AssertionError("begin called")
+
+    def expand(self, tree, nodes):
+        raise AssertionError("expand called")
+
+    def commit(self, path, tokens, features):
+        raise AssertionError("commit called")
+
+
+def test_a_budget_1_builder_decodes_plainly_without_the_drafter(target) -> None:
+    """auto's "do not speculate" (a builder of budget 1) never begins, expands or commits the
+    drafter; the output is plain decoding's: greedy tokens, and seeded samples that repeat and
+    equal the same run with a drafter that could draft (its trees have one node either way)."""
+    builder = DynamicTreeBuilder(budget=1, depth=1, top_k=1)
+    gen = SpeculativeGenerator(target, _UntouchableDrafter(V), builder)
+    res = gen.generate([4, 4, 2], 30)
+    assert res.token_ids.tolist() == greedy_reference(target.model, [4, 4, 2], 30)
+    assert res.stats.steps == 30 and res.stats.tree_nodes == 30 and res.stats.drafter_calls == 0
+    sampled = gen.generate([1, 2, 3], 30, temperature=1.0, top_p=0.9, seed=5).token_ids.tolist()
+    assert sampled == gen.generate([1, 2, 3], 30, temperature=1.0, top_p=0.9, seed=5).token_ids.tolist()
+    usable = SpeculativeGenerator(target, NGramDrafter(V), _OneNodeTrees())
+    assert sampled == usable.generate([1, 2, 3], 30, temperature=1.0, top_p=0.9, seed=5).token_ids.tolist()
+
+
+class _OneNodeTrees:
+    """A builder that could draft (budget 2) but returns the root alone: the drafter's path."""
+
+    budget = 2
+
+    def build(self, drafter, root_token, sampling, generator):
+        return finish(PartialTree.rooted(root_token), {}, "deterministic")
 
 
 def test_eos_stops_generation_and_is_included(target) -> None:

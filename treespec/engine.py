@@ -27,10 +27,10 @@ import torch
 
 from treespec.device import synchronize
 from treespec.drafters import load_drafter
-from treespec.drafters.base import Drafter, TargetFeatures
+from treespec.drafters.base import Drafter, PartialTree, TargetFeatures
 from treespec.models import Target
 from treespec.sampling import SamplingConfig
-from treespec.trees.base import BuiltTree, TreeBuilder
+from treespec.trees.base import BuiltTree, TreeBuilder, finish
 from treespec.trees.chain import ChainBuilder
 from treespec.trees.dynamic import DynamicTreeBuilder
 from treespec.verifiers.rejection import VERIFY_RULES, Acceptance, VerifyRule, accept
@@ -425,7 +425,10 @@ class SpeculativeGenerator:
               gen: torch.Generator, out: list[int], stats: GenerationStats,
               on_step: StepHook | None, builder: TreeBuilder) -> Iterator[list[int]]:
         drafter = self.drafter
-        layers = drafter.target_layers if drafter.needs_target_hidden else ()
+        # A builder of budget 1 (auto's "do not speculate") never drafts: the drafter is left out
+        # (no target features captured, no commits) and each step is a plain decoding step.
+        plain = builder.budget == 1
+        layers = drafter.target_layers if drafter.needs_target_hidden and not plain else ()
         verifier = TreeVerifier(self.target.model, sampling, layers)
         eos = set(self.target.eos_token_ids)
         device = self.target.device
@@ -436,12 +439,14 @@ class SpeculativeGenerator:
 
         t0 = clock()
         feats = verifier.prefill(ids)
-        drafter.begin(ids, feats)
+        if not plain:
+            drafter.begin(ids, feats)
         stats.prefill_time = clock() - t0
         root = int(ids[-1])
         while True:
             t0 = clock()
-            built = builder.build(drafter, root, sampling, gen)
+            built = finish(PartialTree.rooted(root), {}, "deterministic") if plain else \
+                builder.build(drafter, root, sampling, gen)
             t1 = clock()
             scored = verifier.score(built.tree)
             t2 = clock()
@@ -449,8 +454,9 @@ class SpeculativeGenerator:
             t3 = clock()
             keep = torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), acc.path])  # host indices
             verifier.compact(keep)
-            feats = scored.features.select(keep) if layers else TargetFeatures.empty()
-            drafter.commit(built.source[acc.path], acc.tokens, feats)
+            if not plain:
+                feats = scored.features.select(keep) if layers else TargetFeatures.empty()
+                drafter.commit(built.source[acc.path], acc.tokens, feats)
             new = acc.tokens.tolist()
             stats.steps += 1
             stats._emitted += len(new)

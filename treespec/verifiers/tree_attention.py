@@ -106,10 +106,11 @@ class TreeVerifier:
         """
         p = self.prefix_len
         idx = keep.to(self.device) + p
+        k = idx.numel()
+        moved = not torch.equal(idx, torch.arange(p, p + k, device=self.device))  # else in place
         for layer in self.cache.layers:
             total = layer.keys.shape[-2]
-            k = idx.numel()
-            if not torch.equal(idx, torch.arange(p, p + k, device=self.device)):
+            if moved:
                 layer.keys[..., p:p + k, :] = layer.keys.index_select(-2, idx)
                 layer.values[..., p:p + k, :] = layer.values.index_select(-2, idx)
             if total > p + k:
