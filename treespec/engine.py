@@ -255,7 +255,8 @@ class SpeculativeGenerator:
         drafter: a Drafter, or a registered drafter name (``registered_drafters()``).
         builder: a TreeBuilder; default ``DynamicTreeBuilder(budget=16, depth=5, top_k=4)``;
                  "auto" sizes the tree with the cost model and the local calibration
-                 (``auto_builder``).
+                 (``auto_builder``). A builder of budget 1 (auto's choice where speculation
+                 does not pay) decodes plainly: the drafter is not called at all.
         verify:  the acceptance rule: "token" (default, every tree), "block" (chains) or
                  "traversal" (trees); all exact (``treespec.verifiers.accept``). The last two
                  differ from "token" only on trees with drawn children (stochastic modes).
