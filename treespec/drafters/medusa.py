@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter
+from treespec.drafters.batched import check_calls, check_restorable
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,6 @@ class BatchMedusaDrafter:
 
     @torch.inference_mode()
     def expand_batch(self, calls):
-        from treespec.drafters.batched import check_calls
-
         check_calls(calls, self.state.__contains__)
         for key, tree, _ in calls:
             if tree.tokens[0] != self.state[key][1]:
@@ -168,8 +167,6 @@ class BatchMedusaDrafter:
         return dict(self.state)       # (f, root token, rows) tuples, never modified in place
 
     def restore(self, state: dict) -> None:
-        from treespec.drafters.batched import check_restorable
-
         check_restorable(state, self.state)
         self.state = dict(state)
 
