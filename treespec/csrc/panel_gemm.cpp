@@ -98,38 +98,52 @@ int64_t panels(const float* x, int64_t M, int64_t K, const float* w, int64_t p0,
 }
 
 // Block-quantized panels (see panel_linear_blocks): one record per panel and block of 32 k values,
-// d[16] and (4 bits) m[16] as floats, then the 32 rows of q. dequantize writes one chunk of panel
-// p, rows [k0, k0 + kc), as fp32 panel rows w[k][16] = fma(q, d, m), which is exactly d q + m:
-// the product of a <= 8-bit integer and an fp16 scale is exact in fp32, so only the sum rounds.
+// d[16] and (4 bits) m[16] as floats, then the 32 rows of q.
 template <int Bits>
 constexpr int64_t record_bytes() { return Bits == 4 ? 2 * 64 + kBlock * 8 : 64 + kBlock * 16; }
 
+// A record's scales (m = 0 for 8 bits); returns where its q rows start.
+template <int Bits>
+inline const uint8_t* load_scales(const uint8_t* rec, __m256& d0, __m256& d1, __m256& m0, __m256& m1) {
+  const float* s = reinterpret_cast<const float*>(rec);
+  d0 = _mm256_load_ps(s);
+  d1 = _mm256_load_ps(s + 8);
+  m0 = Bits == 4 ? _mm256_load_ps(s + 16) : _mm256_setzero_ps();
+  m1 = Bits == 4 ? _mm256_load_ps(s + 24) : _mm256_setzero_ps();
+  return rec + (Bits == 4 ? 128 : 64);
+}
+
+// Row k of a record's q as floats: q0 = columns 0-7, q1 = columns 8-15 (4 bits: byte j holds
+// column j in its low nibble and column j + 8 in its high one; 8 bits: signed bytes in order).
+template <int Bits>
+inline void unpack_row(const uint8_t* __restrict qb, int64_t k, __m256& q0, __m256& q1) {
+  if constexpr (Bits == 4) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + k * 8)));
+    q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  } else {
+    const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(qb + k * 16));
+    q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
+  }
+}
+
+// One chunk of panel p, rows [k0, k0 + kc), as fp32 panel rows w[k][16] = fma(q, d, m), which is
+// exactly d q + m: the product of a <= 8-bit integer and an fp16 scale is exact in fp32, so only
+// the sum rounds.
 template <int Bits>
 inline void dequantize(const uint8_t* __restrict blob, int64_t K, int64_t p, int64_t k0, int64_t kc,
                        float* __restrict w) {
   constexpr int64_t kRec = record_bytes<Bits>();
-  constexpr int64_t kBytes = Bits == 4 ? 8 : 16;  // bytes of one panel row of q
   const uint8_t* rec = blob + (p * (K / kBlock) + k0 / kBlock) * kRec;
-  const __m256i low4 = _mm256_set1_epi32(15);
   for (int64_t b = 0; b < kc; b += kBlock, rec += kRec) {
-    const float* s = reinterpret_cast<const float*>(rec);
-    const __m256 d0 = _mm256_load_ps(s), d1 = _mm256_load_ps(s + 8);
-    const __m256 m0 = Bits == 4 ? _mm256_load_ps(s + 16) : _mm256_setzero_ps();
-    const __m256 m1 = Bits == 4 ? _mm256_load_ps(s + 24) : _mm256_setzero_ps();
-    const uint8_t* qb = rec + (Bits == 4 ? 128 : 64);
+    __m256 d0, d1, m0, m1;
+    const uint8_t* qb = load_scales<Bits>(rec, d0, d1, m0, m1);
     float* wb = w + b * kPanel;
 #pragma GCC unroll 4
     for (int64_t k = 0; k < kBlock; ++k) {  // kc is a multiple of kBlock
       __m256 q0, q1;
-      if constexpr (Bits == 4) {  // byte j holds column j (low nibble) and column j + 8 (high)
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + k * kBytes)));
-        q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
-        q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-      } else {  // signed bytes, column order
-        const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(qb + k * kBytes));
-        q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-        q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
-      }
+      unpack_row<Bits>(qb, k, q0, q1);
       _mm256_store_ps(wb + k * kPanel, _mm256_fmadd_ps(q0, d0, m0));
       _mm256_store_ps(wb + k * kPanel + 8, _mm256_fmadd_ps(q1, d1, m1));
     }
@@ -176,14 +190,13 @@ int64_t qpanels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64
 // two registers and multiplied at once, with no L1 buffer (no store and reload per weight). The
 // weights are the same fma(q, d, m) values and every output the same in-order FMA chain over k as
 // the buffered path, so the result is bit-identical to it (and to the fp32 panels). Registers: 2 R
-// accumulators, d and m (4), the nibble mask, two weight vectors and x: 2 R + 8 <= 16 for R <= 4.
+// accumulators, d and m (4), the nibble mask, two weight vectors and x: 2 R + 8 <= 16 for R <= 4
+// (the compiler keeps unpack_row's constant mask in a register across the loop).
 template <int R, int Bits>
 void fused_panels(const float* x, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1, float* y,
                   int64_t ldy) {
   constexpr int64_t kRec = record_bytes<Bits>();
-  constexpr int64_t kBytes = Bits == 4 ? 8 : 16;  // bytes of one panel row of q
-  constexpr int64_t kAheadBytes = 4 * kRec;       // prefetch distance: four records
-  const __m256i low4 = _mm256_set1_epi32(15);
+  constexpr int64_t kAheadBytes = 4 * kRec;  // prefetch distance: four records
   const int64_t blocks = K / kBlock;
   for (int64_t p = p0; p < p1; ++p) {
     __m256 a[R][2];
@@ -193,24 +206,13 @@ void fused_panels(const float* x, int64_t K, const uint8_t* blob, int64_t p0, in
     for (int64_t b = 0; b < blocks; ++b, rec += kRec) {
       for (int64_t line = 0; line < kRec; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(rec + kAheadBytes + line), _MM_HINT_T0);
-      const float* s = reinterpret_cast<const float*>(rec);
-      const __m256 d0 = _mm256_load_ps(s), d1 = _mm256_load_ps(s + 8);
-      const __m256 m0 = Bits == 4 ? _mm256_load_ps(s + 16) : _mm256_setzero_ps();
-      const __m256 m1 = Bits == 4 ? _mm256_load_ps(s + 24) : _mm256_setzero_ps();
-      const uint8_t* qb = rec + (Bits == 4 ? 128 : 64);
+      __m256 d0, d1, m0, m1;
+      const uint8_t* qb = load_scales<Bits>(rec, d0, d1, m0, m1);
       const float* xb = x + b * kBlock;
 #pragma GCC unroll 4
       for (int64_t k = 0; k < kBlock; ++k) {
         __m256 q0, q1;
-        if constexpr (Bits == 4) {
-          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + k * kBytes)));
-          q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
-          q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-        } else {
-          const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(qb + k * kBytes));
-          q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-          q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
-        }
+        unpack_row<Bits>(qb, k, q0, q1);
         const __m256 w0 = _mm256_fmadd_ps(q0, d0, m0), w1 = _mm256_fmadd_ps(q1, d1, m1);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
