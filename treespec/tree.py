@@ -33,6 +33,12 @@ SAMPLING_MODES: tuple[str, ...] = ("deterministic", "with_replacement", "without
 _ROW_SUM_ATOL = 1e-3
 
 
+def row_sums(probs: torch.Tensor) -> torch.Tensor:
+    """Sums over the last dimension, accumulated in float32 at least (a bf16 accumulation rounds
+    the total itself) and float64 for float64 rows: what a row-sum tolerance is checked on."""
+    return probs.sum(-1, dtype=torch.float64 if probs.dtype == torch.float64 else torch.float32)
+
+
 @dataclass(frozen=True, eq=False)
 class DraftTree:
     """A draft tree in topological order; validated on construction.
@@ -322,8 +328,7 @@ def _validate(tree: DraftTree, scan_probs: bool = True) -> None:
         lo, hi = torch.aminmax(probs) if probs.numel() else (torch.zeros((), device=probs.device),) * 2
         if not (float(lo) >= 0.0 and math.isfinite(float(hi))):
             raise ValueError("draft_probs must be finite and non-negative (rows are distributions)")
-        acc = torch.float64 if probs.dtype == torch.float64 else torch.float32  # not fp16 sums
-        sums = probs.sum(-1, dtype=acc).double()
+        sums = row_sums(probs).double()
         bad_rows = (sums - 1.0).abs() > _ROW_SUM_ATOL
         # Rows of leaves may be all-zero (never used to draw children); inner rows must sum to 1.
         has_kids = torch.zeros(n, dtype=torch.bool, device="cpu")

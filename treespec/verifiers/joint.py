@@ -64,14 +64,13 @@ import itertools
 
 import torch
 
-from treespec.tree import _ROW_SUM_ATOL, DraftTree
+from treespec.tree import _ROW_SUM_ATOL, DraftTree, row_sums
 from treespec.verifiers.acceptance import _NULL_MASS, Acceptance, _draw, _long_tensor
 
 
 def _check_mass(row: torch.Tensor) -> None:
     """A target row the rule reads must sum to 1 (to the tolerance DraftTree allows q rows)."""
-    # summed in float32 at least (a bf16 sum is off by more than the tolerance), float64 as is
-    mass = float(row.sum(dtype=torch.float64 if row.dtype == torch.float64 else torch.float32))
+    mass = float(row_sums(row))
     if not abs(mass - 1.0) <= _ROW_SUM_ATOL:
         raise ValueError(f"a target_probs row sums to {mass:.6f}, not 1; the block and traversal "
                          "rules take rows as distributions (renormalise them, e.g. with "
