@@ -116,8 +116,10 @@ def accept(
 
     ``rule``: "token" (the rules above, every tree and sampling mode), "block" (block
     verification, chains only) or "traversal" (traversal verification, every tree); the last
-    two accept whole paths on sequence-level probabilities (treespec.verifiers.joint). On a
-    deterministic tree they have the token rule's law exactly, so the token walk runs.
+    two accept whole paths on sequence-level probabilities (treespec.verifiers.joint) and take
+    the rows as distributions (summing to 1, as ``process`` returns them) instead of
+    renormalising them. On a deterministic tree they have the token rule's law exactly, so the
+    token walk runs.
     """
     if not isinstance(rule, str):
         raise TypeError(f"rule must be one of {VERIFY_RULES} (a str), got {type(rule).__name__}")
