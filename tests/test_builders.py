@@ -259,6 +259,35 @@ def test_adaptive_termination_stops_growth() -> None:
             assert d_s.calls < d_full.calls
 
 
+def test_adaptive_chain_stops_where_the_path_confidence_falls_below_the_threshold() -> None:
+    """Each draft's top q is 0.999 at the root, then 0.6, then flat: the path's best confidence
+    runs 0.999, 0.6, 0.6 / 8, so a 0.5 threshold keeps two drafts of four, in every mode (the
+    second draft is kept whichever token is drawn: the stop reads q, not the draw)."""
+    def row(path: tuple[int, ...]) -> torch.Tensor:
+        top = {1: 0.999, 2: 0.6}.get(len(path), 1 / 8)
+        q = torch.full((8,), (1 - top) / 7)
+        q[0] = top
+        return q.log()
+
+    for sampling, modes in ((GREEDY, ("deterministic",)), (T1, STOCHASTIC)):
+        for mode in modes:
+            d = TableDrafter(override=row)
+            built = build(ChainBuilder(4, mode=mode, min_confidence=0.5), d, sampling, seed=2)
+            assert built.tree.num_nodes == 3 and built.tree.is_chain, mode
+            assert d.calls == 3 and built.drafter_calls == 3      # the third call's top q stopped it
+            full = build(ChainBuilder(4, mode=mode), TableDrafter(override=row), sampling, seed=2)
+            assert full.tree.num_nodes == 5
+
+
+@pytest.mark.parametrize("sampling,mode", [(GREEDY, "deterministic"), (T1, "with_replacement"),
+                                           (T1, "without_replacement")])
+def test_adaptive_chain_with_an_unsure_first_draft_is_the_root_alone(sampling, mode) -> None:
+    d = TableDrafter(override=lambda path: torch.zeros(8))      # flat q: top q 1/8
+    built = build(ChainBuilder(4, mode=mode, min_confidence=0.2), d, sampling)
+    assert built.tree.num_nodes == 1 and d.calls == 1
+    assert built.tree.sampling == "deterministic"              # no draft: the same tree in every mode
+
+
 # ---------------------------------------------------------------- static trees
 def test_static_tree_fills_ranks_from_each_node_own_q() -> None:
     choices = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 3)]
@@ -455,6 +484,7 @@ def test_budget_one_is_just_the_root() -> None:
     (lambda: SequoiaBuilder(budget=0), "budget must be an int >= 1"),
     (lambda: SequoiaBuilder(depth=0), "depth must be an int >= 1"),
     (lambda: ChainBuilder(0), "k \\(chain length\\) must be an int >= 1"),
+    (lambda: ChainBuilder(4, min_confidence=1.0), "min_confidence"),
     (lambda: StaticTreeBuilder([(0,)], mode="iid"), "sampling mode must be one of"),
 ])
 def test_bad_config_raises_clear_errors(make, match) -> None:

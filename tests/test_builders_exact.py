@@ -42,6 +42,8 @@ SLOW_SAMPLES = 3000
 
 BUILDERS = {
     "chain": lambda mode: ChainBuilder(3, mode=mode),
+    # stops where the drawn path's confidence falls below 0.05: 2 to 4 nodes in this world
+    "chain_adaptive": lambda mode: ChainBuilder(3, mode=mode, min_confidence=0.05),
     "static": lambda mode: StaticTreeBuilder([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)], mode=mode),
     "dynamic": lambda mode: DynamicTreeBuilder(budget=8, depth=3, top_k=3, mode=mode),
     "best_first": lambda mode: BestFirstBuilder(budget=8, max_width=2, max_rounds=3, mode=mode),
@@ -120,6 +122,15 @@ def test_stochastic_builder_is_exact(name, mode) -> None:
     p_law, p_draws = check_exact(BUILDERS[name](mode), FAST_SAMPLES, seed=len(name))
     assert p_draws > P_MIN, f"{name}/{mode}: the root's children do not follow q (p = {p_draws:.1e})"
     assert p_law > P_MIN, f"{name}/{mode}: output law differs from the target's (p = {p_law:.1e})"
+
+
+@pytest.mark.parametrize("mode", ["with_replacement", "without_replacement"])
+def test_the_adaptive_chain_varies_its_length_in_the_exactness_world(mode) -> None:
+    """The stop rule is exercised by the law test above: the chain's length follows the draws."""
+    world, gen = World(len("chain_adaptive")), torch.Generator().manual_seed(0)
+    sizes = {BUILDERS["chain_adaptive"](mode).build(world.drafter, ROOT, T1, gen).tree.num_nodes
+             for _ in range(200)}
+    assert sizes == {2, 3, 4}, sizes
 
 
 class PrunesByValue:

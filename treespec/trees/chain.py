@@ -1,4 +1,11 @@
-"""ChainBuilder: a single path of k drafted tokens (classic speculative decoding)."""
+"""ChainBuilder: a single path of up to k drafted tokens (classic speculative decoding).
+
+Adaptive length (``min_confidence`` > 0): the chain stops before a node whose best draft would
+have confidence exp(score) below the threshold, where score is the path's cumulative draft
+log-probability; with a low first draft the tree is the root alone and the step decodes one
+token. The stop depends on q and the draws already taken, never on the draw it would add, so
+every sampling mode stays exact (trees.base).
+"""
 
 from __future__ import annotations
 
@@ -9,20 +16,24 @@ import torch
 from treespec.drafters.base import Drafter, PartialTree
 from treespec.sampling import SamplingConfig
 from treespec.trees.base import (
-    BuiltTree, DraftMode, DraftQ, check_int, check_mode, effective_mode, expand_step, finish, run_alone,
+    BuiltTree, DraftMode, DraftQ, check_confidence, check_int, check_mode, effective_mode, expand_step, finish,
+    log_confidence, run_alone,
 )
 
 
 @dataclass(frozen=True)
 class ChainConfig:
-    """k: draft tokens per step (>= 1). mode: how each token is chosen (see trees.base)."""
+    """k: draft tokens per step at most (>= 1). mode: how each token is chosen (see trees.base).
+    min_confidence: stop where the path's confidence would fall below it (0 = always k)."""
 
     k: int = 4
     mode: DraftMode = "deterministic"
+    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         check_int("k (chain length)", self.k)
         check_mode(self.mode)
+        check_confidence(self.min_confidence)
 
 
 class ChainBuilder:
@@ -32,8 +43,8 @@ class ChainBuilder:
     exact: the child count (1) never depends on the draw.
     """
 
-    def __init__(self, k: int = 4, mode: DraftMode = "deterministic"):
-        self.config = ChainConfig(k, mode)
+    def __init__(self, k: int = 4, mode: DraftMode = "deterministic", min_confidence: float = 0.0):
+        self.config = ChainConfig(k, mode, min_confidence)
 
     @property
     def budget(self) -> int:
@@ -44,7 +55,9 @@ class ChainBuilder:
         return self.config.k
 
     def __repr__(self) -> str:
-        return f"ChainBuilder(k={self.config.k}, mode={self.config.mode!r})"
+        c = self.config
+        extra = f", min_confidence={c.min_confidence}" if c.min_confidence else ""
+        return f"ChainBuilder(k={c.k}, mode={c.mode!r}{extra})"
 
     def build(self, drafter: Drafter, root_token: int, sampling: SamplingConfig,
               generator: torch.Generator | None) -> BuiltTree:
@@ -56,11 +69,15 @@ class ChainBuilder:
         mode = effective_mode(self.config.mode, sampling)
         tree = PartialTree.rooted(root_token)
         rows: dict[int, DraftQ] = {}
-        node = 0
+        floor = log_confidence(self.config.min_confidence)
+        node, calls = 0, 0
         for _ in range(self.config.k):
             q, (exp,) = yield from expand_step(drafter, tree, [node], sampling, mode, 1, generator)
-            rows[node] = q[0]
-            if not exp.tokens:
+            calls += 1
+            # slot_logq[0] = log max q: the planned value, whatever was drawn
+            if not exp.tokens or tree.score[node] + exp.slot_logq[0] < floor:
                 break
+            rows[node] = q[0]
             node = tree.add(node, exp.tokens[0], tree.score[node] + exp.logq[0])
-        return finish(tree, rows, mode, calls=len(rows))
+        # a root alone has no draft to verify: the same tree in every mode
+        return finish(tree, rows, mode if rows else "deterministic", calls=calls)
