@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from treespec import trees
-from treespec.cli import BUILDERS, _sequoia_acceptance, make_builder
+from treespec.cli import BUILDERS, _sequoia_acceptance, drafter_options, make_builder
 from treespec.cost import Calibration, Curve, default_calibration_path, model_shape
 
 
@@ -21,6 +21,33 @@ def test_make_builder_gives_every_builder_its_arguments():
     assert isinstance(seq, trees.SequoiaBuilder) and seq.acceptance == (0.6, 0.2)
     with pytest.raises(ValueError, match="unknown tree builder 'bush'"):
         make_builder("bush", 8, 3, 2)
+
+
+def test_make_builder_passes_min_confidence_to_the_adaptive_builders():
+    for name in ("chain", "dynamic", "best-first"):
+        assert make_builder(name, 8, 3, 2, min_confidence=0.5).config.min_confidence == 0.5
+    with pytest.raises(ValueError, match="min_confidence is an option of the chain, dynamic, best-first"):
+        make_builder("static", 8, 3, 2, min_confidence=0.5)
+
+
+def test_drafter_options_parse_numbers_and_refuse_malformed_pairs():
+    assert drafter_options(["min_ngram=3", "floor=0.01", "name=x"]) == {"min_ngram": 3, "floor": 0.01, "name": "x"}
+    assert drafter_options([]) == {}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        drafter_options(["min_ngram"])
+
+
+def test_load_drafter_refuses_an_option_its_factory_does_not_take():
+    from types import SimpleNamespace
+
+    import torch
+
+    from treespec import load_drafter
+
+    target = SimpleNamespace(vocab_size=50, model=torch.nn.Linear(2, 2))   # all lookup reads
+    assert load_drafter("lookup", target, min_ngram=3).config.min_ngram == 3
+    with pytest.raises(ValueError, match="drafter 'lookup' takes no option 'ngram'; its options are"):
+        load_drafter("lookup", target, ngram=3)
 
 
 def _args(**kw) -> argparse.Namespace:

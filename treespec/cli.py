@@ -12,18 +12,26 @@ import torch
 BUILDERS = ("dynamic", "chain", "static", "best-first", "sequoia")
 
 
+ADAPTIVE = ("chain", "dynamic", "best-first")   # the builders with min_confidence
+
+
 def make_builder(name: str, budget: int, depth: int, top_k: int, mode: str = "deterministic",
-                 acceptance=None):
+                 acceptance=None, min_confidence: float = 0.0):
     """A tree builder from CLI-style arguments (budget counts nodes incl. the root).
-    ``acceptance``: Sequoia's positional acceptance vector (None: its default)."""
+    ``acceptance``: Sequoia's positional acceptance vector (None: its default).
+    ``min_confidence``: adaptive termination (chain, dynamic, best-first; 0 = off)."""
     from treespec import trees
 
+    if min_confidence and name not in ADAPTIVE:
+        raise ValueError(f"min_confidence is an option of the {', '.join(ADAPTIVE)} builders, not {name!r}")
     if name == "chain":
-        return trees.ChainBuilder(max(budget - 1, 1), mode=mode)
+        return trees.ChainBuilder(max(budget - 1, 1), mode=mode, min_confidence=min_confidence)
     if name == "dynamic":
-        return trees.DynamicTreeBuilder(budget=budget, depth=depth, top_k=top_k, mode=mode)
+        return trees.DynamicTreeBuilder(budget=budget, depth=depth, top_k=top_k, mode=mode,
+                                        min_confidence=min_confidence)
     if name == "best-first":
-        return trees.BestFirstBuilder(budget=budget, max_width=top_k, mode=mode, max_depth=depth)
+        return trees.BestFirstBuilder(budget=budget, max_width=top_k, mode=mode, max_depth=depth,
+                                      min_confidence=min_confidence)
     if name == "sequoia":
         return trees.SequoiaBuilder(budget=budget, depth=depth, mode=mode, acceptance=acceptance)
     if name == "static":
@@ -37,6 +45,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 
     add_target_args(p)
     p.add_argument("--drafter", default="eagle3", help="registered drafter name (see treespec.registered_drafters())")
+    p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the drafter's factory, repeatable (e.g. lookup: min_ngram=3)")
     p.add_argument("--tree", default="dynamic", choices=BUILDERS, help="tree builder")
     p.add_argument("--budget", default="16", help="tree nodes incl. root, or 'auto' (cost model)")
     p.add_argument("--depth", type=int, default=5, help="max draft depth (dynamic/sequoia)")
@@ -44,6 +54,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--acceptance", default=None,
                    help="sequoia: positional acceptance vector a0,a1,... (default: the drafter's vector "
                         "measured by `treespec calibrate --drafter NAME`, else Sequoia's default)")
+    p.add_argument("--min-confidence", type=float, default=0.0,
+                   help="chain / dynamic / best-first: stop drafting where the path's draft confidence falls "
+                        "below it, down to no draft at all (a plain step); 0 = off. With --drafter lookup and "
+                        "--drafter-option min_ngram=3, --tree chain --min-confidence 0.5 drafts only where the text "
+                        "repeats")
     p.add_argument("--draft-mode", default="deterministic",
                    choices=("deterministic", "with_replacement", "without_replacement"))
     p.add_argument("--verify", default="token", choices=("token", "block", "traversal"),
@@ -79,7 +94,7 @@ def _build_generator(args, target=None):
     from treespec import SpeculativeGenerator, load_drafter
 
     target = target if target is not None else _load_target(args)
-    drafter = load_drafter(args.drafter, target)
+    drafter = load_drafter(args.drafter, target, **drafter_options(args.drafter_option))
     if args.budget == "auto":
         gen = SpeculativeGenerator(target, drafter, "auto", verify=args.verify)
         print(f"[auto tree: {gen.builder.config}]", file=sys.stderr)
@@ -91,8 +106,27 @@ def _build_generator(args, target=None):
     from treespec.fastpath import linear_kernel
 
     acceptance = _sequoia_acceptance(args, target.dtype, linear_kernel(target.model)) if args.tree == "sequoia" else None
-    builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode, acceptance)
+    builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode, acceptance,
+                           args.min_confidence)
     return target, SpeculativeGenerator(target, drafter, builder, verify=args.verify)
+
+
+def drafter_options(pairs: Sequence[str]) -> dict[str, object]:
+    """``["min_ngram=3", ...]`` -> ``{"min_ngram": 3}`` (ints, then floats, else strings)."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--drafter-option takes KEY=VALUE (e.g. min_ngram=3), got {pair!r}")
+        value: object = raw.strip()
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                continue
+        out[key.strip()] = value
+    return out
 
 
 def _sequoia_acceptance(args, dtype: torch.dtype = torch.float32, packed: bool | str = False) -> tuple[float, ...] | None:

@@ -3,6 +3,8 @@
 Registered names resolve through ``treespec.load_drafter(name, target)``.
 """
 
+import inspect
+
 import torch
 
 from treespec.drafters.base import (
@@ -26,8 +28,17 @@ __all__ = [
 
 def load_drafter(name: str, target, **options) -> Drafter:
     """Build the registered drafter ``name`` for ``target`` (a treespec.Target). The drafter
-    remembers ``name`` as ``registry_name`` (calibrations are keyed by it)."""
-    drafter = drafter_factory(name)(target, **options)
+    remembers ``name`` as ``registry_name`` (calibrations are keyed by it). ``options`` go to
+    the factory (e.g. lookup's ``min_ngram``); a name it does not take is a ValueError."""
+    factory = drafter_factory(name)
+    params = inspect.signature(factory).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        takes = list(params)[1:]   # after the target
+        unknown = sorted(set(options) - set(takes))
+        if unknown:
+            raise ValueError(f"drafter {name!r} takes no option {', '.join(map(repr, unknown))}; its options are "
+                             f"{takes or 'none'}")
+    drafter = factory(target, **options)
     _pack_like_target(drafter, target)
     try:
         drafter.registry_name = name
