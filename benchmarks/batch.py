@@ -9,7 +9,10 @@ are decoded to --max-new-tokens each (EOS stops a request early), by:
 - treespec chain k / tree N: ``SpeculativeServer`` on the packed target with the shipped eagle3
   head (batched drafting), a chain of k drafts / an EAGLE-2 tree of N nodes (fixed budgets);
 - treespec auto: ``builder="auto"``: each step the cost model picks the tree for the CURRENT
-  batch size (``auto_builder(..., batch=B)``) from this machine's calibration.
+  batch size (``auto_builder(..., batch=B)``) from this machine's calibration;
+- treespec lookup adaptive: prompt lookup (repeated suffixes of ``--lookup-min-ngram`` tokens
+  or more) drafting an adaptive chain of up to --chain-k tokens (``min_confidence``): requests
+  whose text does not repeat draft nothing that step. The cost model does not predict it.
 Total tokens/s = useful new tokens of the group (up to each request's EOS) / wall seconds
 (prefill included). Beside each treespec row: the measured gain over HF batched generate and
 the cost model's predicted speculative gain at that B (calibrated machine, the drafter's
@@ -124,7 +127,7 @@ def all_predictions(cal: Calibration, rows, temps, sizes, context: int, min_gain
 
 def rows_of(args):
     rows = ["HF generate (batched)", "treespec none", f"treespec chain {args.chain_k}"]
-    rows += [f"treespec tree {n}" for n in args.budgets] + ["treespec auto"]
+    rows += [f"treespec tree {n}" for n in args.budgets] + ["treespec auto", "treespec lookup adaptive"]
     if args.rows:   # HF batched generate is always kept: every gain is measured against it
         wanted = {w.strip() for w in args.rows.split(",")}
         unknown = wanted - {r.removeprefix("treespec ") for r in rows}
@@ -140,6 +143,8 @@ def builder_of(row: str, args):
         return DynamicTreeBuilder(budget=1, depth=1, top_k=1)
     if row.startswith("treespec chain"):
         return ChainBuilder(args.chain_k)
+    if row == "treespec lookup adaptive":
+        return ChainBuilder(args.chain_k, min_confidence=args.min_confidence)
     if row.startswith("treespec tree"):
         return DynamicTreeBuilder(budget=int(row.rsplit(" ", 1)[1]), depth=5, top_k=4)
     return "auto"
@@ -288,6 +293,10 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--chain-k", type=int, default=3)
     ap.add_argument("--budgets", default="8,16", help="fixed tree budgets (nodes incl. the root)")
+    ap.add_argument("--lookup-min-ngram", type=int, default=3,
+                    help="lookup adaptive: the shortest repeated suffix that may propose a draft")
+    ap.add_argument("--min-confidence", type=float, default=0.5,
+                    help="lookup adaptive: the chain stops where its draft confidence falls below this")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", default="", help="only these treespec rows, e.g. 'none,auto' (default: all)")
     ap.add_argument("--max-groups", type=int, default=0,
@@ -324,7 +333,12 @@ def main() -> None:
     cal_path = ensure_calibration(packed, DRAFTER, batches=[b for b in sizes if b > 1])
     cal = Calibration.load(cal_path)
     drafter = treespec.load_drafter(DRAFTER, packed)
+    lookup = treespec.load_drafter("lookup", packed, max_ngram=max(3, args.lookup_min_ngram),
+                                   min_ngram=args.lookup_min_ngram)
     rows = rows_of(args)
+
+    def drafter_of(row: str):
+        return lookup if row == "treespec lookup adaptive" else drafter
     tok = stock.tokenizer
     questions = mtbench_questions()[: args.prompts]
     prompts = [torch.tensor(chat_prompt(tok, q.turns[0])) for q in questions]
@@ -341,7 +355,7 @@ def main() -> None:
     warm = [torch.tensor(chat_prompt(tok, "Hello!"))] * 2
     hf_batched(stock.model, warm, 4, eos, 0.0, 0)
     for r in rows[1:]:
-        treespec_group(packed, drafter, builder_of(r, args), warm, 4, 0.0, 0, cal)
+        treespec_group(packed, drafter_of(r), builder_of(r, args), warm, 4, 0.0, 0, cal)
     for b in sizes:
         n_groups = max(1, len(prompts) // b)
         if args.max_groups:
@@ -356,7 +370,7 @@ def main() -> None:
                 hf_out, dt = hf_batched(stock.model, group, args.max_new_tokens, eos, float(temp), seed)
                 cells[rows[0]].append({"tokens": sum(map(len, hf_out)), "time": dt})
                 for r in rows[1:]:
-                    news, dt, stats = treespec_group(packed, drafter, builder_of(r, args), group,
+                    news, dt, stats = treespec_group(packed, drafter_of(r), builder_of(r, args), group,
                                                      args.max_new_tokens, float(temp), seed, cal)
                     rec = {"tokens": sum(map(len, news)), "time": dt, **stats}
                     if temp == "0":

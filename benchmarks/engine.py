@@ -9,7 +9,10 @@ MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sam
   as a user runs them; ``--all-peers`` adds them in bf16);
 - treespec on the packed target with the shipped eagle3 head: a chain, a best-first tree, and
   ``builder="auto"`` (the cost model with this machine's calibration of the same path);
-  ``--hybrid`` adds a best-first tree drafted by prompt lookup + eagle3 (``hybrid``).
+  ``--hybrid`` adds a best-first tree drafted by prompt lookup + eagle3 (``hybrid``);
+- treespec lookup adaptive: prompt lookup (suffix n-grams of ``--lookup-min-ngram`` tokens or
+  more) drafting an adaptive chain (``ChainBuilder(k, min_confidence=...)``): up to k tokens
+  where the text repeats, no draft (a plain step) where it does not.
 fp32 is the exact reference target; bf16 rows run only where the CPU has native bf16 units (a
 bf16 target is a different target: its rows are compared with plain decoding of the same bf16
 weights, and with the fastest plain decoding of any dtype, so a bf16 row cannot win by slowing
@@ -98,7 +101,12 @@ def build(args):
             hybrid = treespec.load_drafter("hybrid", packed)
             gens[f"treespec hybrid best-first {args.budget}"] = treespec.SpeculativeGenerator(
                 packed, hybrid, BestFirstBuilder(args.budget, max_width=4))
+        lookup = treespec.load_drafter("lookup", packed, max_ngram=max(3, args.lookup_min_ngram),
+                                       min_ngram=args.lookup_min_ngram)
+        gens["treespec lookup adaptive"] = treespec.SpeculativeGenerator(
+            packed, lookup, make_builder("chain", args.chain_k + 1, 5, 4, min_confidence=args.min_confidence))
         paths[d]["auto"] = f"{gens['treespec auto'].builder.config} (calibration {cal})"
+        paths[d]["lookup adaptive"] = f"{lookup.config}, {gens['treespec lookup adaptive'].builder}"
         rows = {
             "HF generate": lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s),
         }
@@ -274,6 +282,10 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--chain-k", type=int, default=3, help="chain length and prompt-lookup tokens")
     ap.add_argument("--budget", type=int, default=8, help="best-first tree nodes incl. the root")
+    ap.add_argument("--lookup-min-ngram", type=int, default=3,
+                    help="lookup adaptive: the shortest repeated suffix that may propose a draft")
+    ap.add_argument("--min-confidence", type=float, default=0.5,
+                    help="lookup adaptive: the chain stops where its draft confidence falls below this")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hybrid", action="store_true",
                     help="add a best-first row with the hybrid drafter (prompt lookup + eagle3)")
