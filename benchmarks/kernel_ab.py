@@ -1,0 +1,129 @@
+"""Side-by-side timing of two versions of the block kernel (``treespec/csrc/panel_gemm.cpp``).
+
+Compiles the kernel source at a git revision (``--base``, default HEAD) and the working tree's,
+under two module names in one process, then times one forward's worth of linear layers of
+SmolLM2-135M's shapes (30 layers of q, k, v, o, gate, up, down as 4-bit blocks, the LM head as
+8-bit blocks: 112 MB, so weights stream from DRAM as in a real pass) for n rows, both versions
+interleaved rep by rep on the same blobs and inputs. Outputs are checked bit-identical between
+the versions before timing.
+
+    OMP_NUM_THREADS=1 python benchmarks/kernel_ab.py --base HEAD --reps 15
+
+With a clean working tree both builds are the same source: an A/A run, which measures the noise
+floor a kernel change must clear on this machine (``results/kernel_aa_avx2.md``: within 4 % at
+41 reps, but identical tiles have differed by up to 13 % between runs on a busy host).
+
+Writes benchmarks/results/kernel_ab.{json,md}: median ms per n for each version, their ratio, the
+GFLOP/s they reach, and the CPU model, flags and threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from treespec.fastpath import machine_info
+from treespec.kernels import _FLAGS, SOURCE, pack_blocks
+
+RESULTS = Path(__file__).parent / "results"
+# SmolLM2-135M: hidden 576, 9 query heads and 3 key-value heads of 64, MLP 1536, vocab 49152
+LAYER = (("q", 576, 576), ("k", 192, 576), ("v", 192, 576), ("o", 576, 576),
+         ("gate", 1536, 576), ("up", 1536, 576), ("down", 576, 1536))
+LAYERS, VOCAB, HIDDEN = 30, 49152, 576
+
+
+def exact_blocks(n: int, k: int, bits: int, gen: torch.Generator) -> torch.Tensor:
+    """A random [n, k] fp32 weight that is exactly GGUF Q4_1 (bits 4) or Q8_0 (bits 8)."""
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+        q[..., 0], q[..., 1] = 0, 15                         # the block's min and max on the grid
+        d = (torch.rand(n, k // 32, 1, generator=gen) * 0.01 + 1e-3).half().float()
+        m = (-torch.rand(n, k // 32, 1, generator=gen) * 0.05).half().float()
+    else:
+        q = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
+        q[..., 0] = 127
+        d = (torch.rand(n, k // 32, 1, generator=gen) * 1e-3 + 1e-4).half().float()
+        m = torch.zeros(n, k // 32, 1)
+    return (q * d + m).reshape(n, k)
+
+
+def build(source: Path, name: str):
+    from torch.utils.cpp_extension import load
+
+    return load(name, sources=[str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="HEAD", help="git revision of the kernel to compare against")
+    ap.add_argument("--ns", default="1,2,3,4,5,6,7,8,12,16")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(RESULTS / "kernel_ab"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ns = [int(v) for v in args.ns.split(",")]
+    root = Path(__file__).resolve().parent.parent
+    rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=root, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    old_src = subprocess.run(["git", "show", f"{rev}:{SOURCE.relative_to(root)}"], cwd=root, capture_output=True,
+                             text=True, check=True).stdout
+    tmp = Path(tempfile.mkdtemp()) / f"panel_gemm_{rev}.cpp"
+    tmp.write_text(old_src)
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(SOURCE)], cwd=root).returncode != 0
+    versions = {f"base {rev}": build(tmp, f"treespec_panel_gemm_ab_{rev}"),
+                "working tree" if dirty else f"HEAD {rev}": build(SOURCE, "treespec_panel_gemm_ab_work")}
+
+    gen = torch.Generator().manual_seed(0)
+    layers = [pack_blocks(exact_blocks(n, k, 4, gen)) for _ in range(LAYERS) for _, n, k in LAYER]
+    layers.append(pack_blocks(exact_blocks(VOCAB, HIDDEN, 8, gen)))
+    macs = sum(b.blob.shape[0] * 16 * b.blob.shape[1] * 32 for b in layers)
+    xs = {n: {k: torch.randn(n, k, generator=gen) for k in (576, 1536)} for n in ns}
+
+    def one_pass(mod, n: int) -> list[torch.Tensor]:
+        return [mod.panel_linear_blocks(xs[n][b.blob.shape[1] * 32], b.blob, b.bits) for b in layers]
+
+    names = list(versions)
+    for n in ns:  # the versions agree bit for bit (and warm up)
+        outs = [one_pass(versions[v], n) for v in names]
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), f"versions differ at n = {n}"
+    samples = {(v, n): [] for v in names for n in ns}
+    for rep in range(args.reps):
+        order = [(v, n) for v in names for n in ns]
+        random.Random(rep).shuffle(order)
+        for v, n in order:
+            t0 = time.perf_counter()
+            one_pass(versions[v], n)
+            samples[(v, n)].append(time.perf_counter() - t0)
+    ms = {v: {n: statistics.median(samples[(v, n)]) * 1e3 for n in ns} for v in names}
+    a, b = names
+    m = machine_info()
+    lines = [f"# Block kernel A/B: {a} vs {b}", "",
+             f"CPU: {m['cpu_model']}; flags: {', '.join(m['cpu_flags'])}; torch {m['torch']}, "
+             f"{m['torch_threads']} thread(s). One point = every linear layer of one SmolLM2-135M forward "
+             f"({macs / 1e6:.1f} M weights as blocks) over n rows; medians of {args.reps} interleaved reps.", "",
+             f"| n | {a} ms | {b} ms | {b} / {a} | {a} GFLOP/s | {b} GFLOP/s |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for n in ns:
+        lines.append(f"| {n} | {ms[a][n]:.1f} | {ms[b][n]:.1f} | {ms[b][n] / ms[a][n]:.2f} | "
+                     f"{2 * macs * n / ms[a][n] / 1e6:.0f} | {2 * macs * n / ms[b][n] / 1e6:.0f} |")
+    md = "\n".join(lines) + "\n"
+    print(md)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(md)
+    out.with_suffix(".json").write_text(json.dumps({"machine": m, "args": vars(args), "versions": names,
+                                                    "weights": macs, "t_ms": {v: {str(n): t for n, t in row.items()}
+                                                                              for v, row in ms.items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
