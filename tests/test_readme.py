@@ -81,3 +81,21 @@ def test_readme_server_example_runs_on_a_tiny_target(capsys):
     server = namespace["server"]
     assert [len(server.finished[r].tokens) for r in (0, 1)] == [8, 6]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("length (")
+
+
+def test_readme_adaptive_lookup_example_runs_on_a_tiny_target():
+    """The "Adaptive drafting" block, with a tiny random target: on a prompt that repeats, the
+    lookup drafts where a 3-token suffix recurs and the output is plain greedy decoding's."""
+    import treespec
+    from treespec.models import tiny_target
+
+    code = next(b for b in python_blocks() if "min_confidence" in b)
+    tiny = tiny_target(vocab_size=32, seed=0)
+    tiny.model.generation_config.eos_token_id = None
+    namespace: dict = {"treespec": treespec, "target": tiny}
+    exec(compile(code, str(README), "exec"), namespace)
+    prompt = [5, 9, 7, 5, 9, 7, 5, 9, 7, 5, 9]
+    out = namespace["gen"].generate(prompt, max_new_tokens=12)
+    plain = treespec.SpeculativeGenerator(tiny, "lookup", treespec.DynamicTreeBuilder(budget=1, depth=1, top_k=1))
+    assert out.token_ids.tolist() == plain.generate(prompt, max_new_tokens=12).token_ids.tolist()
+    assert out.stats.tree_nodes > out.stats.steps        # it drafted on some steps
