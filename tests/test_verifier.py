@@ -172,6 +172,26 @@ def _star(root: int, tokens: list[int]) -> PartialTree:
     return tree
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("prompt_len", [1, 6])
+def test_a_root_alone_is_scored_as_the_models_own_one_token_step(attn: str, prompt_len: int) -> None:
+    """A root-only tree (a plain step) skips the tree mask: its logits are bit for bit what the
+    model computes for the next token after its cached prompt, as HF's own decode step does, and
+    its cache row is that step's."""
+    model = peaky_llama(vocab_size=V, hidden_size=32, num_layers=2, attn_implementation=attn)
+    rng = random.Random(prompt_len)
+    prompt = [rng.randrange(V) for _ in range(prompt_len + 1)]
+    v = TreeVerifier(model, SamplingConfig(temperature=1.0))
+    v.prefill(torch.tensor(prompt))
+    got = v.score(as_draft_tree(PartialTree.rooted(prompt[-1]), None, "deterministic")).probs
+    ref_cache = fresh_cache(model, prompt[:-1])
+    with torch.inference_mode():
+        ref = model(input_ids=torch.tensor([prompt[-1:]]), cache=ref_cache, use_cache=True).logits[0, -1]
+    assert torch.equal(got[0], process(ref.float(), SamplingConfig(temperature=1.0)))
+    v.compact(torch.tensor([0]))
+    assert_cache_equal(v.cache, ref_cache, len(prompt), atol=0.0)
+
+
 def test_score_before_prefill_is_an_error() -> None:
     verifier = TreeVerifier(peaky_llama(V), SamplingConfig())
     tree = as_draft_tree(_star(1, [2, 3]), None, "deterministic")

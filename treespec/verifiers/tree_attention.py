@@ -89,9 +89,15 @@ class TreeVerifier:
             raise RuntimeError("call prefill() before score()")
         p = self.prefix_len
         ids = tree.tokens.to(self.device)[None]
-        mask = hf_tree_mask(tree, p, self.attn_impl, self.dtype, self.device)
-        pos = position_ids(tree, p, self.device)
-        logits, feats = self._forward(ids, pos, mask)
+        if tree.num_nodes == 1:
+            # The root alone is a plain decode step: it sees every cached position and sits at
+            # position P, which is what the model infers from the cache without a mask, so it
+            # takes the model's own one-token path (no 4-D mask to build or to add).
+            logits, feats = self._forward(ids, None, None)
+        else:
+            mask = hf_tree_mask(tree, p, self.attn_impl, self.dtype, self.device)
+            pos = position_ids(tree, p, self.device)
+            logits, feats = self._forward(ids, pos, mask)
         # [N, V]
         probs = process(logits.float(), self.sampling)
         return VerifyOutput(probs, feats)
