@@ -11,6 +11,7 @@ Cheap enough to run on every node; strong on summarising, rewriting and code-edi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,19 +60,21 @@ class LookupDrafter:
 
     def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
         self.calls += 1
-        # [F, V], built on the host (n-gram votes in numpy); builders move q to the target's device
-        out = torch.full((len(nodes), self.vocab_size), 0.0, device="cpu")
+        # [F, V] log q, built on the host (n-gram votes in numpy); builders move q to the
+        # target's device. Only the voted entries differ from the row's constant, so a row is one
+        # fill and a few writes, not a pass over V.
+        v, floor = self.vocab_size, self.config.floor
+        out = torch.empty(len(nodes), v, device="cpu")
         for row, node in enumerate(nodes):
             path = [tree.tokens[n] for n in tree.path_to(node)[1:]]  # root is history[-1]
             votes = self._votes(np.asarray(self.history + path, dtype=np.int64))
-            q = np.full(self.vocab_size, self.config.floor / self.vocab_size)
-            if votes:
-                total = sum(votes.values())
-                for tok, c in votes.items():
-                    q[tok] += (1.0 - self.config.floor) * c / total
-            else:
-                q[:] = 1.0 / self.vocab_size
-            out[row] = torch.from_numpy(np.log(q))
+            if not votes:
+                out[row].fill_(-math.log(v))
+                continue
+            out[row].fill_(math.log(floor / v))
+            total = sum(votes.values())
+            toks = list(votes)
+            out[row, toks] = torch.tensor([math.log(floor / v + (1.0 - floor) * votes[t] / total) for t in toks])
         return out
 
     def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
