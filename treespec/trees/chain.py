@@ -40,7 +40,8 @@ class ChainBuilder:
     """One drafter call per token; the draft is the argmax (or one draw from q) each time.
 
     A chain is a tree whose nodes have one child each, so every sampling mode is trivially
-    exact: the child count (1) never depends on the draw.
+    exact: the child count (1, or 0 where ``min_confidence`` stops the chain from q and the
+    draws above it) never depends on the draw it counts.
     """
 
     def __init__(self, k: int = 4, mode: DraftMode = "deterministic", min_confidence: float = 0.0):
