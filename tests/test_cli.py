@@ -50,6 +50,19 @@ def test_load_drafter_refuses_an_option_its_factory_does_not_take():
         load_drafter("lookup", target, ngram=3)
 
 
+def test_flags_that_cannot_apply_fail_before_the_model_loads(capsys, monkeypatch):
+    from treespec import cli
+
+    def no_load(args):
+        raise AssertionError("the target must not load for a bad flag")
+
+    monkeypatch.setattr(cli, "_load_target", no_load)
+    assert cli.main(["generate", "--prompt", "Hi", "--budget", "auto", "--min-confidence", "0.5"]) == 2
+    assert "--min-confidence sets a fixed builder's stop" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt", "Hi", "--drafter-option", "min_ngram"]) == 2
+    assert "--drafter-option takes KEY=VALUE" in capsys.readouterr().err
+
+
 def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{"acceptance": None, "model": "toy", "drafter": "eagle3", **kw})
 

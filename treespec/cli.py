@@ -93,8 +93,12 @@ def _load_target(args):
 def _build_generator(args, target=None):
     from treespec import SpeculativeGenerator, load_drafter
 
+    options = drafter_options(args.drafter_option)     # malformed flags fail before the model loads
+    if args.budget == "auto" and args.min_confidence:
+        raise ValueError("--min-confidence sets a fixed builder's stop; with --budget auto the cost model "
+                         "chooses the tree (give a --budget number to use it)")
     target = target if target is not None else _load_target(args)
-    drafter = load_drafter(args.drafter, target, **drafter_options(args.drafter_option))
+    drafter = load_drafter(args.drafter, target, **options)
     if args.budget == "auto":
         gen = SpeculativeGenerator(target, drafter, "auto", verify=args.verify)
         print(f"[auto tree: {gen.builder.config}]", file=sys.stderr)
