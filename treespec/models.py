@@ -220,8 +220,12 @@ def load_target(
     (:func:`treespec.fastpath.pack_linears`; fp32 output stays token-identical to HF ``generate``);
     ``"blocks"``, ``"panel"`` or ``"onednn"`` names the kernel instead of letting the CPU decide
     (``"blocks"``: the panel GEMM over exact integer blocks, see ``PackedLinear``); ``False`` keeps
-    the stock modules. ``Target.speed_path`` says what was chosen and why.
+    the stock modules. With packing on, a CPU model with grouped KV heads also gets the grouped
+    sdpa attention (:mod:`treespec.attention`: tree passes read the KV heads in place instead of
+    copying them; bit-identical numbers); ``False`` keeps stock attention too.
+    ``Target.speed_path`` says what was chosen and why.
     """
+    from treespec.attention import use_grouped_attention
     from treespec.fastpath import pack_linears, resolve_dtype
 
     if name not in TARGET_LOADERS:
@@ -232,8 +236,10 @@ def load_target(
     target = TARGET_LOADERS[name](dtype=resolved, device=device, cache_dir=cache_dir)
     report = pack_linears(target.model, enabled=pack is not False,
                           kernel=pack if isinstance(pack, str) else None)
+    attention = use_grouped_attention(target.model)[1] if pack is not False else "stock (packing turned off)"
     dtype_name = str(resolved).removeprefix("torch.")
-    return dataclasses.replace(target, speed_path=f"{dtype_name} ({why}); linear layers: {report}")
+    return dataclasses.replace(target, speed_path=f"{dtype_name} ({why}); linear layers: {report}; "
+                                                  f"attention: {attention}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""Tree attention on grouped KV heads without copying them: SDPA with ``enable_gqa`` under a mask.
+
+Glossary
+--------
+- **GQA** — grouped-query attention: ``num_key_value_heads`` < ``num_attention_heads``; each KV
+  head serves a group of query heads (SmolLM2-135M: 3 KV heads for 9 query heads).
+- **repeat_kv** — what HF's stock ``sdpa`` attention does for GQA whenever a mask is given on
+  the CPU: it copies every cached key and value once per query head of the group before the
+  kernel runs. A decode step without a mask avoids it (HF's ``pack_gqa``), but a tree pass
+  always has a mask, so every tree of 2 or more nodes pays a copy of the whole cache, twice
+  (keys and values) per layer, on top of its rows: about 8 ms of a 60 ms SmolLM2 pass at 300
+  cached tokens, measured here, whatever the tree's size.
+- **grouped sdpa** — :data:`GROUPED_SDPA`, an attention implementation registered through HF's
+  own extension points (``AttentionInterface`` and ``AttentionMaskInterface``; no modeling file
+  forked, nothing of transformers replaced). With a mask, on the CPU, it calls PyTorch's SDPA with
+  ``enable_gqa=True``, which reads each KV head in place for its whole group; every other call
+  (no mask, no GQA, another device, features SDPA's GQA path does not take) goes to HF's own
+  ``sdpa`` function unchanged. The masks are HF's ``sdpa`` masks (bool).
+
+Same numbers: PyTorch's CPU SDPA computes every (query head, key) pair with the same kernel and
+the same order whether the KV head is read in place or from a copy, so logits and cache rows
+are bit-identical to stock ``sdpa`` (tested on a tiny model with tree masks and a cached
+prefix, and on the real model by the greedy token-for-token checks against HF ``generate``).
+On CUDA, SDPA's GQA path with a mask falls back to its slow math kernel, so the stock path
+stays there.
+
+:func:`use_grouped_attention` switches a loaded model (``model.set_attn_implementation``);
+:func:`treespec.load_target` does it on the CPU speed path, and ``pack=False`` keeps stock
+attention as well as stock linear layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+GROUPED_SDPA = "treespec_grouped_sdpa"
+
+# Keyword arguments HF's sdpa function handles that SDPA's grouped path is not used for.
+_DELEGATED = ("position_bias", "softcap", "output_attentions")
+
+
+def grouped_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF's attention-function signature: query [B, Hq, T, d], key/value [B, Hkv, S, d]
+    -> (output [B, T, Hq, d], None)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (attention_mask is None or groups == 1 or query.device.type != "cpu"
+            or any(kwargs.get(k) for k in _DELEGATED)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    if attention_mask.ndim == 4:  # as HF's sdpa: the mask may be longer than the keys
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, is_causal=False, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_grouped_attention() -> str:
+    """Register :data:`GROUPED_SDPA` with HF (idempotent); returns the name."""
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    return GROUPED_SDPA
+
+
+def use_grouped_attention(model: torch.nn.Module) -> tuple[bool, str]:
+    """Switch ``model`` from HF's ``sdpa`` to :data:`GROUPED_SDPA` where that saves the copies.
+
+    Returns (switched, why). Only a CPU model on ``sdpa`` with grouped KV heads is switched.
+    """
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl == GROUPED_SDPA:
+        return True, "grouped sdpa (already)"
+    if impl != "sdpa":
+        return False, f"stock {impl or 'eager'} (grouped KV reads need sdpa)"
+    text = config.get_text_config(decoder=True)
+    heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if kv_heads == heads:
+        return False, "stock sdpa (no grouped KV heads)"
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        return False, f"stock sdpa (SDPA's grouped path with a mask is slow on {device.type})"
+    model.set_attn_implementation(register_grouped_attention())
+    return True, (f"grouped sdpa ({kv_heads} KV heads read in place by their {heads // kv_heads} "
+                  f"query heads each under a tree mask; stock sdpa copies them)")
