@@ -343,3 +343,32 @@ def test_reduced_vocab_fast_path_builds_the_same_trees(builder):
         assert tree.num_nodes > 2 and set(tree.tokens[1:].tolist()) <= set(SCATTERED.tolist())
         trees[fast] = tree.draft_probs[0]
     torch.testing.assert_close(trees[True], trees[False])
+
+
+def test_eagle3_projection_follows_the_targets_packed_head():
+    """On a packed target the draft-vocabulary projection is packed like the target's LM head
+    (same numbers within fp32 rounding), stays out of the head's parameters, works when first
+    built under inference_mode, and follows an in-place edit of the target's head."""
+    from treespec.fastpath import PackedLinear, panel_status, pack_linears
+
+    if not panel_status()[0]:
+        pytest.skip(f"panel kernel not available: {panel_status()[1]}")
+    plain_target, packed_target = (no_eos(tiny_target(vocab_size=32, seed=0)) for _ in range(2))
+    pack_linears(packed_target.model, kernel="panel")
+    assert isinstance(packed_target.model.get_output_embeddings(), PackedLinear)
+    ids = torch.tensor([3, 8, 1, 9])
+    logits = []
+    for target in (plain_target, packed_target):
+        d = random_feature_drafter(target, "eagle3", seed=4, draft_ids=SCATTERED)
+        names = {n for n, _ in d.head.named_parameters()}
+        d.begin(ids, features_of(target, ids[:-1], d.target_layers))
+        with torch.inference_mode():
+            logits.append(d.expand_compact(PartialTree.rooted(9), [0])[0])
+        assert {n for n, _ in d.head.named_parameters()} == names
+        assert isinstance(d.head._projection(), PackedLinear) == (target is packed_target)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+    head = d.head
+    with torch.no_grad():
+        packed_target.model.get_output_embeddings().weight.mul_(2.0)
+    torch.testing.assert_close(head.head_weight(),
+                               2.0 * plain_target.model.get_output_embeddings().weight[SCATTERED])

@@ -12,7 +12,6 @@ the names below are re-exported from there so ``treespec.drafters.eagle.X`` keep
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from treespec.drafters.base import register_drafter
@@ -70,13 +69,32 @@ class Eagle3Head(FeatureHead):
 
     def head_weight(self) -> torch.Tensor:
         """[Vd, H]: the target's LM-head rows of the draft vocabulary (frozen)."""
-        w = self.trunk.lm_head.weight
-        cached = getattr(self, "_head_w", None)
-        if cached is None or cached.device != w.device or cached.dtype != w.dtype:
-            with torch.no_grad():
-                cached = w.index_select(0, self.d2t.to(w.device)).contiguous()
-            self._head_w = cached
-        return cached
+        return self._projection().weight
+
+    def _projection(self) -> nn.Module:
+        """The draft-vocabulary projection: a frozen linear layer over ``head_weight``'s rows,
+        packed like the target's LM head when that one is a ``PackedLinear`` (on the block
+        kernel the rows of a Q8_0 head stay 8-bit blocks: a quarter of the bytes a draft call
+        reads through stock ``F.linear``). Rebuilt when the target's head changes (device,
+        dtype, an in-place edit). Kept out of the module tree: not a parameter of the head."""
+        from treespec.fastpath import PackedLinear
+
+        lm_head = self.trunk.lm_head
+        w = lm_head.weight
+        key = (w.device, w.dtype, w._version, type(lm_head), getattr(lm_head, "kernel", None))
+        cached = self.__dict__.get("_proj")
+        if cached is None or cached[0] != key:
+            # a normal tensor even when first called under inference_mode (packing reads its
+            # version counter)
+            with torch.inference_mode(False), torch.no_grad():
+                rows = w.index_select(0, self.d2t.to(w.device)).contiguous()
+            linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+            linear.weight = nn.Parameter(rows, requires_grad=False)
+            if isinstance(lm_head, PackedLinear):
+                linear = PackedLinear(linear, lm_head.min_rows, lm_head.kernel, lm_head.max_rows)
+            cached = (key, linear)
+            self.__dict__["_proj"] = cached
+        return cached[1]
 
     def fuse(self, hidden):
         parts = [n(hidden[l]) for n, l in zip(self.feature_norms, self.cfg.target_layers)]
@@ -86,7 +104,7 @@ class Eagle3Head(FeatureHead):
         return torch.cat((self.emb_norm(emb), self.hid_norm(feat)), dim=-1), feat
 
     def logits(self, g):
-        return F.linear(self.out_norm(g), self.head_weight())
+        return self._projection()(self.out_norm(g))
 
 
 class EagleDrafter(FeatureDrafter):
