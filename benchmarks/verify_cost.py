@@ -2,8 +2,9 @@
 
 Paths (SmolLM2-135M, one process, same prompt prefix, interleaved point by point so machine
 noise hits all alike): fp32 with HF's stock linear layers, fp32 with oneDNN-packed weights, fp32 on
-the panel GEMM (``treespec.kernels``, where it builds; all exact fp32 paths), bf16 stock, bf16
-packed (bf16 rows only where the CPU has native bf16 units).
+the panel GEMM (``treespec.kernels``, where it builds; all exact fp32 paths), the block kernel
+with HF's stock sdpa attention instead of treespec's grouped sdpa (same numbers, KV heads copied
+per query head), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units).
 Each point is one ``TreeVerifier.score`` (forward over n tree nodes with the tree mask after a
 cached prefix of P tokens, then softmax) followed by ``compact`` back to the prefix; the median of
 ``--reps`` is kept. Beside them, the machine's physical limit per dtype:
@@ -17,6 +18,7 @@ Writes benchmarks/results/verify_cost.{json,md,png} with the CPU model, its flag
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -101,8 +103,14 @@ def main() -> None:
     verifiers, described = {}, {}
     rng = random.Random(0)
     prompt = torch.tensor([rng.randrange(49152) for _ in range(args.prefix + 1)])
+    if "fp32 blocks" in paths:   # the same kernel with HF's stock attention: what grouped sdpa saves
+        paths["fp32 blocks, stock sdpa"] = (torch.float32, "blocks")
     for name, (dtype, pack) in paths.items():
         target = treespec.load_target("smollm2-135m", dtype=dtype, pack=pack)
+        if name.endswith("stock sdpa"):
+            target.model.set_attn_implementation("sdpa")
+            target = dataclasses.replace(target, speed_path=target.speed_path.split("; attention:")[0]
+                                         + "; attention: stock sdpa (switched back for comparison)")
         described[name] = target.speed_path
         v = TreeVerifier(target.model, SamplingConfig(temperature=1.0))
         v.prefill(prompt)
