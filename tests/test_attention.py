@@ -132,3 +132,18 @@ def test_the_name_works_for_a_model_built_from_config() -> None:
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.inference_mode():
         assert torch.equal(twin.eval()(input_ids=ids).logits, grouped(input_ids=ids).logits)
+
+
+def test_a_grouped_model_is_calibrated_under_its_own_name(tmp_path, monkeypatch) -> None:
+    """A calibration measured with stock attention must not size trees for grouped attention
+    (its tree passes cost more): the grouped path has its own file."""
+    from treespec.cost import default_calibration_path
+    from treespec.engine import target_calibration
+    from treespec.models import Target
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    assert default_calibration_path("m", "float32", "blocks", GROUPED_SDPA).name == "calibration-m-blocks-grouped.json"
+    assert default_calibration_path("m", "float32", "blocks", "sdpa").name == "calibration-m-blocks.json"
+    _, grouped = pair()
+    with pytest.raises(ValueError, match="-grouped.json"):
+        target_calibration(Target.from_hf(grouped, None, name="m"))

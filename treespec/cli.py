@@ -109,7 +109,10 @@ def _build_generator(args, target=None):
         raise SystemExit(f"--budget must be an integer or 'auto', got {args.budget!r}") from None
     from treespec.fastpath import linear_kernel
 
-    acceptance = _sequoia_acceptance(args, target.dtype, linear_kernel(target.model)) if args.tree == "sequoia" else None
+    from treespec.masks import attn_implementation_of
+
+    acceptance = _sequoia_acceptance(args, target.dtype, linear_kernel(target.model),
+                                     attn_implementation_of(target.model)) if args.tree == "sequoia" else None
     builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode, acceptance,
                            args.min_confidence)
     return target, SpeculativeGenerator(target, drafter, builder, verify=args.verify)
@@ -133,9 +136,11 @@ def drafter_options(pairs: Sequence[str]) -> dict[str, object]:
     return out
 
 
-def _sequoia_acceptance(args, dtype: torch.dtype = torch.float32, packed: bool | str = False) -> tuple[float, ...] | None:
+def _sequoia_acceptance(args, dtype: torch.dtype = torch.float32, packed: bool | str = False,
+                        attention: str | None = None) -> tuple[float, ...] | None:
     """--acceptance, else the calibrated vector of --drafter measured on a target with this
-    ``dtype`` and linear path (``packed``: a bool or the kernel name), else None (Sequoia's default)."""
+    ``dtype``, linear path (``packed``: a bool or the kernel name) and attention, else None
+    (Sequoia's default)."""
     if args.acceptance:
         try:
             return tuple(float(x) for x in args.acceptance.split(","))
@@ -143,7 +148,7 @@ def _sequoia_acceptance(args, dtype: torch.dtype = torch.float32, packed: bool |
             raise SystemExit(f"--acceptance must be comma-separated probabilities, got {args.acceptance!r}") from None
     from treespec.cost import Calibration, default_calibration_path
 
-    path = default_calibration_path(args.model, dtype, packed)
+    path = default_calibration_path(args.model, dtype, packed, attention)
     vector = Calibration.load(path).acceptance.get(args.drafter) if path.exists() else None
     if vector is not None:
         print(f"[sequoia acceptance of {args.drafter} from {path}: {list(vector)}]", file=sys.stderr)
@@ -214,8 +219,10 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
         ACCEPTANCE_TEMPERATURES, calibrate_acceptance, calibrate_drafter, calibrate_drafter_batches,
     )
 
+    from treespec.masks import attn_implementation_of
+
     dtype = next(target.model.parameters()).dtype
-    path = default_calibration_path(target.name, dtype, linear_kernel(target.model))
+    path = default_calibration_path(target.name, dtype, linear_kernel(target.model), attn_implementation_of(target.model))
     held_out = [q.turns[0] for q in mtbench_questions()[-4:]]   # the demo uses the first ones
     why = (f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) with drafter "
            f"{drafter_name!r} on this machine")

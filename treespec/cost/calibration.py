@@ -321,13 +321,17 @@ def acceptance_key(name: str, temperature: float) -> str:
     return name if temperature == 0.0 else f"{name}@T{temperature:g}"
 
 
-def default_calibration_path(model: str, dtype: str = "float32", packed: bool | str = False) -> Path:
+def default_calibration_path(model: str, dtype: str = "float32", packed: bool | str = False,
+                             attention: str | None = None) -> Path:
     """``$TREESPEC_CACHE/calibration-<model>.json``, else under ``~/.cache/treespec``; weights
     other than float32 get their own file (``calibration-<model>-bfloat16.json``): the CPU's
     verify curve depends on the dtype far more than on anything else. A target whose linear
     layers run on a packed kernel (``treespec.fastpath.linear_kernel``) has its own curve too:
     ``...-packed.json`` for oneDNN (``packed=True`` or ``"onednn"``), ``...-panel.json`` for the
-    panel GEMM on fp32 panels, ``...-blocks.json`` for it on exact integer blocks."""
+    panel GEMM on fp32 panels, ``...-blocks.json`` for it on exact integer blocks. A model on
+    treespec's grouped sdpa attention (``attention``, the model's attention implementation;
+    :mod:`treespec.attention`) adds ``-grouped``: its tree passes cost less than stock
+    attention's, so a curve measured with the other must not be reused."""
     if not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
     kernel_suffix = {False: "", "stock": "", True: "-packed", "onednn": "-packed", "panel": "-panel",
@@ -335,7 +339,10 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
     if packed not in kernel_suffix:
         raise ValueError(f"packed must be a bool or one of 'stock', 'onednn', 'panel', 'blocks'; got {packed!r}")
     root = os.environ.get("TREESPEC_CACHE")
-    suffix = ("" if dtype == "float32" else f"-{dtype}") + kernel_suffix[packed]
+    from treespec.attention import GROUPED_SDPA
+
+    suffix = (("" if dtype == "float32" else f"-{dtype}") + kernel_suffix[packed]
+              + ("-grouped" if attention == GROUPED_SDPA else ""))
     return (Path(root) if root else Path.home() / ".cache" / "treespec") / f"calibration-{model}{suffix}.json"
 
 
