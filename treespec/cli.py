@@ -108,7 +108,6 @@ def _build_generator(args, target=None):
     except ValueError:
         raise SystemExit(f"--budget must be an integer or 'auto', got {args.budget!r}") from None
     from treespec.fastpath import linear_kernel
-
     from treespec.masks import attn_implementation_of
 
     acceptance = _sequoia_acceptance(args, target.dtype, linear_kernel(target.model),
@@ -215,14 +214,14 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     from treespec.cost.calibration import calibrate_batches
     from treespec.data import mtbench_questions
     from treespec.fastpath import linear_kernel
+    from treespec.masks import attn_implementation_of
     from treespec.measure import (
         ACCEPTANCE_TEMPERATURES, calibrate_acceptance, calibrate_drafter, calibrate_drafter_batches,
     )
 
-    from treespec.masks import attn_implementation_of
-
     dtype = next(target.model.parameters()).dtype
-    path = default_calibration_path(target.name, dtype, linear_kernel(target.model), attn_implementation_of(target.model))
+    path = default_calibration_path(target.name, dtype, linear_kernel(target.model),
+                                    attn_implementation_of(target.model))
     held_out = [q.turns[0] for q in mtbench_questions()[-4:]]   # the demo uses the first ones
     why = (f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) with drafter "
            f"{drafter_name!r} on this machine")

@@ -251,10 +251,9 @@ def _calibrate(args: argparse.Namespace) -> int:
         finally:
             torch.set_num_threads(previous)
     from treespec.fastpath import linear_kernel
-
-    dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
     from treespec.masks import attn_implementation_of
 
+    dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
     path = result.save(args.out or default_calibration_path(args.model, dtype_name, linear_kernel(model),
                                                             attn_implementation_of(model)))
     print(f"saved {path}")
