@@ -305,3 +305,19 @@ def test_calibrate_drafter_batches_on_a_tiny_target(kind):
     assert all(s > 0 for c in out.batch_drafters["mine"].values() for s in c.seconds)
     with pytest.raises(ValueError, match="batches must be ints >= 2"):
         calibrate_drafter_batches(cal, "mine", target, batches=(1,), drafter=drafter)
+
+
+def test_a_one_node_pass_is_timed_as_the_verifier_runs_it() -> None:
+    """n = 1 is the model's own one-token step (no mask, no positions), as ``TreeVerifier.score``
+    runs a root alone; larger n carry the tree mask and positions."""
+    from treespec.cost import verify_passes
+    from treespec.models import tiny_llama
+
+    model = tiny_llama(vocab_size=16)
+    seen = []
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append((kwargs["input_ids"].shape[1], kwargs.get("attention_mask") is None,
+                                             kwargs.get("position_ids") is None)), with_kwargs=True)
+    for fn in verify_passes(model, (1, 3), context=5):
+        fn()
+    assert seen[-2:] == [(1, True, True), (3, False, False)]

@@ -429,7 +429,8 @@ def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) ->
     Each call runs n tree tokens (a chain; the mask's shape, not the tree, sets the cost) over a
     cached prefix of ``context`` random tokens with the verifier's 4-D mask and positions, takes
     the softmax of the [n, V] logits, and crops the cache back to the prefix (shared by all
-    callables, built once here).
+    callables, built once here). n = 1 runs as the verifier runs a root alone: the model's own
+    one-token step, without mask or positions.
     """
     import torch
     from transformers import DynamicCache
@@ -453,9 +454,10 @@ def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) ->
 
         @torch.inference_mode()
         def fn() -> None:
-            mask = hf_tree_mask(tree, context, attn_impl, param.dtype, param.device)
+            alone = n_tokens == 1
+            mask = None if alone else hf_tree_mask(tree, context, attn_impl, param.dtype, param.device)
             out = model(input_ids=tree.tokens.to(param.device)[None],
-                        position_ids=position_ids(tree, context, param.device),
+                        position_ids=None if alone else position_ids(tree, context, param.device),
                         attention_mask=mask, cache=cache, use_cache=True)
             out.logits[0].float().softmax(-1)
             cache.crop(-n_tokens)
