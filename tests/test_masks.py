@@ -207,3 +207,16 @@ def test_a_bool_mask_is_silently_wrong_under_eager(world):
     assert (wrong - want).abs().max().item() > 1e-3
     right = _tree_logits(model, prefix, tree, hf_tree_mask(tree, P_LEN, "eager"))
     assert (right - want).abs().max().item() <= ATOL
+
+
+def test_tree_forward_args_leave_a_root_alone_to_the_model() -> None:
+    """A root alone gets neither positions nor a mask (the model's own decode step); a larger
+    tree gets P + depth and the prefix ‖ ancestor mask, in the implementation's mask format."""
+    from treespec.masks import hf_tree_mask, position_ids, tree_forward_args
+
+    root = DraftTree(torch.tensor([5]), torch.tensor([-1]))
+    assert tree_forward_args(root, 4) == (None, None)
+    tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, 0, 0]))
+    for impl in ("sdpa", "eager"):
+        pos, mask = tree_forward_args(tree, 4, impl)
+        assert torch.equal(pos, position_ids(tree, 4)) and torch.equal(mask, hf_tree_mask(tree, 4, impl))

@@ -75,6 +75,19 @@ def position_ids(tree: DraftTree, prefix_len: int, device: torch.device | None =
     return (pos.to(device) if device is not None else pos)[None]
 
 
+def tree_forward_args(tree: DraftTree, prefix_len: int, attn_implementation: str = "sdpa",
+                      dtype: torch.dtype = torch.float32, device: torch.device | None = None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(position_ids, 4-D mask) a stock HF forward takes to score ``tree`` after ``prefix_len``
+    cached tokens. A root alone is a plain decode step: it sees every cached position and sits
+    at position P, which the model infers from the cache, so it gets (None, None) and runs the
+    model's own one-token path (bit-identical to HF's decode step; no mask to build or add)."""
+    if tree.num_nodes == 1:
+        return None, None
+    return (position_ids(tree, prefix_len, device),
+            hf_tree_mask(tree, prefix_len, attn_implementation, dtype, device))
+
+
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Bool[M] -> uint8[ceil(M / 8)], little bit order (bit j of byte b = bits[8b + j])."""
     if bits.device.type == "cpu":  # numpy's packbits is ~10x faster than the torch version

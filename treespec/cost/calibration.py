@@ -436,7 +436,7 @@ def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) ->
     from transformers import DynamicCache
 
     from treespec.device import synchronize
-    from treespec.masks import attn_implementation_of, hf_tree_mask, position_ids
+    from treespec.masks import attn_implementation_of, tree_forward_args
     from treespec.tree import DraftTree
 
     param = next(model.parameters())
@@ -454,10 +454,8 @@ def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) ->
 
         @torch.inference_mode()
         def fn() -> None:
-            alone = n_tokens == 1
-            mask = None if alone else hf_tree_mask(tree, context, attn_impl, param.dtype, param.device)
-            out = model(input_ids=tree.tokens.to(param.device)[None],
-                        position_ids=None if alone else position_ids(tree, context, param.device),
+            pos, mask = tree_forward_args(tree, context, attn_impl, param.dtype, param.device)
+            out = model(input_ids=tree.tokens.to(param.device)[None], position_ids=pos,
                         attention_mask=mask, cache=cache, use_cache=True)
             out.logits[0].float().softmax(-1)
             cache.crop(-n_tokens)

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from treespec.drafters.base import TargetFeatures
-from treespec.masks import attn_implementation_of, hf_tree_mask, position_ids
+from treespec.masks import attn_implementation_of, tree_forward_args
 from treespec.sampling import SamplingConfig, process
 from treespec.tree import DraftTree
 
@@ -89,15 +89,9 @@ class TreeVerifier:
             raise RuntimeError("call prefill() before score()")
         p = self.prefix_len
         ids = tree.tokens.to(self.device)[None]
-        if tree.num_nodes == 1:
-            # The root alone is a plain decode step: it sees every cached position and sits at
-            # position P, which is what the model infers from the cache without a mask, so it
-            # takes the model's own one-token path (no 4-D mask to build or to add).
-            logits, feats = self._forward(ids, None, None)
-        else:
-            mask = hf_tree_mask(tree, p, self.attn_impl, self.dtype, self.device)
-            pos = position_ids(tree, p, self.device)
-            logits, feats = self._forward(ids, pos, mask)
+        # a root alone takes the model's own one-token path (no mask, no positions)
+        pos, mask = tree_forward_args(tree, p, self.attn_impl, self.dtype, self.device)
+        logits, feats = self._forward(ids, pos, mask)
         # [N, V]
         probs = process(logits.float(), self.sampling)
         return VerifyOutput(probs, feats)
