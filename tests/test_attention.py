@@ -147,3 +147,18 @@ def test_a_grouped_model_is_calibrated_under_its_own_name(tmp_path, monkeypatch)
     _, grouped = pair()
     with pytest.raises(ValueError, match="-grouped.json"):
         target_calibration(Target.from_hf(grouped, None, name="m"))
+
+
+def test_a_position_bias_goes_to_hfs_own_sdpa() -> None:
+    """A tensor keyword (a position bias) is handed to HF's sdpa, not tested for truth."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    stock, _ = pair()
+    attn = stock.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, t, 8, generator=gen) for h, t in ((4, 3), (2, 5), (2, 5)))
+    mask = torch.ones(1, 1, 3, 5, dtype=torch.bool).tril(2)
+    bias = torch.randn(1, 4, 3, 5, generator=gen)
+    got, _ = grouped_sdpa_attention(attn, q, k, v, mask, scaling=attn.scaling, position_bias=bias)
+    want, _ = sdpa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling, position_bias=bias)
+    assert torch.equal(got, want)

@@ -40,8 +40,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 GROUPED_SDPA = "treespec_grouped_sdpa"
 
-# Keyword arguments HF's sdpa function handles that SDPA's grouped path is not used for.
-_DELEGATED = ("position_bias", "softcap", "output_attentions")
 
 
 def grouped_sdpa_attention(
@@ -58,8 +56,11 @@ def grouped_sdpa_attention(
     """HF's attention-function signature: query [B, Hq, T, d], key/value [B, Hkv, S, d]
     -> (output [B, T, Hq, d], None)."""
     groups = getattr(module, "num_key_value_groups", 1)
+    # HF's sdpa handles (or refuses) what the grouped call is not used for: no mask, no GQA,
+    # another device, a position bias, a softcap, attention weights asked for
     if (attention_mask is None or groups == 1 or query.device.type != "cpu"
-            or any(kwargs.get(k) for k in _DELEGATED)):
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+            or kwargs.get("output_attentions")):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     if attention_mask.ndim == 4:  # as HF's sdpa: the mask may be longer than the keys
