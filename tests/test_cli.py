@@ -68,16 +68,19 @@ def _args(**kw) -> argparse.Namespace:
 
 
 def test_sequoia_vector_from_the_flag_then_the_calibration(tmp_path, monkeypatch):
+    from treespec.models import tiny_llama
+
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
-    assert _sequoia_acceptance(_args()) is None                       # nothing measured: default
-    assert _sequoia_acceptance(_args(acceptance="0.5,0.25")) == (0.5, 0.25)
+    model = tiny_llama()   # fp32, stock linear layers and attention: the plain file name
+    assert _sequoia_acceptance(_args(), model) is None                       # nothing measured: default
+    assert _sequoia_acceptance(_args(acceptance="0.5,0.25"), model) == (0.5, 0.25)
     with pytest.raises(SystemExit, match="comma-separated probabilities"):
-        _sequoia_acceptance(_args(acceptance="0.5;x"))
+        _sequoia_acceptance(_args(acceptance="0.5;x"), model)
     ns = (1, 2)
     Calibration(model="toy", shape=model_shape("smollm2-135m"), context=8, target=Curve.fit(ns, [1.0, 1.0]),
                 acceptance={"eagle3": (0.4, 0.1)}).save(default_calibration_path("toy"))
-    assert _sequoia_acceptance(_args()) == (0.4, 0.1)
-    assert _sequoia_acceptance(_args(drafter="medusa")) is None
+    assert _sequoia_acceptance(_args(), model) == (0.4, 0.1)
+    assert _sequoia_acceptance(_args(drafter="medusa"), model) is None
     with pytest.raises(ValueError, match="sums to"):
         make_builder("sequoia", 8, 3, 2, acceptance=(0.9, 0.5))
 

@@ -107,11 +107,7 @@ def _build_generator(args, target=None):
         budget = int(args.budget)
     except ValueError:
         raise SystemExit(f"--budget must be an integer or 'auto', got {args.budget!r}") from None
-    from treespec.fastpath import linear_kernel
-    from treespec.masks import attn_implementation_of
-
-    acceptance = _sequoia_acceptance(args, target.dtype, linear_kernel(target.model),
-                                     attn_implementation_of(target.model)) if args.tree == "sequoia" else None
+    acceptance = _sequoia_acceptance(args, target.model) if args.tree == "sequoia" else None
     builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode, acceptance,
                            args.min_confidence)
     return target, SpeculativeGenerator(target, drafter, builder, verify=args.verify)
@@ -135,19 +131,17 @@ def drafter_options(pairs: Sequence[str]) -> dict[str, object]:
     return out
 
 
-def _sequoia_acceptance(args, dtype: torch.dtype = torch.float32, packed: bool | str = False,
-                        attention: str | None = None) -> tuple[float, ...] | None:
-    """--acceptance, else the calibrated vector of --drafter measured on a target with this
-    ``dtype``, linear path (``packed``: a bool or the kernel name) and attention, else None
-    (Sequoia's default)."""
+def _sequoia_acceptance(args, model) -> tuple[float, ...] | None:
+    """--acceptance, else the calibrated vector of --drafter measured on a target with ``model``'s
+    dtype, linear path and attention, else None (Sequoia's default)."""
     if args.acceptance:
         try:
             return tuple(float(x) for x in args.acceptance.split(","))
         except ValueError:
             raise SystemExit(f"--acceptance must be comma-separated probabilities, got {args.acceptance!r}") from None
-    from treespec.cost import Calibration, default_calibration_path
+    from treespec.cost.calibration import Calibration, model_calibration_path
 
-    path = default_calibration_path(args.model, dtype, packed, attention)
+    path = model_calibration_path(args.model, model)
     vector = Calibration.load(path).acceptance.get(args.drafter) if path.exists() else None
     if vector is not None:
         print(f"[sequoia acceptance of {args.drafter} from {path}: {list(vector)}]", file=sys.stderr)
@@ -210,18 +204,14 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     ``batches`` (the server's auto at B > 1). Returns its path."""
     from tqdm.auto import tqdm
 
-    from treespec.cost import Calibration, acceptance_key, calibrate, default_calibration_path, machine_mismatch
-    from treespec.cost.calibration import calibrate_batches
+    from treespec.cost import Calibration, acceptance_key, calibrate, machine_mismatch
+    from treespec.cost.calibration import calibrate_batches, model_calibration_path
     from treespec.data import mtbench_questions
-    from treespec.fastpath import linear_kernel
-    from treespec.masks import attn_implementation_of
     from treespec.measure import (
         ACCEPTANCE_TEMPERATURES, calibrate_acceptance, calibrate_drafter, calibrate_drafter_batches,
     )
 
-    dtype = next(target.model.parameters()).dtype
-    path = default_calibration_path(target.name, dtype, linear_kernel(target.model),
-                                    attn_implementation_of(target.model))
+    path = model_calibration_path(target.name, target.model)
     held_out = [q.turns[0] for q in mtbench_questions()[-4:]]   # the demo uses the first ones
     why = (f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) with drafter "
            f"{drafter_name!r} on this machine")

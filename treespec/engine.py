@@ -135,14 +135,13 @@ def drafter_cost_kind(drafter: Drafter) -> str:
 
 def target_calibration(target: Target):
     """The local calibration of ``target`` (its dtype, packed or not); a clear error without one."""
-    from treespec.cost import Calibration, default_calibration_path, machine_mismatch
+    from treespec.cost.calibration import Calibration, machine_mismatch, model_calibration_path
     from treespec.fastpath import linear_kernel
-    from treespec.masks import attn_implementation_of
 
     dtype_name = str(next(target.model.parameters()).dtype).removeprefix("torch.")
     kernel = linear_kernel(target.model)
     packed = kernel != "stock"
-    path = default_calibration_path(target.name, dtype_name, kernel, attn_implementation_of(target.model))
+    path = model_calibration_path(target.name, target.model)
     if not path.exists():
         raise ValueError(f"builder='auto' needs a calibration of {target.name!r} ({dtype_name}"
                          f"{f', {kernel} linear layers' if packed else ''}) at {path}; run `treespec calibrate --model "

@@ -51,6 +51,7 @@ __all__ = [
     "measure",
     "measure_interleaved",
     "verify_passes",
+    "model_calibration_path",
 ]
 
 CALIBRATION_VERSION = 2
@@ -344,6 +345,17 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
     suffix = (("" if dtype == "float32" else f"-{dtype}") + kernel_suffix[packed]
               + ("-grouped" if attention == GROUPED_SDPA else ""))
     return (Path(root) if root else Path.home() / ".cache" / "treespec") / f"calibration-{model}{suffix}.json"
+
+
+def model_calibration_path(name: str, model: Any) -> Path:
+    """``default_calibration_path`` of a loaded model: its dtype, its linear kernel and its
+    attention, read from the model itself (one place, so a new path-changing switch is keyed
+    once)."""
+    from treespec.fastpath import linear_kernel
+    from treespec.masks import attn_implementation_of
+
+    dtype = next(model.parameters()).dtype
+    return default_calibration_path(name, dtype, linear_kernel(model), attn_implementation_of(model))
 
 
 @dataclass(frozen=True)

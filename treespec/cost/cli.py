@@ -250,12 +250,9 @@ def _calibrate(args: argparse.Namespace) -> int:
                                                        progress=lambda m: print(m, flush=True))
         finally:
             torch.set_num_threads(previous)
-    from treespec.fastpath import linear_kernel
-    from treespec.masks import attn_implementation_of
+    from treespec.cost.calibration import model_calibration_path
 
-    dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
-    path = result.save(args.out or default_calibration_path(args.model, dtype_name, linear_kernel(model),
-                                                            attn_implementation_of(model)))
+    path = result.save(args.out or model_calibration_path(args.model, model))
     print(f"saved {path}")
     return 0
 
