@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from treespec.fastpath import machine_info
-from treespec.kernels import _FLAGS, SOURCE, pack_blocks
+from treespec.kernels import SOURCE, compile_kernel, pack_blocks
 
 RESULTS = Path(__file__).parent / "results"
 # SmolLM2-135M: hidden 576, 9 query heads and 3 key-value heads of 64, MLP 1536, vocab 49152
@@ -55,12 +55,6 @@ def exact_blocks(n: int, k: int, bits: int, gen: torch.Generator) -> torch.Tenso
     return (q * d + m).reshape(n, k)
 
 
-def build(source: Path, name: str):
-    from torch.utils.cpp_extension import load
-
-    return load(name, sources=[str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="HEAD", help="git revision of the kernel to compare against")
@@ -79,8 +73,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp()) / f"panel_gemm_{rev}.cpp"
     tmp.write_text(old_src)
     dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(SOURCE)], cwd=root).returncode != 0
-    versions = {f"base {rev}": build(tmp, f"treespec_panel_gemm_ab_{rev}"),
-                "working tree" if dirty else f"HEAD {rev}": build(SOURCE, "treespec_panel_gemm_ab_work")}
+    versions = {f"base {rev}": compile_kernel(tmp, f"treespec_panel_gemm_ab_{rev}"),
+                "working tree" if dirty else f"HEAD {rev}": compile_kernel(SOURCE, "treespec_panel_gemm_ab_work")}
 
     gen = torch.Generator().manual_seed(0)
     layers = [pack_blocks(exact_blocks(n, k, 4, gen)) for _ in range(LAYERS) for _, n, k in LAYER]

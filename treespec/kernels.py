@@ -67,19 +67,25 @@ def _missing_tools() -> str | None:
     return None
 
 
+def compile_kernel(source: Path, name: str):
+    """``source`` compiled as the Python extension module ``name`` with the kernel's flags
+    (``torch.utils.cpp_extension``, cached on disk). Also used to build another revision of the
+    kernel beside this one (``benchmarks/kernel_ab.py``)."""
+    from torch.utils.cpp_extension import load
+
+    return load(name, sources=[str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+
+
 @lru_cache(maxsize=1)
 def _build():
     """(module, None) or (None, reason). Built once per process, cached on disk across them."""
     missing = _missing_tools()
     if missing:
         return None, missing
-    from torch.utils.cpp_extension import load
-
     print("treespec: loading the fp32 panel kernel (compiled on first use, about a minute)...",
           file=sys.stderr, flush=True)
     try:
-        module = load("treespec_panel_gemm", sources=[str(SOURCE)], extra_cflags=_FLAGS,
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        module = compile_kernel(SOURCE, "treespec_panel_gemm")
     except Exception as e:  # a compiler error is a reason to keep the stock path, not a crash
         return None, f"building {SOURCE.name} failed: {type(e).__name__}: {str(e).splitlines()[-1:]}"
     return module, None
