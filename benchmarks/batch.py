@@ -39,7 +39,7 @@ import torch
 import treespec
 from treespec.cli import ensure_calibration
 from treespec.cost import Calibration, CalibratedCost, expected_tokens_positional, plan_curve
-from treespec.cost.planner import AUTO_MIN_GAIN
+from treespec.cost.planner import AUTO_MIN_GAIN, auto_min_gain
 from treespec.data import chat_prompt, mtbench_questions
 from treespec.fastpath import machine_info, machine_line
 from treespec.trees import ChainBuilder, DynamicTreeBuilder
@@ -195,6 +195,16 @@ def summarize(data: dict) -> dict:
     return out
 
 
+def auto_threshold(data: dict) -> str:
+    """What auto needed before it speculated in this run (runs before it was recorded: nothing)."""
+    if "auto_min_gain" not in data:
+        return ""
+    noise = data.get("timing_noise")
+    why = (f"the calibration's timing spread is {noise:.1%} per pass" if noise is not None
+           else "no timing spread recorded")
+    return f"; auto speculates where it predicts at least {data['auto_min_gain']:.2f}x ({why})"
+
+
 def write(data: dict, out: Path) -> str:
     data["summary"] = summarize(data)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -208,7 +218,7 @@ def write(data: dict, out: Path) -> str:
         "",
         f"Target: {data['paths']['packed']} (treespec rows), {data['paths']['stock']} (HF rows); drafter "
         f"{DRAFTER} (batched: one head forward per drafting round for all requests). Calibration: "
-        f"{data['paths']['calibration']}.",
+        f"{data['paths']['calibration']}" + auto_threshold(data) + ".",
         "",
         "tokens/s = useful new tokens of all requests / wall seconds (prefill included), summed over the "
         "groups of B prompts. *gain* = over HF batched `generate` at the same B; *vs none* = over the "
@@ -349,8 +359,8 @@ def main() -> None:
         data = {"machine": machine_info(), "args": vars(args), "wall_s": 0.0, "load": [], "note": args.note,
                 "paths": {"stock": stock.speed_path, "packed": packed.speed_path, "calibration": str(cal_path)},
                 "rows": {t: {str(b): {r: [] for r in rows} for b in sizes} for t in temps}, "predicted": {}}
-    data["context"], data["auto_min_gain"] = context, AUTO_MIN_GAIN
-    data["predicted"] = all_predictions(cal, rows, temps, sizes, context)
+    data["context"], data["auto_min_gain"], data["timing_noise"] = context, auto_min_gain(cal), cal.timing_noise
+    data["predicted"] = all_predictions(cal, rows, temps, sizes, context, data["auto_min_gain"])
     eos = list(stock.eos_token_ids)
     warm = [torch.tensor(chat_prompt(tok, "Hello!"))] * 2
     hf_batched(stock.model, warm, 4, eos, 0.0, 0)

@@ -177,3 +177,31 @@ def test_auto_plans_with_the_acceptance_of_the_requested_temperature(tmp_path, m
     assert gen.builder.budget > 16 and gen._builder_for(1.0).budget == 1
     out = gen.generate([1, 2, 3], max_new_tokens=6, temperature=1.0, seed=0)
     assert out.stats.steps == out.token_ids.numel()           # no speculation: one token per step
+
+
+def test_a_noisy_machine_keeps_auto_on_plain_decoding_for_a_small_predicted_gain(tmp_path, monkeypatch):
+    """The same small predicted gain is taken on a quiet machine and left alone on a noisy one,
+    and the CLI says which threshold decided it."""
+    import dataclasses
+    import warnings
+
+    from treespec.cli import auto_threshold_line
+    from treespec.cost import default_calibration_path
+
+    target = tiny_target(vocab_size=16)
+    flat = _calibration(lambda n: max(1.0, n / 8), drafter_s=1e-6)
+
+    def spread(noise: float) -> Calibration:
+        return dataclasses.replace(flat, target=Curve.fit(flat.target.ns, flat.target.seconds,
+                                                          [noise] * len(flat.target.ns)))
+
+    quiet = auto_builder(target, LookupDrafter(16), spread(0.01), acceptance=(0.15,))
+    noisy = auto_builder(target, LookupDrafter(16), spread(0.12), acceptance=(0.15,))
+    assert quiet.budget > 1 and noisy.budget == 1
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    spread(0.12).save(default_calibration_path(target.name))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CalibrationMismatchWarning)   # device "test"
+        line = auto_threshold_line(target, noisy.budget)
+    assert line == ("speculates where the cost model predicts at least 1.25x (timing spread 12.0% per "
+                    "pass on this machine); no tree does: plain decoding")

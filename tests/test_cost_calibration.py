@@ -11,6 +11,7 @@ from treespec.cost import (
     Calibration,
     Curve,
     auto_budget,
+    auto_min_gain,
     best_tree,
     default_calibration_path,
     measure,
@@ -56,6 +57,65 @@ def test_measure_interleaved_times_round_robin():
     fns = [lambda: order.append("a"), lambda: order.append("b")]
     assert measure_interleaved(fns, n_warmup=1, n_rep=2, clock=lambda: next(ticks)) == [1, 1]
     assert order == ["a", "b", "a", "b", "a", "b"]
+
+
+def test_time_interleaved_keeps_every_timing_in_rep_order():
+    from treespec.cost.calibration import time_interleaved
+
+    ticks = iter([0, 1, 1, 3, 3, 4, 4, 7])   # a: 1 then 1, b: 2 then 3
+    fns = [lambda: None, lambda: None]
+    assert time_interleaved(fns, n_warmup=0, n_rep=2, clock=lambda: next(ticks)) == [[1, 1], [2, 3]]
+
+
+def test_relative_spread_is_the_interquartile_range_over_the_median():
+    from treespec.cost.calibration import relative_spread
+
+    assert relative_spread([3.0, 1.0, 5.0, 2.0, 4.0]) == pytest.approx((4.0 - 2.0) / 3.0)
+    assert relative_spread([2.0] * 4) == 0.0
+    with pytest.raises(ValueError, match="at least 4 timings"):
+        relative_spread([1.0, 2.0, 3.0])
+
+
+def test_a_curve_keeps_the_spread_of_its_timings(tmp_path):
+    import dataclasses
+
+    curve = Curve.from_timings([1, 2], [[1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 2.0, 2.0, 2.0]])
+    assert curve.seconds == (3.0, 2.0) and curve.spread == pytest.approx((2.0 / 3.0, 0.0))
+    assert Curve.from_timings([1, 2], [[1.0, 2.0, 3.0], [2.0] * 5]).spread is None   # too few at n = 1
+    assert Curve.from_json(curve.to_json()) == curve
+    assert "spread" not in Curve.fit([1], [1.0]).to_json()
+    with pytest.raises(ValueError, match="one spread per n"):
+        Curve.fit([1, 2], [1.0, 2.0], spread=[0.1])
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        Curve.fit([1], [1.0], spread=[-0.1])
+    # the calibration's noise: the median spread of its target curve; saved and loaded
+    cal = _calibration()
+    assert cal.timing_noise is None
+    spread = (0.02, 0.05, 0.20, 0.03, 0.04, 0.30, 0.01)
+    noisy = dataclasses.replace(cal, target=Curve.fit(cal.target.ns, cal.target.seconds, spread))
+    assert noisy.timing_noise == pytest.approx(0.04)
+    assert Calibration.load(noisy.save(tmp_path / "c.json")) == noisy
+
+
+def test_auto_needs_a_larger_predicted_gain_on_a_noisy_machine():
+    import dataclasses
+    import math
+
+    def with_noise(noise: float) -> Calibration:
+        cal = _calibration()
+        return dataclasses.replace(cal, target=Curve.fit(cal.target.ns, cal.target.seconds,
+                                                         [noise] * len(cal.target.ns)))
+
+    assert auto_min_gain(_calibration()) == 1.05          # no spreads recorded: the quiet default
+    assert auto_min_gain(with_noise(0.01)) == 1.05        # a quiet machine: the default holds
+    # 12 % spread: σ = 0.12 / 1.349 per pass, √2 σ for a ratio of two, two of those
+    assert auto_min_gain(with_noise(0.12)) == pytest.approx(1 + 2 * math.sqrt(2) * 0.12 / 1.349)
+    # one free draft accepted 15 % of the time on a flat curve: a 15 % predicted gain
+    quiet = auto_budget(with_noise(0.01), (0.15,), "lookup")
+    assert quiet.budget > 0 and 1.05 < quiet.speedup < 1.2
+    assert auto_budget(with_noise(0.12), (0.15,), "lookup").budget == 0      # inside the noise
+    assert auto_budget(with_noise(0.12), (0.15,), "lookup", min_gain=1.05).budget > 0   # asked for
+    assert auto_budget(with_noise(0.12), (0.5,), "lookup").budget == 7       # a clear gain holds
 
 
 def test_curve_follows_the_measurement():
@@ -138,6 +198,10 @@ def test_calibrate_a_tiny_model():
     assert set(cal.drafters) == {"early_exit", "eagle"} and cal.drafter_layers["early_exit"] == 1
     assert cal.shape.bytes_per_weight == 4 and cal.shape.layers == 2 and cal.context == 5
     assert cal.clock == "perf_counter" and cal.threads >= 1
+    assert cal.target.spread is None and cal.timing_noise is None    # one rep: no spread
+    spread = calibrate(tiny_llama(num_layers=2), "tiny", ns=(1, 3), context=5, early_exit_layers=1,
+                       n_warmup=0, n_rep=4)
+    assert len(spread.target.spread) == 2 and spread.timing_noise >= 0.0
     with pytest.raises(ValueError, match=r"early_exit_layers must be in \[1, 2\]"):
         calibrate(tiny_llama(num_layers=2), "tiny", ns=(1,), early_exit_layers=3)
 

@@ -355,6 +355,15 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
     assert ensure_calibration(target, "lookup", out=moved) == path
     assert "does not fit this machine" in moved.getvalue() and "Another CPU" in moved.getvalue()
     assert Calibration.load(path).device != data["device"]
+    # a file written before timing spreads were recorded: auto's minimum gain needs them
+    assert Calibration.load(path).timing_noise is not None
+    data = json.loads(path.read_text())
+    del data["target"]["spread"]
+    path.write_text(json.dumps(data))
+    spreadless = io.StringIO()
+    assert ensure_calibration(target, "lookup", out=spreadless) == path
+    assert "predates timing spreads" in spreadless.getvalue()
+    assert Calibration.load(path).timing_noise is not None
 
 
 @needs_packing

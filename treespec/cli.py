@@ -90,6 +90,18 @@ def _load_target(args):
     return target
 
 
+def auto_threshold_line(target, n_nodes: int) -> str:
+    """Why auto chose what it chose: the predicted gain it needed on this machine."""
+    from treespec.cost import auto_min_gain
+    from treespec.engine import target_calibration
+
+    cal = target_calibration(target)
+    noise = cal.timing_noise
+    line = f"speculates where the cost model predicts at least {auto_min_gain(cal):.2f}x" + (
+        f" (timing spread {noise:.1%} per pass on this machine)" if noise is not None else "")
+    return line + ("; no tree does: plain decoding" if n_nodes == 1 else "")
+
+
 def _build_generator(args, target=None):
     from treespec import SpeculativeGenerator, load_drafter
 
@@ -101,7 +113,8 @@ def _build_generator(args, target=None):
     drafter = load_drafter(args.drafter, target, **options)
     if args.budget == "auto":
         gen = SpeculativeGenerator(target, drafter, "auto", verify=args.verify)
-        print(f"[auto tree: {gen.builder.config}]", file=sys.stderr)
+        print(f"[auto tree: {gen.builder.config}; {auto_threshold_line(target, gen.builder.budget)}]",
+              file=sys.stderr)
         return target, gen
     try:
         budget = int(args.budget)
@@ -219,10 +232,12 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     if path.exists():
         cached = Calibration.load(path)
         stale = machine_mismatch(cached, target.device)
-        if stale is None and drafter_name in cached.acceptance:
+        if stale is None and drafter_name in cached.acceptance and cached.timing_noise is not None:
             cal = cached
         elif stale is not None:  # e.g. a home directory shared by an AVX-512 and an AVX2 machine
             why = f"the cached calibration of {target.name} does not fit this machine ({stale})"
+        elif cached.timing_noise is None:  # auto's minimum gain reads the spread of the timings
+            why = f"the cached calibration of {target.name} predates timing spreads"
     if cal is None:
         print(f"[{why}: measuring it once, about a minute; cached at {path}]", file=out, flush=True)
         # target curve, two generic drafter curves, the drafter's pass times, its acceptances

@@ -5,7 +5,7 @@
     roofline     t_target / t_draft / arithmetic intensity / compute-bound batch
     acceptance   τ of chains and trees, optimal trees under positional acceptance
     calibration  measure(), Calibration (JSON), CalibratedCost for this machine
-    planner      best_tree / auto_budget / batch_limits / plan_curve
+    planner      best_tree / auto_budget (auto_min_gain) / batch_limits / plan_curve
     cli          `treespec plan` and `treespec calibrate`
 """
 
@@ -40,6 +40,7 @@ from treespec.cost.planner import (
     StepCost,
     TreeChoice,
     auto_budget,
+    auto_min_gain,
     batch_limits,
     best_choice,
     best_tree,
@@ -77,6 +78,7 @@ __all__ = [
     "acceptance_vector",
     "arithmetic_intensity",
     "auto_budget",
+    "auto_min_gain",
     "batch_limits",
     "best_choice",
     "best_tree",

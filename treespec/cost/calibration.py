@@ -50,6 +50,8 @@ __all__ = [
     "machine_mismatch",
     "measure",
     "measure_interleaved",
+    "relative_spread",
+    "time_interleaved",
     "verify_passes",
     "model_calibration_path",
 ]
@@ -98,6 +100,16 @@ def measure_interleaved(
     once each, so a slow drift of the machine (other processes, clock changes) hits every
     fn alike instead of distorting the curve between neighbours. Same arguments as ``measure``.
     """
+    return [statistics.median(bucket) for bucket in time_interleaved(fns, n_warmup, n_rep, clock)]
+
+
+def time_interleaved(
+    fns: Sequence[Callable[[], object]],
+    n_warmup: int = 2,
+    n_rep: int = 7,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[list[float]]:
+    """Every timing ``measure_interleaved`` takes: ``n_rep`` seconds per fn, in rep order."""
     if not isinstance(n_warmup, int) or n_warmup < 0:
         raise ValueError(f"n_warmup must be an int >= 0, got {n_warmup!r}")
     if not isinstance(n_rep, int) or n_rep < 1:
@@ -111,7 +123,20 @@ def measure_interleaved(
             start = clock()
             fn()
             bucket.append(clock() - start)
-    return [statistics.median(bucket) for bucket in times]
+    return times
+
+
+# The fewest repeated timings of a point whose spread is recorded (a quartile of fewer says little).
+MIN_SPREAD_REPS = 4
+
+
+def relative_spread(samples: Sequence[float]) -> float:
+    """Interquartile range of repeated timings of one pass over their median: how far a single
+    pass strays on this machine (about 1.35 standard deviations for normal scatter)."""
+    if len(samples) < MIN_SPREAD_REPS:
+        raise ValueError(f"a spread needs at least {MIN_SPREAD_REPS} timings, got {len(samples)}")
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(samples)
 
 
 @dataclass(frozen=True)
@@ -126,20 +151,38 @@ class Curve:
     Attributes:
         ns:      measured token counts, strictly increasing.
         seconds: median seconds measured at each n.
+        spread:  ``relative_spread`` of the repeated timings at each n, or None when not
+                 recorded (files written before it, or fewer than ``MIN_SPREAD_REPS`` reps).
     """
 
     ns: tuple[int, ...]
     seconds: tuple[float, ...]
+    spread: tuple[float, ...] | None = None
 
     @classmethod
-    def fit(cls, ns: Sequence[int], seconds: Sequence[float]) -> Curve:
+    def fit(cls, ns: Sequence[int], seconds: Sequence[float], spread: Sequence[float] | None = None) -> Curve:
         if len(ns) != len(seconds) or not ns:
             raise ValueError(f"need one time per n, got {len(ns)} ns and {len(seconds)} times")
         if any(b <= a for a, b in zip(ns, ns[1:])) or ns[0] < 1:
             raise ValueError(f"ns must be positive and strictly increasing, got {list(ns)}")
         if any(not s > 0 for s in seconds):
             raise ValueError(f"measured seconds must be > 0, got {list(seconds)}")
-        return cls(tuple(int(n) for n in ns), tuple(float(s) for s in seconds))
+        if spread is not None:
+            if len(spread) != len(ns):
+                raise ValueError(f"need one spread per n, got {len(spread)} spreads for {len(ns)} ns")
+            if any(not 0 <= x < float("inf") for x in spread):
+                raise ValueError(f"spreads must be finite and >= 0, got {list(spread)}")
+            spread = tuple(float(x) for x in spread)
+        return cls(tuple(int(n) for n in ns), tuple(float(s) for s in seconds), spread)
+
+    @classmethod
+    def from_timings(cls, ns: Sequence[int], timings: Sequence[Sequence[float]]) -> Curve:
+        """The Curve of repeated timings per n: their medians, and their spreads when every n
+        has at least ``MIN_SPREAD_REPS`` of them."""
+        spread = None
+        if all(len(t) >= MIN_SPREAD_REPS for t in timings):
+            spread = [relative_spread(t) for t in timings]
+        return cls.fit(ns, [statistics.median(t) for t in timings], spread)
 
     def __call__(self, n: float) -> float:
         """Seconds for n tokens: interpolated inside the measured range, flat below it, and
@@ -155,11 +198,14 @@ class Curve:
         return ts[i - 1] + frac * (ts[i] - ts[i - 1])
 
     def to_json(self) -> dict[str, Any]:
-        return {"ns": list(self.ns), "seconds": list(self.seconds)}
+        data: dict[str, Any] = {"ns": list(self.ns), "seconds": list(self.seconds)}
+        if self.spread is not None:
+            data["spread"] = list(self.spread)
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Curve:
-        return cls.fit(data["ns"], data["seconds"])
+        return cls.fit(data["ns"], data["seconds"], data.get("spread"))
 
 
 @dataclass(frozen=True)
@@ -293,6 +339,16 @@ class Calibration:
         if batch == 1:
             return self.drafters[name](width)
         return _across_batches({1: self.drafters[name], **self.batch_drafters.get(name, {})}, width, batch)
+
+    @property
+    def timing_noise(self) -> float | None:
+        """How much a single verify pass strays on this machine: the median ``relative_spread``
+        of the target curve's points (None when the file did not record spreads). A shared or
+        throttled host shows 10 % or more, a quiet one a few %; ``planner.auto_min_gain``
+        turns it into the gain a tree must promise before ``builder="auto"`` speculates."""
+        if self.target.spread is None:
+            return None
+        return statistics.median(self.target.spread)
 
     @property
     def bandwidth(self) -> float:
@@ -485,10 +541,11 @@ def _shuffled_curve(passes: Callable[[Sequence[int]], list[Callable[[], None]]],
     shuffled order: neither machine drift nor the previous pass's size (allocator state) lines
     up with n."""
     order = sorted(points, key=lambda n: random.Random(n).random())
-    timed = dict(zip(order, measure_interleaved(passes(order), n_warmup, n_rep, clock)))
-    seconds = [timed[n] for n in points]
-    say(f"{label}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(points, seconds)))
-    return Curve.fit(list(points), seconds)
+    timed = dict(zip(order, time_interleaved(passes(order), n_warmup, n_rep, clock)))
+    curve = Curve.from_timings(list(points), [timed[n] for n in points])
+    say(f"{label}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(curve.ns, curve.seconds))
+        + ("" if curve.spread is None else f"; timing spread {statistics.median(curve.spread):.1%}"))
+    return curve
 
 
 # Batch sizes and nodes per request ``calibrate_batches`` measures by default.

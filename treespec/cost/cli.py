@@ -254,6 +254,11 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     path = result.save(args.out or model_calibration_path(args.model, model))
     print(f"saved {path}")
+    if result.timing_noise is not None:
+        from treespec.cost.planner import auto_min_gain
+
+        print(f"timing spread {result.timing_noise:.1%} per pass: builder='auto' speculates where it "
+              f"predicts at least {auto_min_gain(result):.2f}x")
     return 0
 
 

@@ -13,6 +13,7 @@ verification turns compute-bound.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,6 +30,7 @@ __all__ = [
     "StepCost",
     "TreeChoice",
     "auto_budget",
+    "auto_min_gain",
     "batch_limits",
     "best_choice",
     "best_tree",
@@ -193,11 +195,33 @@ def best_tree(
     return best_choice(plan_curve(cost, acceptance, batch, context, max_budget, max_depth))
 
 
-# builder="auto" speculates only where the cost model predicts at least this speedup. Its
-# predictions of measured batched runs land within about ±20 % on a shared 2-core CPU
-# (benchmarks/results/batch.md, "pred / meas"); a tree predicted to gain less than 5 % is as
-# likely to lose as to win there, and plain decoding never loses to itself.
+# builder="auto" speculates only where the cost model predicts at least this speedup, on a
+# quiet machine. Its predictions of measured runs land within about ±20 % on a shared 2-core
+# CPU (benchmarks/results/batch.md, "pred / meas"); a tree predicted to gain less than 5 % is
+# as likely to lose as to win there, and plain decoding never loses to itself.
 AUTO_MIN_GAIN = 1.05
+
+# A noisy machine asks for more (``auto_min_gain``): the predicted gain is a ratio of two pass
+# times, each of which strays by the calibration's timing noise. Speculation must clear the
+# plain pass by this many standard deviations of that ratio.
+AUTO_NOISE_SIGMAS = 2.0
+_IQR_PER_SIGMA = 1.349   # interquartile range of a normal distribution, in standard deviations
+
+
+def auto_min_gain(calibration: Calibration) -> float:
+    """The predicted speedup ``builder="auto"`` needs before it speculates on this machine.
+
+    ``AUTO_MIN_GAIN``, raised on a noisy machine to 1 + ``AUTO_NOISE_SIGMAS`` standard
+    deviations of a ratio of two pass times: a single pass's relative deviation σ is the
+    calibration's ``timing_noise`` (an interquartile range) / 1.349, and a ratio of two
+    independent ones strays by √2 σ. The calibration saw how far one pass strays; the run
+    happens later, under whatever else the machine is doing then, so a gain inside that band
+    is not one the run can count on. A calibration without spreads gets ``AUTO_MIN_GAIN``.
+    """
+    noise = calibration.timing_noise
+    if noise is None:
+        return AUTO_MIN_GAIN
+    return max(AUTO_MIN_GAIN, 1.0 + AUTO_NOISE_SIGMAS * math.sqrt(2.0) * noise / _IQR_PER_SIGMA)
 
 
 def auto_budget(
@@ -207,15 +231,18 @@ def auto_budget(
     max_budget: int = 64,
     max_depth: int = 16,
     batch: int = 1,
-    min_gain: float = AUTO_MIN_GAIN,
+    min_gain: float | None = None,
 ) -> TreeChoice:
     """The engine's ``budget="auto"``: best tree on this machine from its calibration.
 
     ``batch`` sequences (the server passes its current batch size) at the calibration's
     context, using the measured target curve and the measured pass time of ``drafter_kind``
     (``Calibration.drafters``; "lookup" costs 0). A tree whose predicted speedup is below
-    ``min_gain`` gives way to plain decoding (budget 0): see ``AUTO_MIN_GAIN``.
+    ``min_gain`` (default ``auto_min_gain(calibration)``: higher on a noisy machine) gives way
+    to plain decoding (budget 0).
     """
+    if min_gain is None:
+        min_gain = auto_min_gain(calibration)
     if not min_gain >= 1.0:
         raise ValueError(f"min_gain must be >= 1 (1: speculate on any predicted gain), got {min_gain!r}")
     cost = CalibratedCost(calibration, drafter_kind)
