@@ -177,6 +177,9 @@ def summarize(data: dict) -> dict:
                     none = by_row.get("treespec none")
                     if none:
                         e["gain_vs_none"] = rate / (sum(r["tokens"] for r in none) / sum(r["time"] for r in none))
+                        # paired by group: the two rows ran back to back on the same prompts
+                        e["vs_none_by_group"] = [(r["tokens"] / r["time"]) / (n["tokens"] / n["time"])
+                                                 for r, n in zip(rs, none)]
                     pred = data["predicted"].get(temp, {}).get(name, {}).get(b)
                     if isinstance(pred, dict):
                         e["predicted_gain"] = pred["gain"]
@@ -222,7 +225,9 @@ def write(data: dict, out: Path) -> str:
         "",
         "tokens/s = useful new tokens of all requests / wall seconds (prefill included), summed over the "
         "groups of B prompts. *gain* = over HF batched `generate` at the same B; *vs none* = over the "
-        "treespec server without speculation (the loop's own overhead cancels); *predicted* = the cost "
+        "treespec server without speculation (the loop's own overhead cancels); *vs none by group* = "
+        "the same ratio per group of B prompts, the two rows having run back to back on them: median "
+        "(lowest-highest), the run's noise in one view; *predicted* = the cost "
         "model's speculative gain at that B (over plain decoding; compare with *vs none*; batched "
         "verify passes from the calibration's measured batch curves, acceptance measured at the row's "
         "temperature); *pred / meas* = predicted / vs none. τ/request = tokens per request per step "
@@ -232,9 +237,9 @@ def write(data: dict, out: Path) -> str:
     ]
     for temp, by_b in data["summary"].items():
         lines += ["", f"## T = {temp}", "",
-                  "| B | row | tokens/s | gain | vs none | predicted | pred / meas | τ/request | τ pred | nodes | "
-                  "draft / verify / other ms | step ms pred | = HF |",
-                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+                  "| B | row | tokens/s | gain | vs none | vs none by group | predicted | pred / meas | τ/request | "
+                  "τ pred | nodes | draft / verify / other ms | step ms pred | = HF |",
+                  "| ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
         for b, table in by_b.items():
             for name, e in table.items():
                 pred = e.get("predicted_gain")
@@ -242,12 +247,15 @@ def write(data: dict, out: Path) -> str:
                          if "draft_ms" in e else "-")
                 same = f"{e['same_as_hf']}/{e['requests']}" if "same_as_hf" in e else "-"
                 vs_none = f"{e['gain_vs_none']:.2f}x" if "gain_vs_none" in e else "-"
+                groups = e.get("vs_none_by_group") if name != "treespec none" else None
+                by_group = (f"{statistics.median(groups):.2f} ({min(groups):.2f}-{max(groups):.2f})"
+                            if groups else "-")
                 ratio = f"{pred / e['gain_vs_none']:.2f}" if pred and e.get("gain_vs_none") else "-"
                 tau_pred = f"{e['predicted_tau']:.2f}" if "predicted_tau" in e else "-"
                 tau = (f"{e['tau_per_request']:.2f} | {tau_pred} | {e['nodes_per_request']:.1f}"
                        if "tau_per_request" in e else "- | - | -")
                 step_pred = f"{e['predicted_step_ms']:.0f}" if "predicted_step_ms" in e else "-"
-                lines.append(f"| {b} | {name} | {e['tokens_per_s']:.1f} | {e['gain']:.2f}x | {vs_none} | "
+                lines.append(f"| {b} | {name} | {e['tokens_per_s']:.1f} | {e['gain']:.2f}x | {vs_none} | {by_group} | "
                              f"{f'{pred:.2f}x' if pred else '-'} | {ratio} | {tau} | {split} | {step_pred} | {same} |")
         autos = {b: t["treespec auto"].get("auto") for b, t in by_b.items() if "treespec auto" in t}
         if autos:
