@@ -199,9 +199,14 @@ def test_a_noisy_machine_keeps_auto_on_plain_decoding_for_a_small_predicted_gain
     noisy = auto_builder(target, LookupDrafter(16), spread(0.12), acceptance=(0.15,))
     assert quiet.budget > 1 and noisy.budget == 1
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
-    spread(0.12).save(default_calibration_path(target.name))
+    dataclasses.replace(spread(0.12), acceptance={"lookup": (0.15,)}).save(default_calibration_path(target.name))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CalibrationMismatchWarning)   # device "test"
-        line = auto_threshold_line(target, noisy.budget)
-    assert line == ("speculates where the cost model predicts at least 1.25x (timing spread 12.0% per "
-                    "pass on this machine); no tree does: plain decoding")
+        gen = SpeculativeGenerator(target, "lookup", "auto")     # registered: reads its acceptance
+    assert gen.calibration.timing_noise == pytest.approx(0.12)
+    assert gen.builder.budget == 1
+    assert auto_threshold_line(gen.calibration, gen.builder.budget) == (
+        "speculates where the cost model predicts at least 1.25x (timing spread 12.0% per pass on this "
+        "machine); no tree does: plain decoding")
+    assert auto_threshold_line(flat, 3) == "speculates where the cost model predicts at least 1.05x"
+    assert SpeculativeGenerator(target, LookupDrafter(16), ChainBuilder(2)).calibration is None

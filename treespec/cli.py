@@ -90,14 +90,12 @@ def _load_target(args):
     return target
 
 
-def auto_threshold_line(target, n_nodes: int) -> str:
-    """Why auto chose what it chose: the predicted gain it needed on this machine."""
+def auto_threshold_line(calibration, n_nodes: int) -> str:
+    """Why auto chose an ``n_nodes`` tree: the predicted gain it needed on this machine."""
     from treespec.cost import auto_min_gain
-    from treespec.engine import target_calibration
 
-    cal = target_calibration(target)
-    noise = cal.timing_noise
-    line = f"speculates where the cost model predicts at least {auto_min_gain(cal):.2f}x" + (
+    noise = calibration.timing_noise
+    line = f"speculates where the cost model predicts at least {auto_min_gain(calibration):.2f}x" + (
         f" (timing spread {noise:.1%} per pass on this machine)" if noise is not None else "")
     return line + ("; no tree does: plain decoding" if n_nodes == 1 else "")
 
@@ -113,7 +111,7 @@ def _build_generator(args, target=None):
     drafter = load_drafter(args.drafter, target, **options)
     if args.budget == "auto":
         gen = SpeculativeGenerator(target, drafter, "auto", verify=args.verify)
-        print(f"[auto tree: {gen.builder.config}; {auto_threshold_line(target, gen.builder.budget)}]",
+        print(f"[auto tree: {gen.builder.config}; {auto_threshold_line(gen.calibration, gen.builder.budget)}]",
               file=sys.stderr)
         return target, gen
     try:

@@ -255,7 +255,7 @@ class SpeculativeGenerator:
         drafter: a Drafter, or a registered drafter name (``registered_drafters()``).
         builder: a TreeBuilder; default ``DynamicTreeBuilder(budget=16, depth=5, top_k=4)``;
                  "auto" sizes the tree with the cost model and the local calibration
-                 (``auto_builder``). A builder of budget 1 (auto's choice where speculation
+                 (``auto_builder``; kept as ``calibration``, else None). A builder of budget 1 (auto's choice where speculation
                  does not pay) decodes plainly: the drafter is not called at all.
         verify:  the acceptance rule: "token" (default, every tree), "block" (chains) or
                  "traversal" (trees); all exact (``treespec.verifiers.accept``). The last two
@@ -279,9 +279,10 @@ class SpeculativeGenerator:
             raise ValueError(f"drafter vocab size {drafter.vocab_size} != target vocab size "
                              f"{target.vocab_size}; they must share one vocabulary")
         self._auto: dict[float, TreeBuilder] | None = None   # builder="auto": temperature -> tree
+        self.calibration = None   # builder="auto": the local calibration that sizes its trees
         if builder == "auto":
-            self._calibration = target_calibration(target)
-            self._auto = {0.0: auto_builder(target, drafter, self._calibration)}
+            self.calibration = target_calibration(target)
+            self._auto = {0.0: auto_builder(target, drafter, self.calibration)}
             builder = self._auto[0.0]
         elif isinstance(builder, str):
             raise ValueError(f"builder must be a TreeBuilder or 'auto', got {builder!r}")
@@ -405,7 +406,7 @@ class SpeculativeGenerator:
         if self._auto is None:
             return self.builder
         if temperature not in self._auto:
-            self._auto[temperature] = auto_builder(self.target, self.drafter, self._calibration,
+            self._auto[temperature] = auto_builder(self.target, self.drafter, self.calibration,
                                                    temperature=temperature)
         return self._auto[temperature]
 
