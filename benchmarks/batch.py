@@ -13,6 +13,8 @@ are decoded to --max-new-tokens each (EOS stops a request early), by:
 - treespec lookup adaptive: prompt lookup (repeated suffixes of ``--lookup-min-ngram`` tokens
   or more) drafting an adaptive chain of up to --chain-k tokens (``min_confidence``): requests
   whose text does not repeat draft nothing that step. The cost model does not predict it.
+Per group, HF runs first and the treespec rows follow in an order rotated by one row per group
+(an A/A probe on a shared host drew several % between two identical runs back to back).
 Total tokens/s = useful new tokens of the group (up to each request's EOS) / wall seconds
 (prefill included). Beside each treespec row: the measured gain over HF batched generate and
 the cost model's predicted speculative gain at that B (calibrated machine, the drafter's
@@ -387,7 +389,8 @@ def main() -> None:
                 group = groups[gi]
                 hf_out, dt = hf_batched(stock.model, group, args.max_new_tokens, eos, float(temp), seed)
                 cells[rows[0]].append({"tokens": sum(map(len, hf_out)), "time": dt})
-                for r in rows[1:]:
+                spec = rows[1:]   # rotated per group: no row always runs right after another
+                for r in spec[gi % len(spec):] + spec[:gi % len(spec)]:
                     news, dt, stats = treespec_group(packed, drafter_of(r), builder_of(r, args), group,
                                                      args.max_new_tokens, float(temp), seed, cal)
                     rec = {"tokens": sum(map(len, news)), "time": dt, **stats}
