@@ -4,7 +4,10 @@ On a CPU the verification cost is far from a roofline: one token runs matrix-vec
 2-3 tokens a slow small-row GEMM path (a 3-token pass costs more than a 4-token one here),
 then the cost grows with FLOPs. So the calibrated model is the measurement itself: medians of
 repeated passes at n = 1 … 128 tokens, interpolated piecewise-linearly in n (``Curve``) and
-extrapolated with the slope of the last segment.
+extrapolated with the slope of the last segment. Each point also keeps the spread of its
+repeated timings (``Curve.spread``); their median, ``Calibration.timing_noise``, says how noisy
+the machine was, and ``planner.auto_min_gain`` asks a tree for more predicted gain the noisier
+it is.
 
 Calibrated machine, batch and context: the target curve is measured at batch 1 with a cached
 prefix of ``context`` tokens. A batch of B requests is measured too when asked
