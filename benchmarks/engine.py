@@ -39,7 +39,7 @@ import torch
 
 import treespec
 from treespec.cli import ensure_calibration, make_builder
-from treespec.cost import Calibration, auto_min_gain
+from treespec.cost import auto_threshold_text
 from treespec.data import chat_prompt, mtbench_questions
 from treespec.fastpath import cpu_info, machine_info
 from treespec.trees import BestFirstBuilder
@@ -106,8 +106,8 @@ def build(args):
                                        min_ngram=args.lookup_min_ngram)
         gens["treespec lookup adaptive"] = treespec.SpeculativeGenerator(
             packed, lookup, make_builder("chain", args.chain_k + 1, 5, 4, min_confidence=args.min_confidence))
-        paths[d]["auto"] = (f"{gens['treespec auto'].builder.config} (calibration {cal}; speculates where it "
-                            f"predicts at least {auto_min_gain(Calibration.load(cal)):.2f}x)")
+        paths[d]["auto"] = (f"{gens['treespec auto'].builder.config} (calibration {cal}; "
+                            f"{auto_threshold_text(gens['treespec auto'].calibration)})")
         paths[d]["lookup adaptive"] = f"{lookup.config}, {gens['treespec lookup adaptive'].builder}"
         rows = {
             "HF generate": lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s),

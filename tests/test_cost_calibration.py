@@ -116,6 +116,11 @@ def test_auto_needs_a_larger_predicted_gain_on_a_noisy_machine():
     assert auto_budget(with_noise(0.12), (0.15,), "lookup").budget == 0      # inside the noise
     assert auto_budget(with_noise(0.12), (0.15,), "lookup", min_gain=1.05).budget > 0   # asked for
     assert auto_budget(with_noise(0.12), (0.5,), "lookup").budget == 7       # a clear gain holds
+    from treespec.cost import auto_threshold_text
+
+    assert auto_threshold_text(with_noise(0.12)) == ("speculates where the cost model predicts at least "
+                                                     "1.25x (timing spread 12.0% per pass on this machine)")
+    assert auto_threshold_text(_calibration()) == "speculates where the cost model predicts at least 1.05x"
 
 
 def test_curve_follows_the_measurement():

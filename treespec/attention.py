@@ -41,7 +41,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 GROUPED_SDPA = "treespec_grouped_sdpa"
 
 
-
 def grouped_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

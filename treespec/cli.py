@@ -92,12 +92,9 @@ def _load_target(args):
 
 def auto_threshold_line(calibration, n_nodes: int) -> str:
     """Why auto chose an ``n_nodes`` tree: the predicted gain it needed on this machine."""
-    from treespec.cost import auto_min_gain
+    from treespec.cost import auto_threshold_text
 
-    noise = calibration.timing_noise
-    line = f"speculates where the cost model predicts at least {auto_min_gain(calibration):.2f}x" + (
-        f" (timing spread {noise:.1%} per pass on this machine)" if noise is not None else "")
-    return line + ("; no tree does: plain decoding" if n_nodes == 1 else "")
+    return auto_threshold_text(calibration) + ("; no tree does: plain decoding" if n_nodes == 1 else "")
 
 
 def _build_generator(args, target=None):

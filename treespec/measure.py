@@ -18,7 +18,6 @@ paths still resolve to these functions.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -112,7 +111,7 @@ def calibrate_drafter(
         for nodes, seconds in drafter.calls:
             samples.setdefault(nodes, []).append(seconds)
     ns = sorted(samples)
-    curve = Curve.fit(ns, [statistics.median(samples[n]) for n in ns])
+    curve = Curve.from_timings(ns, [samples[n] for n in ns])
     say(f"{name}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(curve.ns, curve.seconds)))
     calibration = dataclasses.replace(calibration, drafters={**calibration.drafters, name: curve})
     return calibrate_acceptance(calibration, drafter.inner, name, target, prompts, temperatures,

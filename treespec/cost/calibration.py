@@ -187,6 +187,11 @@ class Curve:
             spread = [relative_spread(t) for t in timings]
         return cls.fit(ns, [statistics.median(t) for t in timings], spread)
 
+    @property
+    def noise(self) -> float | None:
+        """The median of ``spread`` (None when not recorded): how far one pass typically strays."""
+        return None if self.spread is None else statistics.median(self.spread)
+
     def __call__(self, n: float) -> float:
         """Seconds for n tokens: interpolated inside the measured range, flat below it, and
         extended above it with the last segment's slope (never decreasing)."""
@@ -349,9 +354,7 @@ class Calibration:
         of the target curve's points (None when the file did not record spreads). A shared or
         throttled host shows 10 % or more, a quiet one a few %; ``planner.auto_min_gain``
         turns it into the gain a tree must promise before ``builder="auto"`` speculates."""
-        if self.target.spread is None:
-            return None
-        return statistics.median(self.target.spread)
+        return self.target.noise
 
     @property
     def bandwidth(self) -> float:
@@ -547,7 +550,7 @@ def _shuffled_curve(passes: Callable[[Sequence[int]], list[Callable[[], None]]],
     timed = dict(zip(order, time_interleaved(passes(order), n_warmup, n_rep, clock)))
     curve = Curve.from_timings(list(points), [timed[n] for n in points])
     say(f"{label}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(curve.ns, curve.seconds))
-        + ("" if curve.spread is None else f"; timing spread {statistics.median(curve.spread):.1%}"))
+        + ("" if curve.noise is None else f"; timing spread {curve.noise:.1%}"))
     return curve
 
 

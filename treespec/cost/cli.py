@@ -254,11 +254,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     path = result.save(args.out or model_calibration_path(args.model, model))
     print(f"saved {path}")
-    if result.timing_noise is not None:
-        from treespec.cost.planner import auto_min_gain
+    from treespec.cost.planner import auto_threshold_text
 
-        print(f"timing spread {result.timing_noise:.1%} per pass: builder='auto' speculates where it "
-              f"predicts at least {auto_min_gain(result):.2f}x")
+    print(f"builder='auto' {auto_threshold_text(result)}")
     return 0
 
 

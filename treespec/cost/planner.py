@@ -31,6 +31,7 @@ __all__ = [
     "TreeChoice",
     "auto_budget",
     "auto_min_gain",
+    "auto_threshold_text",
     "batch_limits",
     "best_choice",
     "best_tree",
@@ -222,6 +223,13 @@ def auto_min_gain(calibration: Calibration) -> float:
     if noise is None:
         return AUTO_MIN_GAIN
     return max(AUTO_MIN_GAIN, 1.0 + AUTO_NOISE_SIGMAS * math.sqrt(2.0) * noise / _IQR_PER_SIGMA)
+
+
+def auto_threshold_text(calibration: Calibration) -> str:
+    """``auto_min_gain`` in words, with the spread it came from (CLIs and benchmark headers)."""
+    noise = calibration.timing_noise
+    return (f"speculates where the cost model predicts at least {auto_min_gain(calibration):.2f}x"
+            + ("" if noise is None else f" (timing spread {noise:.1%} per pass on this machine)"))
 
 
 def auto_budget(
