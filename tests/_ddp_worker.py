@@ -26,7 +26,7 @@ def main() -> None:
                     help="first stop after this many steps, then resume in the same process group")
     args = ap.parse_args()
     init_from_env("cpu")
-    cfg = TrainConfig(steps=args.steps, batch_size=2, max_len=32, warmup=2, save_every_s=1e9,
+    cfg = TrainConfig(steps=args.steps, batch_size=2, max_len=32, warmup=2, save_every_s=1e9, autocast="fp32",
                       recipe=RecipeConfig(draft_vocab=16, frequent=8, subset_top=4))
     target = tiny_target(vocab_size=V, seed=0)
     kw = dict(shards=args.shards, cache_root=args.held, heldout=heldout_config(), progress=False)

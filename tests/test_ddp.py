@@ -42,7 +42,9 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(tmp_pat
     shards = tmp_path / "shards"
     make_shards(target, shards, shard_config(tokens=800))
     synthetic_cache(target, heldout_config(), tmp_path / "held", 1)
-    cfg = TrainConfig(steps=STEPS, batch_size=2, max_len=32, warmup=2, save_every_s=1e9, grad_accum=2,
+    # fp32 on every CPU: the claim is DDP arithmetic to 1e-6; under bf16 autocast (--autocast auto on an
+    # AMX or AVX512-BF16 CPU) Adam turns bf16 rounding into lr-sized differences
+    cfg = TrainConfig(steps=STEPS, batch_size=2, max_len=32, warmup=2, save_every_s=1e9, grad_accum=2, autocast="fp32",
                       recipe=RecipeConfig(draft_vocab=16, frequent=8, subset_top=4))
     kw = dict(shards=shards, cache_root=tmp_path / "held", heldout=heldout_config(), progress=False)
     train_drafter("eagle3", target, tmp_path / "one", cfg, **kw)
