@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from treespec.train.data import DataConfig, _chunk, cache_dir
+from treespec.train.online import OnlineData
 from treespec.train.shards import Example, ShardConfig, extract
 
 V = 32
@@ -54,3 +55,9 @@ def synthetic_cache(target, cfg: DataConfig, root, seed: int) -> None:
 
 def heldout_config() -> DataConfig:
     return DataConfig(split="heldout", sequences=8, max_len=32, layers=LAYERS, top_k=8, chunk_size=8)
+
+
+def online_data(records: int = 10_000, window: int = 16) -> OnlineData:
+    """Online training data from :func:`synthetic_source` (windows of 16 examples)."""
+    return OnlineData(source=synthetic_source(records=records), name="synthetic", top_k=8, window=window,
+                      sort_groups=2)

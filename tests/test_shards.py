@@ -255,8 +255,14 @@ def test_shard_only_options_need_shards(target, tmp_path):
 def test_cli_refuses_bad_budgets_before_loading_anything(tmp_path, capsys):
     from treespec.train.cli import curve_points, main
 
-    assert main(["eagle3", "--out", str(tmp_path), "--tokens", "3M"]) == 2
-    assert "add --shards DIR" in capsys.readouterr().err
+    # a token budget is an online or a shard run's; the in-memory cache runs by minutes or steps
+    assert main(["eagle3", "--out", str(tmp_path), "--cache", "--tokens", "3M"]) == 2
+    assert "need online data or --shards DIR" in capsys.readouterr().err
+    for bad, says in ((["--extract-tokens", "1M"], "add --shards DIR"), (["--sequences", "64"], "add --cache"),
+                      (["--online", "--cache"], "drop --shards / --cache"), (["--procs", "0"], "--procs must be"),
+                      (["--regenerate", "0"], "add --shards DIR"), (["--cache", "--shards", "x"], "choose one")):
+        assert main(["eagle3", "--out", str(tmp_path), *bad]) == 2
+        assert says in capsys.readouterr().err, bad
     assert main(["eagle3", "--out", str(tmp_path), "--shards", str(tmp_path), "--tokens", "3Q"]) == 2
     assert "--tokens '3Q' is not a token count" in capsys.readouterr().err
     assert curve_points("5", 10_000_000) == log_points(10_000_000, 5)

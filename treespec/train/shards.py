@@ -489,18 +489,25 @@ class ShardStream:
         seqs = []
         for s, r in picks:
             sh = self._shard(s)
-            a, e = int(sh["offsets"][r]), int(sh["offsets"][r + 1])
-            seqs.append((sh, a, e, int(sh["reply_start"][r])))
-        lengths = [e - a for _, a, e, _ in seqs]
-        t = max(lengths) if self.max_len is None else min(max(lengths), self.max_len)
+            seqs.append((sh, int(sh["offsets"][r]), int(sh["offsets"][r + 1]), int(sh["reply_start"][r])))
+        return pack_batch(seqs, self.shards.layers, self.max_len)
 
-        def take(key: str) -> torch.Tensor:
-            return _pad([sh[key][a:e] for sh, a, e, _ in seqs], t)
 
-        pos = torch.arange(t)
-        length = torch.tensor(lengths)[:, None]
-        start = torch.tensor([st for *_, st in seqs])[:, None]
-        return Batch(tokens=take("tokens").long(), valid=pos[None] < length,
-                     reply=(pos[None] >= start) & (pos[None] < length),
-                     hidden={l: take(f"h{l}").float() for l in self.shards.layers},
-                     top_i=take("top_i").long(), top_p=take("top_p").float())
+def pack_batch(seqs: list[tuple[dict[str, torch.Tensor], int, int, int]], layers: tuple[int, ...],
+               max_len: int | None = None) -> Batch:
+    """A padded :class:`Batch` of packed sequences: ``(tensors, start, end, reply_start)`` names
+    rows ``start:end`` of ``tensors`` (tokens [N], h{l} [N, H], top_i / top_p [N, K], as a shard
+    stores them); cut to ``max_len`` positions."""
+    lengths = [e - a for _, a, e, _ in seqs]
+    t = max(lengths) if max_len is None else min(max(lengths), max_len)
+
+    def take(key: str) -> torch.Tensor:
+        return _pad([sh[key][a:e] for sh, a, e, _ in seqs], t)
+
+    pos = torch.arange(t)
+    length = torch.tensor(lengths)[:, None]
+    start = torch.tensor([st for *_, st in seqs])[:, None]
+    return Batch(tokens=take("tokens").long(), valid=pos[None] < length,
+                 reply=(pos[None] >= start) & (pos[None] < length),
+                 hidden={l: take(f"h{l}").float() for l in layers},
+                 top_i=take("top_i").long(), top_p=take("top_p").float())
