@@ -171,3 +171,21 @@ def test_a_run_continues_from_the_portable_state_alone(target, held, tmp_path):
     with pytest.raises(ValueError, match="batch_size 2 there, 4 here"):
         (out / "eagle3.train.safetensors").unlink()
         train_drafter("eagle3", target, out, _cfg(steps=12, batch_size=4), **kw)
+
+
+def test_the_padded_pass_used_on_cuda_gives_the_per_sequence_features(target):
+    """One right-padded forward per part (the CUDA path) computes what the per-sequence passes
+    compute, up to the rounding of another matmul shape (rows stored in fp16: a last-bit flip)."""
+    from treespec.train.data import target_pass
+    from treespec.train.online import _padded_pass
+
+    rows = [ex.ids for ex, _ in zip(synthetic_source()(0), range(4))]
+    assert len({len(r) for r in rows}) > 1                     # padding is exercised
+    for rec, ids in zip(_padded_pass(target, rows, LAYERS, 8), rows):
+        ref = target_pass(target, ids, LAYERS, 8)
+        for l in LAYERS:
+            h, want = rec[f"h{l}"].float(), ref[f"h{l}"].float()
+            assert h.shape == want.shape
+            assert float((h - want).abs().max()) <= 2e-3 * float(want.abs().max())
+        assert float((rec["top_p"].float() - ref["top_p"].float()).abs().max()) <= 1e-3
+        assert torch.equal(rec["top_i"][:, 0], ref["top_i"][:, 0])

@@ -592,7 +592,8 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
             total = max(step + 1, int(step + (budget - elapsed) / (sum(timing[1:]) / 5)))
             bar.total = total
         mean_loss = loss_all / parts
-        log.append({"step": step, "loss": round(mean_loss, 4), **{k: round(v, 4) for k, v in logs.items()}})
+        log.append({"step": step, "loss": round(mean_loss, 4), **{k: round(v, 4) for k, v in logs.items()},
+                    "tokens": int(tok), "seconds": round(dt, 3)})      # the step's global tokens and wall time
         bar.update(1)
         bar.set_postfix(loss=f"{mean_loss:.3f}", **{k: f"{v:.3f}" for k, v in logs.items()})
         crossed = [p for p in curve if before < p <= tokens_seen]
