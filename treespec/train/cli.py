@@ -123,6 +123,7 @@ def _rank_main(rank: int, world: int, port: int, args) -> None:
 def spawn(args) -> int:
     """``--procs N``: N training processes on this machine (what ``torchrun --standalone`` does)."""
     import multiprocessing
+    import signal
     import socket
 
     with socket.socket() as sock:               # a free port for the process group's rendezvous
@@ -130,19 +131,31 @@ def spawn(args) -> int:
         port = sock.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, args.procs, port, args)) for r in range(args.procs)]
+
+    def stop(signum, frame):                    # a stopped launcher stops its ranks; the last periodic save
+        for p in procs:                         # stands, and rerunning the command resumes from it
+            p.terminate()
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
     for p in procs:
         p.start()
     code = 0
-    while procs:
-        for p in list(procs):
-            p.join(timeout=1.0)
-            if p.exitcode is None:
-                continue
-            procs.remove(p)
-            if p.exitcode and not code:          # one rank failed: the others would wait forever
-                code = p.exitcode
-                for other in procs:
-                    other.terminate()
+    try:
+        while procs:
+            for p in list(procs):
+                p.join(timeout=1.0)
+                if p.exitcode is None:
+                    continue
+                procs.remove(p)
+                if p.exitcode and not code:      # one rank failed: the others would wait forever
+                    code = p.exitcode
+                    for other in procs:
+                        other.terminate()
+    except KeyboardInterrupt:
+        stop(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return code
 
 
