@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
+from treespec.models import tiny_target
 from treespec.train.data import DataConfig, _chunk, cache_dir
 from treespec.train.online import OnlineData
 from treespec.train.shards import Example, ShardConfig, extract
@@ -61,3 +63,17 @@ def online_data(records: int = 10_000, window: int = 16) -> OnlineData:
     """Online training data from :func:`synthetic_source` (windows of 16 examples)."""
     return OnlineData(source=synthetic_source(records=records), name="synthetic", top_k=8, window=window,
                       sort_groups=2)
+
+
+@pytest.fixture(scope="module")
+def target():
+    """The tiny random target the training tests share (imported by the test modules)."""
+    return tiny_target(vocab_size=V, seed=0)
+
+
+@pytest.fixture(scope="module")
+def held(target, tmp_path_factory):
+    """A cache root holding the synthetic held-out split the cards are measured on."""
+    root = tmp_path_factory.mktemp("held")
+    synthetic_cache(target, heldout_config(), root, 1)
+    return root

@@ -10,28 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from treespec.models import tiny_target
 from treespec.train.loop import TrainConfig, lr_at, portable_paths, train_drafter
 from treespec.train.online import OnlineData, OnlineStream, part_batch
 from treespec.train.recipes import RecipeConfig, make_recipe
 from treespec.train.shards import ShardSet, pack_batch
 
-from _shards import (
-    LAYERS, V, heldout_config, make_shards, online_data, shard_config, synthetic_cache, synthetic_source,
+from _shards import (  # noqa: F401  (target, held: shared fixtures)
+    LAYERS, V, held, heldout_config, make_shards, online_data, shard_config, synthetic_source, target,
 )
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target(vocab_size=V, seed=0)
-
-
-@pytest.fixture(scope="module")
-def held(target, tmp_path_factory):
-    root = tmp_path_factory.mktemp("held")
-    synthetic_cache(target, heldout_config(), root, 1)
-    return root
 
 
 def _cfg(**kw) -> TrainConfig:

@@ -19,13 +19,10 @@ from treespec.train.shards import (
     read_manifest,
 )
 
-from _shards import V, heldout_config, make_shards, shard_config, synthetic_cache, synthetic_source
+from _shards import (  # noqa: F401  (target, held: shared fixtures)
+    V, held, heldout_config, make_shards, shard_config, synthetic_cache, synthetic_source, target,
+)
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target(vocab_size=V, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -189,13 +186,6 @@ def test_streams_partition_shards_cover_each_sequence_once_per_epoch_and_bound_m
 
 
 # ---------------------------------------------------------------------------------- training
-@pytest.fixture(scope="module")
-def held(target, tmp_path_factory):
-    root = tmp_path_factory.mktemp("held")
-    synthetic_cache(target, heldout_config(), root, 1)
-    return root
-
-
 def _cfg(**kw) -> TrainConfig:
     return TrainConfig(batch_size=2, max_len=32, warmup=2, save_every_s=1e9, minutes=0,
                        recipe=RecipeConfig(draft_vocab=16, frequent=8, subset_top=4, medusa_heads=3), **kw)
