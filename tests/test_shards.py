@@ -20,7 +20,7 @@ from treespec.train.shards import (
 )
 
 from _shards import (  # noqa: F401  (target, held: shared fixtures)
-    V, held, heldout_config, make_shards, shard_config, synthetic_cache, synthetic_source, target,
+    V, held, heldout_config, make_shards, shard_config, synthetic_source, target,
 )
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 

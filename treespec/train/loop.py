@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from treespec.models import model_fingerprint
 from treespec.drafters.checkpoint import card_path, load_checkpoint, save_checkpoint, target_identity
 from treespec.train.data import (
-    DataConfig, build_cache, cache_dir, chunk_count, compute_chunk, iterate_batches, load_chunks, make_batch,
+    Batch, DataConfig, build_cache, cache_dir, chunk_count, compute_chunk, iterate_batches, load_chunks, make_batch,
 )
 from treespec.train.objectives import DepthMetrics
 from treespec.train.recipes import EVAL_DEPTHS, KINDS, RecipeConfig, make_recipe
