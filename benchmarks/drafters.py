@@ -261,7 +261,7 @@ def markdown(result: dict) -> str:
     below = sorted({f"{r['drafter']} {r['tree']}" for r in result["rows"]
                     if r["drafter"] != "vanilla" and r.get("tau", 1.0) < 1.5})
     if below:
-        lines += ["", f"Below τ = 1.5: {', '.join(below)}. Causes and fixes: `drafters_analysis.md`."]
+        lines += ["", f"Below τ = 1.5: {', '.join(below)}."]
     return "\n".join(lines) + "\n"
 
 
