@@ -65,9 +65,13 @@ def time_calls(fn: Callable[[], object], reps: int, warmup: int = 3,
 
 
 def interleaved(cases: dict[Hashable, Callable[[], object]], reps: int, warmup: int = 1,
-                clock: Callable[[], float] = time.perf_counter) -> dict[Hashable, list[float]]:
+                clock: Callable[[], float] = time.perf_counter, self_timed: bool = False,
+                on_rep: Callable[[int], None] | None = None) -> dict[Hashable, list[float]]:
     """Milliseconds of ``reps`` calls of every case, the cases in a new shuffled order at each
-    repetition (seeded by the repetition), so drifts in the machine's speed hit all alike."""
+    repetition (seeded by the repetition), so drifts in the machine's speed hit all alike.
+
+    ``self_timed``: each case returns its own seconds (to leave out work it must do after the
+    timed part, such as undoing a cache append). ``on_rep(rep)`` runs after each repetition."""
     for fn in cases.values():
         for _ in range(warmup):
             fn()
@@ -77,8 +81,10 @@ def interleaved(cases: dict[Hashable, Callable[[], object]], reps: int, warmup: 
         random.Random(rep).shuffle(order)
         for key in order:
             t0 = clock()
-            cases[key]()
-            samples[key].append((clock() - t0) * 1e3)
+            seconds = cases[key]()
+            samples[key].append((seconds if self_timed else clock() - t0) * 1e3)
+        if on_rep is not None:
+            on_rep(rep)
     return samples
 
 
