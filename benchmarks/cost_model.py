@@ -1,6 +1,6 @@
 """Benchmark: the calibrated cost model against fresh measurements on this CPU, and the planner.
 
-Issue 6 target: after calibration, the predicted target verify time is within ±20 % of a fresh
+Goal: after calibration, the predicted target verify time is within ±20 % of a fresh
 measurement for every n = 1 … 64 tree tokens.
 
 Steps
