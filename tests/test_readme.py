@@ -23,7 +23,8 @@ def doc_block(marker: str) -> tuple[str, str]:
 
 
 def test_every_doc_python_block_is_run_by_a_test():
-    """Each ```python block of the docs is one the tests below execute (found by its marker)."""
+    """Each ```python block of the docs is one a test executes, found by its marker: the tests
+    below, and test_batch.py for the serving step functions ("prepare_verify(")."""
     markers = ("register_drafter", "SpeculativeServer(", "min_confidence", "prepare_verify(")
     blocks = [b for path in DOCS for b in python_blocks(path)]
     assert DOCS and blocks
@@ -120,20 +121,3 @@ def test_readme_adaptive_lookup_example_runs_on_a_tiny_target():
     assert out.token_ids.tolist() == plain.generate(prompt, max_new_tokens=12).token_ids.tolist()
     assert out.stats.tree_nodes > out.stats.steps        # it drafted on some steps
 
-
-def test_serving_step_functions_example_runs(capsys):
-    """The step-functions block (docs/serving.md): pure tensors, no model. Each request emits its
-    accepted tokens plus one, and keeps the KV slots of the root and its accepted path, moved to
-    the slots right after its own prefix."""
-    import ast
-
-    code, where = doc_block("prepare_verify(")
-    namespace: dict = {}
-    exec(compile(code, where, "exec"), namespace)
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == len(namespace["prefix_lens"]) == 2
-    for line, prefix in zip(lines, namespace["prefix_lens"]):
-        tokens, src, dst = ast.literal_eval("(" + line.replace("] [", "], [") + ")")
-        assert len(tokens) == len(src) == len(dst) >= 1
-        assert src[0] == prefix and all(s >= prefix for s in src)
-        assert dst == list(range(prefix, prefix + len(dst)))
