@@ -1,12 +1,12 @@
 """Benchmark: ``accept`` and the verification masks at serving sizes, on this CPU.
 
-Targets (issue 2): ``accept`` on N = 64 nodes, V = 49,152 has a median <= 1 ms (deterministic)
+Targets: ``accept`` on N = 64 nodes, V = 49,152 has a median <= 1 ms (deterministic)
 and <= 3 ms (stochastic modes); all masks for N = 64, P = 2,048 (DraftTree construction, its
 ancestor mask, HF 4-D masks for sdpa and eager, position_ids, FlashInfer-packed mask) take
 <= 0.5 ms together.
 
-Trees are EAGLE-like: 6 levels (8, 16, 16, 12, 7, 4 nodes), the first nodes of each level
-expanded (builders try their best candidates first). Target scenarios:
+Trees are EAGLE-like (``harness.make_case``): 6 levels (8, 16, 16, 12, 7, 4 nodes), the first
+nodes of each level expanded (builders try their best candidates first). Target scenarios:
     accept-few   p = 0.7 q + 0.3 noise: the walk accepts a few levels (realistic).
     reject-all   p has no mass on the root's children: every child of the root is rejected.
     worst-walk   the same tree with the expanded nodes *last* in each level, and p at every
@@ -22,95 +22,23 @@ Usage:  python benchmarks/accept.py [--reps 300] [--out benchmarks/results]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from treespec.fastpath import machine_info, machine_line
+from harness import (
+    N_NODES, RESULTS, SCENARIOS, VOCAB, machine_info, machine_line, make_case, summarise, time_calls, write_results,
+)
 from treespec.masks import hf_tree_mask, pack_tree_masks, position_ids
 from treespec.tree import SAMPLING_MODES, DraftTree
 from treespec.verifiers import accept
 
-N_NODES = 64
-VOCAB = 49_152
 PREFIX = 2_048
-LEVELS = (8, 16, 16, 12, 7, 4)  # nodes per depth; 1 + sum = 64
-# how many children each expanded node of the previous level gets, per depth
-FANOUT = (8, 4, 2, 2, 1, 1)
 TARGET_MS = {"deterministic": 1.0, "with_replacement": 3.0, "without_replacement": 3.0, "masks": 0.5}
-SCENARIOS = ("accept-few", "reject-all", "worst-walk")
-
-
-def eagle_parents(expanded_last: bool = False) -> list[int]:
-    """Parent pointers of the fixed EAGLE-like tree: level d's nodes hang, FANOUT[d] each, under
-    the first nodes of level d - 1 (the last ones if ``expanded_last``)."""
-    parents, prev = [-1], [0]
-    for size, fan in zip(LEVELS, FANOUT):
-        level = []
-        hosts = prev[: -(-size // fan)] if not expanded_last else prev[len(prev) - -(-size // fan):]
-        for j in range(size):
-            parents.append(hosts[j // fan])
-            level.append(len(parents) - 1)
-        prev = level
-    assert len(parents) == N_NODES
-    return parents
-
-
-def make_case(mode: str, scenario: str, seed: int = 0) -> tuple[DraftTree, torch.Tensor]:
-    """(tree, target_probs float32 [N, V]) for one sampling mode and target scenario."""
-    g = torch.Generator().manual_seed(seed)
-    parents = eagle_parents(expanded_last=scenario == "worst-walk")
-    n = len(parents)
-    kids: list[list[int]] = [[] for _ in range(n)]
-    for i, p in enumerate(parents[1:], start=1):
-        kids[p].append(i)
-    # Drafter: peaked distributions (a few tokens hold most mass), float32 like a softmax.
-    logits_q = torch.randn(n, VOCAB, generator=g) * 2.0
-    logits_q[:, :16] += 16.0 * torch.rand(n, 16, generator=g)
-    q = logits_q.softmax(-1)
-    tokens = torch.zeros(n, dtype=torch.long)
-    tokens[0] = 1
-    for u in range(n):
-        if not kids[u]:
-            continue
-        m = len(kids[u])
-        if mode == "with_replacement" and scenario != "worst-walk":  # i.i.d. (repeats allowed)
-            xs = torch.multinomial(q[u], m, replacement=True, generator=g)
-        elif mode != "deterministic":  # Gumbel-top-k = sequential draws w/o replacement (also
-            # a possible, if unlikely, i.i.d. outcome: worst-walk wants distinct siblings)
-            gumbel = -torch.log(-torch.log(torch.rand(VOCAB, generator=g)))
-            xs = torch.topk(q[u].log() + gumbel, m).indices
-        else:  # deterministic: the drafter's top-m
-            xs = torch.topk(q[u], m).indices
-        tokens[kids[u]] = xs
-    noise = (torch.randn(n, VOCAB, generator=g) * 2.0).softmax(-1)
-    if scenario == "accept-few":
-        p = 0.7 * q + 0.3 * noise
-    elif scenario == "reject-all":
-        p = noise.clone()
-        p[0, tokens[kids[0]]] = 0.0
-        p[0] /= p[0].sum()
-    elif scenario == "worst-walk":
-        p = noise * 1e-3
-        for u in range(n):
-            if kids[u]:
-                expanded = [c for c in kids[u] if kids[c]] or kids[u]
-                others = [c for c in kids[u] if c != expanded[-1]]
-                p[u, tokens[others]] = 0.0
-                p[u, tokens[expanded[-1]]] = 1.0
-        p /= p.sum(-1, keepdim=True)
-    else:
-        raise KeyError(f"unknown scenario {scenario!r}; known: {SCENARIOS}")
-    draft = None if mode == "deterministic" else q
-    tree = DraftTree(tokens, torch.tensor(parents), draft, mode, VOCAB)
-    return tree, p.float().contiguous()
 
 
 def build_all_masks(tokens: torch.Tensor, parents: torch.Tensor) -> tuple:
@@ -124,26 +52,6 @@ def build_all_masks(tokens: torch.Tensor, parents: torch.Tensor) -> tuple:
     return anc, sdpa, eager, pos, packed
 
 
-def time_calls(fn, reps: int, warmup: int = 20) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        out.append((time.perf_counter_ns() - t0) / 1e6)
-    return out
-
-
-def summarise(ms: list[float]) -> dict[str, float]:
-    a = np.asarray(ms)
-    return {
-        "median_ms": float(np.median(a)),
-        "p10_ms": float(np.percentile(a, 10)),
-        "p90_ms": float(np.percentile(a, 90)),
-    }
-
-
 def run(reps: int) -> list[dict]:
     rows = []
     default_threads = torch.get_num_threads()
@@ -154,14 +62,14 @@ def run(reps: int) -> list[dict]:
                 tree, p = make_case(mode, scenario)
                 gen = torch.Generator().manual_seed(0)
                 accepted = [accept(tree, p, gen).num_accepted for _ in range(200)]
-                ms = time_calls(lambda: accept(tree, p, gen), reps)
+                ms = time_calls(lambda: accept(tree, p, gen), reps, warmup=20)
                 rows.append({
                     "case": f"accept/{mode}/{scenario}", "threads": threads,
                     "mean_accepted": statistics.fmean(accepted),
                     "target_ms": TARGET_MS[mode], **summarise(ms),
                 })
         tree, _ = make_case("deterministic", "accept-few")
-        ms = time_calls(lambda: build_all_masks(tree.tokens, tree.parents), reps)
+        ms = time_calls(lambda: build_all_masks(tree.tokens, tree.parents), reps, warmup=20)
         rows.append({"case": "masks/N64_P2048", "threads": threads, "mean_accepted": None,
                      "target_ms": TARGET_MS["masks"], **summarise(ms)})
     torch.set_num_threads(default_threads)
@@ -196,7 +104,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=300)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="folder of accept.{json,md}")
     args = ap.parse_args(argv)
     meta = {
         "cpu": platform.processor() or platform.machine(),
@@ -212,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["loadavg_after"] = os.getloadavg()[0]
     md = markdown(rows, meta)
     print(md)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "accept.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (args.out / "accept.md").write_text(md)
+    write_results(args.out / "accept", {"meta": meta, "rows": rows}, md)
     return 0 if all(r["pass"] for r in rows) else 1
 
 

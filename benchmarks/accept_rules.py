@@ -1,8 +1,8 @@
 """Benchmark: latency of the block / traversal acceptance rules against the token rule.
 
-Issue 13 asks for accept latency of the new rules within 2x of the token rule at N = 64,
-V = 49,152. Same inputs for both rules of a pair (float32 softmax rows, CPU):
-    traversal vs token  the EAGLE-like 64-node trees of benchmarks/accept.py (``make_case``),
+The goal: accept latency of the new rules within 2x of the token rule at N = 64, V = 49,152.
+Same inputs for both rules of a pair (float32 softmax rows, CPU):
+    traversal vs token  the EAGLE-like 64-node trees of benchmarks/accept.py (``harness.make_case``),
                         scenarios accept-few / reject-all / worst-walk, every draft mode.
     block vs token      a 64-node chain (63 draft tokens; also 8 nodes, the benchmark's
                         longest block) with p = 0.7 q + 0.3 noise at
@@ -17,7 +17,6 @@ Usage:  python benchmarks/accept_rules.py [--reps 200] [--threads 1] [--out benc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -26,12 +25,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from accept import N_NODES, SCENARIOS, VOCAB, make_case, summarise, time_calls  # noqa: E402
-
-from treespec.fastpath import machine_info, machine_line  # noqa: E402
-from treespec.tree import SAMPLING_MODES, DraftTree  # noqa: E402
-from treespec.verifiers import accept  # noqa: E402
+from harness import (
+    N_NODES, RESULTS, SCENARIOS, VOCAB, machine_info, machine_line, make_case, median_ms, time_calls, write_results,
+)
+from treespec.tree import SAMPLING_MODES, DraftTree
+from treespec.verifiers import accept
 
 CHAIN_SCENARIOS = ("accept-few", "reject-all")
 
@@ -65,7 +63,7 @@ def run(reps: int) -> list[dict]:
         for r in ("token", rule):
             gen = torch.Generator().manual_seed(0)
             row[f"{r}_mean_accepted"] = statistics.fmean(accept(tree, p, gen, r).num_accepted for _ in range(100))
-            row[f"{r}_ms"] = summarise(time_calls(lambda: accept(tree, p, gen, r), reps))["median_ms"]
+            row[f"{r}_ms"] = median_ms(time_calls(lambda: accept(tree, p, gen, r), reps, warmup=20))
         row["ratio"] = row[f"{rule}_ms"] / row["token_ms"]
         rows.append(row)
         print(f"{rule:9s} {row['shape']:16s} {mode:19s} {scenario:10s} token {row['token_ms']:6.3f} ms  {rule} "
@@ -100,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="folder of accept_rules.{json,md}")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     meta = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
@@ -110,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["loadavg_after"] = os.getloadavg()[0]
     md = markdown(rows, meta)
     print(md)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "accept_rules.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    (args.out / "accept_rules.md").write_text(md)
+    write_results(args.out / "accept_rules", {"meta": meta, "rows": rows}, md)
     return 0
 
 

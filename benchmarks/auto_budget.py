@@ -24,16 +24,14 @@ from pathlib import Path
 import torch
 
 import treespec
+from harness import RESULTS, machine_info, machine_line, write_results
 from treespec.cost import Calibration, calibrate
 from treespec.measure import calibrate_drafter
 from treespec.cost.calibration import DEFAULT_NS, CalibratedCost
 from treespec.cost.planner import plan_curve
 from treespec.data import mtbench_questions
 from treespec.engine import auto_builder
-from treespec.fastpath import machine_info, machine_line
 from treespec.trees import DynamicTreeBuilder
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
@@ -54,8 +52,7 @@ def main() -> None:
         result = json.loads(path.read_text())
         result["args"]["note"] = args.note or result["args"].get("note", "")
         md = render(result, Calibration.load(result["calibration"]))
-        path.with_suffix(".md").write_text(md)
-        path.write_text(json.dumps(result, indent=1))
+        write_results(path, result, md)
         print(md)
         return
     torch.set_num_threads(args.threads)
@@ -101,8 +98,7 @@ def main() -> None:
               "auto": str(configs["auto"].config), "tokens_per_s": speeds, "tau": taus}
     md = render(result, cal)
     print(md)
-    out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    write_results(out, result, md)
 
 
 def render(result: dict, cal: Calibration) -> str:

@@ -39,14 +39,13 @@ from pathlib import Path
 import torch
 
 import treespec
+from harness import RESULTS, figure, machine_info, machine_line, save_figure, write_results
 from treespec.cli import ensure_calibration
 from treespec.cost import Calibration, CalibratedCost, expected_tokens_positional, plan_curve
 from treespec.cost.planner import AUTO_MIN_GAIN, auto_min_gain
 from treespec.data import chat_prompt, mtbench_questions
-from treespec.fastpath import machine_info, machine_line
 from treespec.trees import ChainBuilder, DynamicTreeBuilder
 
-RESULTS = Path(__file__).parent / "results"
 DRAFTER = "eagle3"
 
 
@@ -212,8 +211,6 @@ def auto_threshold(data: dict) -> str:
 
 def write(data: dict, out: Path) -> str:
     data["summary"] = summarize(data)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
     a = data["args"]
     lines = [
         f"# Batch benchmark: MT-bench first turns x {a['max_new_tokens']} new tokens, B = {a['batch_sizes']}",
@@ -263,21 +260,16 @@ def write(data: dict, out: Path) -> str:
         if autos:
             lines += ["", "auto's trees: " + "; ".join(f"B = {b}: {', '.join(v or [])}" for b, v in autos.items())]
     md = "\n".join(lines) + "\n"
-    out.with_suffix(".md").write_text(md)
+    write_results(out, data, md)
     plot(data, out.with_suffix(".png"))
     return md
 
 
 def plot(data: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     temps = list(data["summary"])
     if not temps:
         return
-    fig, axes = plt.subplots(2, len(temps), figsize=(5.5 * len(temps), 8), squeeze=False)
+    fig, axes = figure(2, len(temps), size=(5.5 * len(temps), 8))
     for j, temp in enumerate(temps):
         by_b = data["summary"][temp]
         bs = sorted(by_b, key=int)
@@ -300,9 +292,7 @@ def plot(data: dict, path: Path) -> None:
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
         axes[1][j].axhline(1.0, color="k", lw=0.8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -12,17 +12,14 @@ Writes benchmarks/results/bf16_agreement.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 
 import treespec
+from harness import RESULTS, machine_info, machine_line, write_results
 from treespec.data import chat_prompt, mtbench_questions
-from treespec.fastpath import machine_info, machine_line
 from treespec.trees import DynamicTreeBuilder
 
-RESULTS = Path(__file__).parent / "results"
 CONFIGS = {"no drafting": lambda: DynamicTreeBuilder(budget=1),
            "eagle3 tree8": lambda: DynamicTreeBuilder(budget=8, depth=4, top_k=4)}
 
@@ -65,9 +62,7 @@ def main() -> None:
             lines.append(f"| {dtype} | {name} | {sum(r['identical'] for r in sel)} / {len(sel)} | {div} |")
     md = "\n".join(lines) + "\n"
     print(md)
-    out = Path(args.out)
-    out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine_info(), "args": vars(args), "rows": rows}, indent=1))
+    write_results(args.out, {"machine": machine_info(), "args": vars(args), "rows": rows}, md)
 
 
 if __name__ == "__main__":

@@ -43,39 +43,15 @@ from pathlib import Path
 
 import torch
 
-from treespec import SpeculativeGenerator, load_drafter, load_target, registered_drafters
-from treespec.drafters.base import TimedDrafter
-from treespec.verifiers import VERIFY_RULES
+from harness import RESULTS, figure, machine_info, machine_line, pick_drafter, save_figure, write_results
+from treespec import SpeculativeGenerator, load_target
 from treespec.data import chat_prompt, mtbench_questions
-from treespec.fastpath import machine_info, machine_line
+from treespec.drafters.base import TimedDrafter
 from treespec.measure import measure_acceptance_vector
 from treespec.trees import BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder
+from treespec.verifiers import VERIFY_RULES
 
-RESULTS = Path(__file__).parent / "results"
-TRAINED = ("eagle3", "eagle", "mtp", "medusa", "small")  # trained drafters, used when they load
 BUILDERS = ("chain", "static", "dynamic", "best-first", "sequoia")
-
-
-def pick_drafter(target, name: str | None, probe_prompt: str):
-    """``name``, else the trained drafter with the highest τ on a held-out prompt (EAGLE-2
-    default tree, T = 0), else "early-exit"."""
-    if name:
-        return name, load_drafter(name, target)
-    found = {}
-    for kind in TRAINED:
-        if kind in registered_drafters():
-            try:
-                found[kind] = load_drafter(kind, target)
-            except (FileNotFoundError, ValueError) as e:
-                print(f"[skip {kind}: {e}]", flush=True)
-    if not found:
-        return "early-exit", load_drafter("early-exit", target)
-    tau = {k: SpeculativeGenerator(target, d, DynamicTreeBuilder()).generate(
-        probe_prompt, max_new_tokens=48).stats.tau for k, d in found.items()}
-    print(f"[tau of the trained drafters on a held-out prompt: "
-          f"{ {k: round(v, 2) for k, v in tau.items()} }]", flush=True)
-    best = max(tau, key=tau.get)
-    return best, found[best]
 
 
 def make(name: str, budget: int, mode: str, acceptance) -> object:
@@ -150,7 +126,7 @@ def run_one(gen, drafter: TimedDrafter, ids, max_new: int, temperature: float, s
     tally.add(r.stats, drafter.expand_time)
 
 
-def write_table(results: list[dict], meta: dict, path: Path) -> None:
+def write_table(results: list[dict], meta: dict) -> str:
     lines = [f"# Tree builders: τ and tokens/s by budget\n",
              f"Target {meta['target']}, drafter **{meta['drafter']}**, "
              f"{meta.get('prompts_done', meta['prompts'])} MT-bench "
@@ -186,17 +162,12 @@ def write_table(results: list[dict], meta: dict, path: Path) -> None:
     if meta.get("sequoia_acceptance"):
         lines.append("\nSequoia acceptance vectors (measured, width 8): " + "; ".join(
             f"T={t}: " + ", ".join(f"{x:.3f}" for x in a) for t, a in meta["sequoia_acceptance"].items()))
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def plot(results: list[dict], meta: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     temps = meta["temperatures"]
-    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.2), squeeze=False)
+    fig, axes = figure(1, len(temps), size=(6 * len(temps), 4.2))
     for ax, temp in zip(axes[0], temps):
         for name in meta["builders"]:
             rows = sorted((r for r in results if r["builder"] == name and r["temperature"] == temp),
@@ -211,14 +182,11 @@ def plot(results: list[dict], meta: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         if ax.get_lines():
             ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def save(out: Path, meta: dict, results: list[dict]) -> None:
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
-    write_table(results, meta, out.with_suffix(".md"))
+    write_results(out, dict(meta=meta, results=results), write_table(results, meta))
     plot(results, meta, out.with_suffix(".png"))
 
 

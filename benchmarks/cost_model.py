@@ -1,6 +1,6 @@
 """Benchmark: the calibrated cost model against fresh measurements on this CPU, and the planner.
 
-Issue 6 target: after calibration, the predicted target verify time is within ±20 % of a fresh
+Goal: after calibration, the predicted target verify time is within ±20 % of a fresh
 measurement for every n = 1 … 64 tree tokens.
 
 Steps
@@ -29,7 +29,6 @@ Runtime: ~7 min each on the shared 2-core box (calibration about half of it).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from harness import RESULTS, machine_info, machine_line, write_results
 from treespec.cost import (
     DEFAULT_BETA,
     CalibratedCost,
@@ -54,7 +54,6 @@ from treespec.cost import (
 from treespec.cost.calibration import DEFAULT_NS, _truncated_model, measure_interleaved, verify_passes
 from treespec.cost.plot import plot_curves
 from treespec.models import load_target
-from treespec.fastpath import machine_info, machine_line
 
 TOLERANCE = 0.20
 PRESETS = ("h100", "mi300x", "h200", "a100")
@@ -80,7 +79,7 @@ def main() -> int:
                         help="wall: perf_counter; thread: this thread's CPU time (needs --threads 1)")
     parser.add_argument("--quiet-load", type=float, default=None)
     parser.add_argument("--quiet-wait", type=float, default=300.0)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="cost_model", help="output file stem (default cost_model)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -174,8 +173,7 @@ def main() -> int:
         "plans": plans,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / f"{args.name}.md").write_text(markdown(result, cal) + "\n")
+    write_results(args.out / args.name, result, markdown(result, cal))
     print(markdown(result, cal))
     return 0 if within == len(rows) else 1
 

@@ -38,42 +38,14 @@ from pathlib import Path
 import torch
 
 import treespec
+from harness import RESULTS, hf_generate, log_likelihood, machine_info, machine_line, write_results
 from treespec.cli import ensure_calibration, make_builder
 from treespec.cost import auto_threshold_text
 from treespec.data import chat_prompt, mtbench_questions
-from treespec.fastpath import cpu_info, machine_info
+from treespec.fastpath import cpu_info
 from treespec.trees import BestFirstBuilder
 
-RESULTS = Path(__file__).parent / "results"
 PLAIN = ("HF generate", "HF generate (packed)")
-
-
-def hf_generate(model, ids, max_new, eos, temperature, seed, assistant=None, lookup=0):
-    """HF ``generate`` (new tokens, seconds); sampled with ``seed`` at temperature > 0."""
-    sample = temperature > 0
-    kwargs = dict(do_sample=sample, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=eos[0],
-                  attention_mask=torch.ones_like(ids)[None], repetition_penalty=None,
-                  temperature=temperature if sample else None, top_p=None, top_k=0 if sample else None)
-    if assistant is not None:
-        kwargs["assistant_model"] = assistant
-    if lookup:
-        kwargs["prompt_lookup_num_tokens"] = lookup
-    torch.manual_seed(seed)
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        out = model.generate(ids[None], **kwargs)
-        dt = time.perf_counter() - t0
-    return out[0, ids.numel():], dt
-
-
-def log_likelihood(model, ids: torch.Tensor, new: torch.Tensor) -> tuple[float, int]:
-    """Sum of log p(new token | prefix) under ``model`` and the token count."""
-    if new.numel() == 0:
-        return 0.0, 0
-    seq = torch.cat([ids, new])[None]
-    with torch.inference_mode():
-        logits = model(input_ids=seq).logits[0, ids.numel() - 1:-1].float()
-    return float(torch.log_softmax(logits, -1).gather(1, new[:, None]).sum()), int(new.numel())
 
 
 def build(args):
@@ -226,15 +198,12 @@ def limiter(summary_t: dict, goal: float) -> list[str]:
 
 def write(data: dict, out: Path) -> str:
     data["summary"] = summarize(data)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
     m, a = data["machine"], data["args"]
     n_prompts = min(len(rs) for t in data["rows"].values() for rs in t.values())
     lines = [
         f"# Engine benchmark: {n_prompts} MT-bench prompts x {a['max_new_tokens']} new tokens",
         "",
-        f"CPU: {m['cpu_model']}; flags: {', '.join(m['cpu_flags'])}; torch {m['torch']}, "
-        f"{m['torch_threads']} thread(s). Wall time {data['wall_s'] / 60:.1f} min; load average during the run "
+        f"{machine_line(m)} Wall time {data['wall_s'] / 60:.1f} min; load average during the run "
         f"{min(data['load']):.1f}-{max(data['load']):.1f} (other processes shared the 2 cores when > 1). "
         f"{data.get('note', '')}",
         "",
@@ -273,7 +242,7 @@ def write(data: dict, out: Path) -> str:
         lines += ["", f"What holds the best rows back (goal {goal}x over HF generate):", ""]
         lines += limiter(s, goal)
     md = "\n".join(lines) + "\n"
-    out.with_suffix(".md").write_text(md)
+    write_results(out, data, md)
     return md
 
 

@@ -20,20 +20,14 @@ GFLOP/s they reach, and the CPU model, flags and threads.
 from __future__ import annotations
 
 import argparse
-import json
-import random
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from treespec.fastpath import machine_info
+from harness import RESULTS, interleaved, machine_info, median_ms, write_results
 from treespec.kernels import SOURCE, compile_kernel, pack_blocks
-
-RESULTS = Path(__file__).parent / "results"
 # SmolLM2-135M: hidden 576, 9 query heads and 3 key-value heads of 64, MLP 1536, vocab 49152
 LAYER = (("q", 576, 576), ("k", 192, 576), ("v", 192, 576), ("o", 576, 576),
          ("gate", 1536, 576), ("up", 1536, 576), ("down", 576, 1536))
@@ -89,15 +83,9 @@ def main() -> None:
     for n in ns:  # the versions agree bit for bit (and warm up)
         outs = [one_pass(versions[v], n) for v in names]
         assert all(torch.equal(a, b) for a, b in zip(*outs)), f"versions differ at n = {n}"
-    samples = {(v, n): [] for v in names for n in ns}
-    for rep in range(args.reps):
-        order = [(v, n) for v in names for n in ns]
-        random.Random(rep).shuffle(order)
-        for v, n in order:
-            t0 = time.perf_counter()
-            one_pass(versions[v], n)
-            samples[(v, n)].append(time.perf_counter() - t0)
-    ms = {v: {n: statistics.median(samples[(v, n)]) * 1e3 for n in ns} for v in names}
+    samples = interleaved({(v, n): (lambda v=v, n=n: one_pass(versions[v], n)) for v in names for n in ns},
+                          args.reps, warmup=0)
+    ms = {v: {n: median_ms(samples[(v, n)]) for n in ns} for v in names}
     a, b = names
     m = machine_info()
     lines = [f"# Block kernel A/B: {a} vs {b}", "",
@@ -111,12 +99,8 @@ def main() -> None:
                      f"{2 * macs * n / ms[a][n] / 1e6:.0f} | {2 * macs * n / ms[b][n] / 1e6:.0f} |")
     md = "\n".join(lines) + "\n"
     print(md)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps({"machine": m, "args": vars(args), "versions": names,
-                                                    "weights": macs, "t_ms": {v: {str(n): t for n, t in row.items()}
-                                                                              for v, row in ms.items()}}, indent=1))
+    write_results(args.out, {"machine": m, "args": vars(args), "versions": names, "weights": macs,
+                             "t_ms": {v: {str(n): t for n, t in row.items()} for v, row in ms.items()}}, md)
 
 
 if __name__ == "__main__":

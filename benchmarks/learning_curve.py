@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -33,13 +32,8 @@ import treespec.drafters.eagle  # noqa: F401  (registers eagle, eagle3)
 import treespec.drafters.medusa  # noqa: F401
 import treespec.drafters.mtp  # noqa: F401
 import treespec.drafters.small  # noqa: F401
+from harness import RESULTS, TREE_NAMES, Pool, figure, machine_info, machine_line, make_tree, save_figure, write_results
 from treespec.data import chat_prompt, mtbench_questions
-from treespec.fastpath import machine_info, machine_line
-
-sys.path.insert(0, str(Path(__file__).parent))
-from drafters import TREES, Pool  # noqa: E402  (the drafter benchmark's trees and pooled counters)
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def checkpoints(runs: list[str]) -> list[Path]:
@@ -55,7 +49,7 @@ def tau_of(target, drafter, trees: list[str], prompts, max_new: int) -> dict:
     """τ, acceptance by depth and tokens/s at T = 0 for each tree, pooled over ``prompts``."""
     out = {}
     for t in trees:
-        gen = treespec.SpeculativeGenerator(target, drafter, TREES[t]())
+        gen = treespec.SpeculativeGenerator(target, drafter, make_tree(t))
         gen.generate(torch.tensor(chat_prompt(target.tokenizer, "Hi")), max_new_tokens=4)    # warm-up
         pool = Pool()
         for q in prompts:
@@ -102,12 +96,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, ((a, b),) = figure(1, 2, size=(10, 4))
     kinds = sorted({p["drafter"] for p in result["points"]})
     for kind in kinds:
         pts = sorted((p for p in result["points"] if p["drafter"] == kind), key=lambda p: p["tokens"])
@@ -122,9 +111,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> None:
@@ -132,14 +119,14 @@ def main() -> None:
     ap.add_argument("--runs", nargs="+", required=True, help="training --out directories (with curve/)")
     ap.add_argument("--prompts", type=int, default=20, help="MT-bench first turns for τ")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--trees", default="chain4,tree64", help=f"of {', '.join(TREES)}")
+    ap.add_argument("--trees", default="chain4,tree64", help=f"of {', '.join(TREE_NAMES)}")
     ap.add_argument("--heldout-sequences", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS / "learning_curve"), help="path without suffix")
     args = ap.parse_args()
-    unknown = [t for t in args.trees.split(",") if t not in TREES]
+    unknown = [t for t in args.trees.split(",") if t not in TREE_NAMES]
     if unknown:
-        raise SystemExit(f"--trees: unknown {unknown}; choose from {', '.join(TREES)}")
+        raise SystemExit(f"--trees: unknown {unknown}; choose from {', '.join(TREE_NAMES)}")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -156,8 +143,7 @@ def main() -> None:
             continue
         points.append(measure(path, target, args, prompts))
         result = {"config": config, "machine": machine_info(), "points": points}
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        out.with_suffix(".md").write_text(markdown(result))
+        write_results(out, result, markdown(result))
         plot(result, out.with_suffix(".png"))
         print(f"{path.name}: tokens {points[-1]['tokens']}, top1 {points[-1]['heldout']['top1_by_depth']}, "
               f"tau {[v['tau'] for v in points[-1]['tau_t0'].values()]}", flush=True)

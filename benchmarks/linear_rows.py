@@ -12,29 +12,18 @@ Writes benchmarks/results/linear_rows.{json,md} (``--out``) with the CPU model, 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from treespec.fastpath import cpu_info, fp32_min_rows, machine_info, machine_line, pack_weight, packed_linear
+from harness import RESULTS, machine_info, machine_line, md_table, median_ms, time_calls, write_results
+from treespec.fastpath import cpu_info, fp32_min_rows, pack_weight, packed_linear
 
-RESULTS = Path(__file__).parent / "results"
 SHAPES = ((1536, 576), (576, 1536), (49152, 576))   # [out, in]: MLP up, MLP down, LM head
 
 
 def median_us(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return median_ms(time_calls(fn, reps, warmup=3)) * 1e3
 
 
 def main() -> None:
@@ -58,18 +47,14 @@ def main() -> None:
             print(f"{out_f}x{in_f} n={n}: stock {stock:.0f} us, packed {packed:.0f} us", flush=True)
     chosen = fp32_min_rows(cpu_info())
     result = {"machine": machine_info(), "args": vars(args), "fp32_min_rows": chosen, "points": points}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     lines = ["# fp32 linear layer: stock F.linear vs packed, by row count", "", machine_line(result["machine"]), "",
              f"Median us of {args.reps} calls. treespec packs fp32 from **{chosen} rows** on this CPU "
-             "(`treespec.fastpath.fp32_min_rows`).", "",
-             "| weight [out, in] | rows | stock us | packed us | packed / stock |", "|---|---:|---:|---:|---:|"]
-    for p in points:
-        lines.append(f"| {p['weight'][0]} x {p['weight'][1]} | {p['rows']} | {p['stock_us']:.0f} | "
-                     f"{p['packed_us']:.0f} | {p['packed_us'] / p['stock_us']:.2f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}.json and {out}.md")
+             "(`treespec.fastpath.fp32_min_rows`).", ""]
+    lines += md_table(["weight [out, in]", "rows", "stock us", "packed us", "packed / stock"],
+                      [(f"{p['weight'][0]} x {p['weight'][1]}", p["rows"], f"{p['stock_us']:.0f}",
+                        f"{p['packed_us']:.0f}", f"{p['packed_us'] / p['stock_us']:.2f}") for p in points], "lrrrr")
+    js, md = write_results(args.out, result, "\n".join(lines))
+    print(f"wrote {js} and {md}")
 
 
 if __name__ == "__main__":

@@ -13,20 +13,13 @@ Writes ``<out>.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import treespec  # noqa: E402
-from engine import hf_generate, log_likelihood  # noqa: E402
-from treespec.data import chat_prompt, mtbench_questions  # noqa: E402
-from treespec.fastpath import machine_info  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
+import treespec
+from harness import RESULTS, hf_generate, log_likelihood, machine_info, write_results
+from treespec.data import chat_prompt, mtbench_questions
 
 
 def main() -> None:
@@ -56,10 +49,7 @@ def main() -> None:
           f"target ({packed.speed_path.split('linear layers: ')[1].split(':')[0]}), scored under the stock fp32 "
           f"target.\n\nMean log-likelihood per token over prompts: **{mean:.3f}**\n")
     print(md)
-    out = Path(args.out) if args.out else RESULTS / f"ll_spread_{args.seed_base}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(md)
+    write_results(args.out or RESULTS / f"ll_spread_{args.seed_base}", result, md)
 
 
 if __name__ == "__main__":

@@ -43,28 +43,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from builders import pick_drafter  # noqa: E402
-
-from treespec import (  # noqa: E402
-    BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, load_target,
-)
-from treespec.data import chat_prompt, mtbench_questions  # noqa: E402
-from treespec.fastpath import machine_info  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
+from harness import RESULTS, machine_info, pick_drafter, write_results
+from treespec import BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, load_target
+from treespec.data import chat_prompt, mtbench_questions
 SAMPLINGS = {"T1": dict(temperature=1.0, top_p=1.0), "T0.7_top_p0.9": dict(temperature=0.7, top_p=0.9)}
 PAPERS = {"block": "Sun et al. 2025: +5-8 % wall clock", "traversal": "Weng et al. 2025: +2.2-5.7 % acceptance length"}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def configs(chains: list[int], budgets: list[int], chain_mode: str, tree_mode: str) -> list[dict]:
@@ -128,7 +111,7 @@ def _pm(m: float, se: float, pct: bool = False) -> str:
     return f"{f * m:+.1f}{s} %" if pct else f"{m:.2f}{s}"
 
 
-def write_markdown(meta: dict, rows: list[dict], path: Path) -> None:
+def write_markdown(meta: dict, rows: list[dict]) -> str:
     lines = ["# Verification rules: token vs block (chains) vs traversal (trees)", "",
              f"Target {meta['target']}, drafter **{meta['drafter']}**, {meta['prompts_done']} of "
              f"{meta['prompts']} MT-bench prompts x {meta['max_new_tokens']} new tokens; {meta['cpu']}, "
@@ -158,13 +141,12 @@ def write_markdown(meta: dict, rows: list[dict], path: Path) -> None:
                          f"{_pm(r['token_tps'], r['token_tps_se'])} | {_pm(r[f'{n}_tps'], r[f'{n}_tps_se'])} | "
                          f"{_pm(r['tps_gain'], r['tps_gain_se'], True)} | {PAPERS[n]} |")
         lines.append("")
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def save(out: Path, meta: dict, records: list[dict], cfgs: list[dict]) -> None:
     rows = summary(records, cfgs)
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, summary=rows, records=records), indent=1))
-    write_markdown(meta, rows, out.with_suffix(".md"))
+    write_results(out, dict(meta=meta, summary=rows, records=records), write_markdown(meta, rows))
 
 
 def merge(paths: list[str], out: Path) -> None:
@@ -245,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
                     dtype=str(target.dtype).removeprefix("torch."), speed_path=target.speed_path)
     meta = dict(target="smollm2-135m", drafter=name, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
                 chain_mode=args.chain_mode, tree_mode=args.tree_mode, settings=settings,
-                cpu=cpu_model(), machine=platform.machine(), torch=torch.__version__, machine_info=machine_info(),
+                cpu=machine_info()["cpu_model"], machine=platform.machine(), torch=torch.__version__, machine_info=machine_info(),
                 torch_threads=torch.get_num_threads(), omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
                 argv=["benchmarks/verification.py", *argv], prompts_done=done, complete=False,
                 wall_s_before=earlier["meta"]["wall_s"] if earlier else 0.0, wall_s=0.0)

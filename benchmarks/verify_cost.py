@@ -19,22 +19,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
-import statistics
 import time
-from pathlib import Path
 
 import torch
 
 import treespec
-from treespec.fastpath import cpu_info, machine_info
+from harness import RESULTS, figure, interleaved, machine_info, median_ms, save_figure, time_calls, write_results
+from treespec.fastpath import cpu_info
 from treespec.kernels import panel_status
 from treespec.sampling import SamplingConfig
 from treespec.tree import DraftTree
 from treespec.verifiers.tree_attention import TreeVerifier
 
-RESULTS = Path(__file__).parent / "results"
 NS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
@@ -48,26 +45,14 @@ def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
 def measure_bandwidth(reps: int = 5) -> float:
     """Bytes/s of one streaming read of a 1 GiB buffer (median of reps)."""
     buf = torch.ones(1 << 28)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t0)
-    return buf.numel() * 4 / statistics.median(times)
+    return buf.numel() * 4 / (median_ms(time_calls(buf.sum, reps, warmup=0)) / 1e3)
 
 
 def measure_gemm_peak(dtype: torch.dtype, size: int = 1024, reps: int = 7) -> float:
     """FLOP/s of a cache-friendly square GEMM in ``dtype`` (median of reps)."""
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
-    for _ in range(2):
-        a @ b
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t0)
-    return 2 * size ** 3 / statistics.median(times)
+    return 2 * size ** 3 / (median_ms(time_calls(lambda: a @ b, reps, warmup=2)) / 1e3)
 
 
 def linear_params(model: torch.nn.Module) -> int:
@@ -128,17 +113,10 @@ def main() -> None:
             layer.crop(-n)
         return dt
 
-    points = [(name, n) for name in paths for n in ns]
-    for name, n in points:                      # warm-up: every shape once
-        score_and_undo(name, n)
-    samples: dict[tuple[str, int], list[float]] = {p: [] for p in points}
-    t_start = time.time()
-    for rep in range(args.reps):
-        order = points[:]
-        random.Random(rep).shuffle(order)
-        for name, n in order:
-            samples[(name, n)].append(score_and_undo(name, n))
-        print(f"rep {rep + 1}/{args.reps} done", flush=True)
+    points = {(name, n): (lambda name=name, n=n: score_and_undo(name, n)) for name in paths for n in ns}
+    t_start = time.time()                       # warm-up (every shape once), then interleaved reps
+    samples = interleaved(points, args.reps, warmup=1, self_timed=True,
+                          on_rep=lambda rep: print(f"rep {rep + 1}/{args.reps} done", flush=True))
     for name, v in verifiers.items():
         assert v.prefix_len == args.prefix and v.cache.layers[0].keys.shape[-2] == args.prefix, name
 
@@ -157,7 +135,7 @@ def main() -> None:
     if "fp32 blocks" in verifiers:   # the same FLOPs from the bytes the block kernel reads
         limit["fp32 blocks"] = roofline(stored_bytes(verifiers["fp32 blocks"].model), peaks["fp32"])
 
-    ms = {name: {n: statistics.median(samples[(name, n)]) * 1e3 for n in ns} for name in paths}
+    ms = {name: {n: median_ms(samples[(name, n)]) for n in ns} for name in paths}
     result = {
         "machine": machine_info(),
         "args": vars(args),
@@ -200,17 +178,9 @@ def main() -> None:
     lines += ["", "Times in ms."]
     md = "\n".join(lines) + "\n"
     print(md)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    js, _ = write_results(args.out, result, md)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ((ax,),) = figure()
         for name, row in ms.items():
             ax.plot(ns, [row[n] for n in ns], marker="o", label=name)
         for k, row in limit.items():
@@ -220,8 +190,7 @@ def main() -> None:
         ax.set_ylabel("verify pass (ms)")
         ax.set_title(f"SmolLM2-135M verify cost, {m['torch_threads']} thread(s), {m['cpu_model'][:40]}")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
+        save_figure(fig, js.with_suffix(".png"))
     except ImportError:
         print("matplotlib not installed: no plot")
 

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness import RESULTS, write_json   # stdlib-only at import: runs in the vLLM environment too
+
 
 def phase_treespec(args) -> None:
     import torch
@@ -59,7 +61,7 @@ def phase_treespec(args) -> None:
               "accepted_per_pos": accepts, "acceptance": [a / max(attempts[0], 1) for a in accepts],
               "new_tokens": new, "seconds": round(time.perf_counter() - t0, 1), "outputs": outputs,
               "machine": machine_info()}
-    (work / "treespec.json").write_text(json.dumps(result) + "\n")
+    write_json(work / "treespec.json", result)
     print(f"treespec: acceptance by position {[round(x, 3) for x in result['acceptance']]} "
           f"({attempts[0]} drafts)")
 
@@ -93,7 +95,7 @@ def phase_vllm(args) -> None:
               "acceptance": [a / max(drafts, 1) for a in per_pos],
               "new_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": round(seconds, 1),
               "outputs": [list(o.outputs[0].token_ids) for o in outs]}
-    (work / "vllm.json").write_text(json.dumps(result) + "\n")
+    write_json(work / "vllm.json", result)
     print(f"vllm: acceptance by position {[round(x, 3) for x in result['acceptance']]} ({drafts} drafts)")
 
 
@@ -122,8 +124,7 @@ def phase_compare(args) -> int:
               "treespec": {k: ts[k] for k in keep}, "vllm": {k: vl[k] for k in keep},
               "identical_outputs": same, "gap_position_1": gap, "tol": args.tol, "pass": ok}
     if args.results:
-        Path(args.results).mkdir(parents=True, exist_ok=True)
-        (Path(args.results) / f"vllm_check_{ts['kind']}.json").write_text(json.dumps(record, indent=1) + "\n")
+        write_json(Path(args.results) / f"vllm_check_{ts['kind']}.json", record)
     return 0 if ok else 1
 
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--k", type=int, default=3, help="draft tokens per step (chain)")
     p.add_argument("--tol", type=float, default=0.05, help="largest position-1 acceptance gap")
-    p.add_argument("--results", default="benchmarks/results", help="compare: where to write the summary")
+    p.add_argument("--results", default=str(RESULTS), help="compare: where to write the summary")
     args = p.parse_args(argv)
     args.work = args.work or f".cache/vllm-{args.kind}"
     Path(args.work).mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,8 @@
   near-uniform logits: weak statistical tests and argmax near-ties).
 - ``NGramDrafter``: a cheap non-HF drafter (a fixed random trigram table), exact to reason about
   and ~100x cheaper than a model forward; for the long sampling tests.
+- ``small_generator``: a SpeculativeGenerator over ``peaky_target(8)`` and an ``NGramDrafter``
+  (a small dynamic tree unless told otherwise): the cheapest whole engine to call.
 - ``fresh_cache``: the DynamicCache of a plain causal forward over some tokens (the reference
   for KV-cache equality checks).
 - ``word_tokenizer``: a tiny whitespace WordLevel tokenizer with a chat template, no download.
@@ -70,6 +72,14 @@ def peaky_llama(
 
 def peaky_target(vocab_size: int = 8, seed: int = 0, **kw) -> Target:
     return Target.from_hf(peaky_llama(vocab_size, seed, **kw), None, name=f"peaky-v{vocab_size}-s{seed}")
+
+
+def small_generator(drafter=None, builder=None):
+    """A SpeculativeGenerator over ``peaky_target(8)``: ``drafter`` (default ``NGramDrafter(8)``)
+    and ``builder`` (default ``DynamicTreeBuilder(6, 3, 2)``)."""
+    from treespec import DynamicTreeBuilder, SpeculativeGenerator
+
+    return SpeculativeGenerator(peaky_target(8), drafter or NGramDrafter(8), builder or DynamicTreeBuilder(6, 3, 2))
 
 
 def fresh_cache(model, tokens: list[int]) -> DynamicCache:

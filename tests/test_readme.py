@@ -1,15 +1,37 @@
-"""The README's Python example runs as written (on the real SmolLM2 target)."""
+"""The Python examples of README.md and docs/*.md run as written: the README's on the real
+SmolLM2 target, the others on a tiny random target in its place."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def python_blocks(path: Path = README) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def doc_block(marker: str) -> tuple[str, str]:
+    """The one ```python block of README.md or docs/*.md containing ``marker``, and its file."""
+    found = [(block, str(path)) for path in [README, *DOCS] for block in python_blocks(path) if marker in block]
+    assert len(found) == 1, f"expected one python block with {marker!r}, found {len(found)}"
+    return found[0]
+
+
+def test_every_doc_python_block_is_run_by_a_test():
+    """Each ```python block of the docs is one a test executes, found by its marker: the tests
+    below, and test_batch.py for the serving step functions ("prepare_verify(")."""
+    markers = ("register_drafter", "SpeculativeServer(", "min_confidence", "prepare_verify(")
+    blocks = [b for path in DOCS for b in python_blocks(path)]
+    assert DOCS and blocks
+    untested = [b.splitlines()[0] for b in blocks if not any(m in b for m in markers)]
+    assert not untested, f"python blocks in docs/ that no test runs: {untested}"
+    for marker in markers:
+        doc_block(marker)
 
 
 def test_readme_has_a_short_python_example():
@@ -47,13 +69,12 @@ def test_readme_drafter_example_runs_on_a_tiny_target(capsys):
     from treespec.drafters.base import _REGISTRY
     from treespec.models import tiny_target
 
-    code = python_blocks()[1]
-    assert "register_drafter" in code
+    code, where = doc_block("register_drafter")
     tiny = tiny_target(vocab_size=32, seed=0)
     tiny.model.generation_config.eos_token_id = None
     namespace: dict = {"treespec": treespec, "target": treespec.Target(tiny.model, _Chars(), tiny.name)}
     try:
-        exec(compile(code, str(README), "exec"), namespace)
+        exec(compile(code, where, "exec"), namespace)
         gen = namespace["gen"]
         prompt = [5, 9, 5, 9, 5]
         out = gen.generate(prompt, max_new_tokens=12).token_ids.tolist()
@@ -67,35 +88,36 @@ def test_readme_drafter_example_runs_on_a_tiny_target(capsys):
 
 
 def test_readme_server_example_runs_on_a_tiny_target(capsys):
-    """The "Many requests at once" server block, with a tiny random target and an untrained
+    """The SpeculativeServer block (docs/serving.md), with a tiny random target and an untrained
     EAGLE-3 head in place of SmolLM2's shipped one."""
     from treespec.drafters.eagle import random_feature_drafter
     from treespec.models import tiny_target
 
-    code = next(b for b in python_blocks() if "SpeculativeServer(" in b)
+    code, where = doc_block("SpeculativeServer(")
     assert code.count('"eagle3"') == 1
     tiny = tiny_target(vocab_size=32, seed=0)
     tiny.model.generation_config.eos_token_id = None
     namespace: dict = {"target": tiny, "drafter": random_feature_drafter(tiny, "eagle3", seed=1, draft_vocab=16)}
-    exec(compile(code.replace('"eagle3"', "drafter"), str(README), "exec"), namespace)
+    exec(compile(code.replace('"eagle3"', "drafter"), where, "exec"), namespace)
     server = namespace["server"]
     assert [len(server.finished[r].tokens) for r in (0, 1)] == [8, 6]
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("length (")
 
 
 def test_readme_adaptive_lookup_example_runs_on_a_tiny_target():
-    """The "Adaptive drafting" block, with a tiny random target: on a prompt that repeats, the
+    """The "Adaptive drafting" block (docs/drafters.md), with a tiny random target: on a prompt that repeats, the
     lookup drafts where a 3-token suffix recurs and the output is plain greedy decoding's."""
     import treespec
     from treespec.models import tiny_target
 
-    code = next(b for b in python_blocks() if "min_confidence" in b)
+    code, where = doc_block("min_confidence")
     tiny = tiny_target(vocab_size=32, seed=0)
     tiny.model.generation_config.eos_token_id = None
     namespace: dict = {"treespec": treespec, "target": tiny}
-    exec(compile(code, str(README), "exec"), namespace)
+    exec(compile(code, where, "exec"), namespace)
     prompt = [5, 9, 7, 5, 9, 7, 5, 9, 7, 5, 9]
     out = namespace["gen"].generate(prompt, max_new_tokens=12)
     plain = treespec.SpeculativeGenerator(tiny, "lookup", treespec.DynamicTreeBuilder(budget=1, depth=1, top_k=1))
     assert out.token_ids.tolist() == plain.generate(prompt, max_new_tokens=12).token_ids.tolist()
     assert out.stats.tree_nodes > out.stats.steps        # it drafted on some steps
+

@@ -8,9 +8,7 @@ Glossary
   the CPU: it copies every cached key and value once per query head of the group before the
   kernel runs. A decode step without a mask avoids it (HF's ``pack_gqa``), but a tree pass
   always has a mask, so every tree of 2 or more nodes pays a copy of the whole cache, twice
-  (keys and values) per layer, on top of its rows. SmolLM2-135M at 300 cached tokens on an AVX2
-  core (``benchmarks/results/verify_cost_avx2_grouped.md``): 6.5 ms of a 69 ms 2-node pass,
-  5 ms at 4 nodes, 27 ms of 174 at 16.
+  (keys and values) per layer, on top of its rows (what that costs: ``docs/cpu-fast-path.md``).
 - **grouped sdpa** — :data:`GROUPED_SDPA`, an attention implementation registered through HF's
   own extension points (``AttentionInterface`` and ``AttentionMaskInterface``; no modeling file
   forked, nothing of transformers replaced). With a mask, on the CPU, it calls PyTorch's SDPA with

@@ -5,7 +5,7 @@ Glossary
 - **re-pack** — a GEMM library copies the weight matrix into its blocked, cache-friendly layout
   before multiplying. For fp32 ``F.linear`` with 4 or more rows, PyTorch's default path does this
   on *every* call: a 16-row tree pass then reads and rewrites every weight once more than a
-  1-row decode step, which is why verifying 16 nodes cost ~2x one decode step here.
+  1-row decode step, so verifying a small tree costs far more than one decode step.
 - **packed linear** — :class:`PackedLinear`, a drop-in ``nn.Linear`` replacement that keeps the
   weight pre-packed once (oneDNN's blocked layout, through ``torch.ops.mkldnn``) next to the
   original parameter. The original stays the module's ``weight`` (same ``Parameter`` object, so
@@ -64,20 +64,15 @@ __all__ = [
 
 
 # fp32: below this many rows PyTorch's own kernel (a GEMV, no re-pack) is as fast or faster.
-# Where the crossover lies depends on the CPU. One linear layer, 1 thread, median us (stock F.linear
-# -> packed), 1536x576 / 49152x576 weights:
-#   Intel Xeon (AVX-512, AMX):  n = 1..3 about even, packed ahead from n = 4      -> 4
-#   AMD EPYC (AVX2 only):       n = 1: 134 -> 154 / 14.1 -> 26.9 ms (stock ahead);
-#                               n = 2: 200 -> 166 / 32.1 -> 24.6 ms; n = 3: 291 -> 158 / 62.4 -> 16.6 ms
-#                               (the stock 2- and 3-row products are slower than the 4-row one) -> 2
+# Where the crossover lies depends on the CPU (benchmarks/linear_rows.py measures it): packed
+# ahead from 4 rows on AVX-512 CPUs, from 2 on AVX2-only ones, whose stock 2- and 3-row products
+# are slower than the 4-row one.
 FP32_MIN_ROWS = 4
 FP32_MIN_ROWS_AVX2 = 2
 
 # The panel GEMM runs passes of 1..PANEL_MAX_ROWS rows (decode steps and trees); longer ones
-# (prefill) go to PyTorch's GEMM, whose re-pack is amortized there. Whole tree pass, AMD EPYC
-# AVX2, 1 thread, ms (stock / oneDNN packed / panel / blocks; benchmarks/results/verify_cost_avx2.md):
-# 1 node 84 / 95 / 65 / 57; 4 nodes 173 / 145 / 99 / 61; 16 nodes 208 / 224 / 169 / 145;
-# 64 nodes 503 / 466 / 444 / 404.
+# (prefill) go to PyTorch's GEMM, whose re-pack is amortized there (benchmarks/verify_cost.py
+# compares the kernels by tree size).
 PANEL_MAX_ROWS = 64
 KERNELS = ("onednn", "panel", "blocks")
 PANEL_KERNELS = ("panel", "blocks")

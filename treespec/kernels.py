@@ -7,9 +7,8 @@ Glossary
 - **panel GEMM** — ``treespec/csrc/panel_gemm.cpp``: a tile of up to 6 rows of ``x`` times one
   panel (or 1-3 rows times 4-2 panels) with all partial sums in AVX2 registers; every row block
   of a panel reuses it from cache, so the weights are read from memory once per pass whatever
-  the row count. PyTorch's own fp32 GEMM re-packs the weights on every call of 2 or more rows;
-  on an AMD EPYC core a 4-node tree pass went from 1.6-1.8x to 1.3-1.5x a 1-node pass, and the
-  1-node pass itself from 84-102 to 66-71 ms (``benchmarks/results/verify_cost_avx2.md``).
+  the row count. PyTorch's own fp32 GEMM re-packs the weights on every call of 2 or more rows,
+  so a small tree pass reads them more than once (measurements: ``docs/cpu-fast-path.md``).
 - **batch-invariant** — each output is one FMA chain over ``k`` in order, so a row's result is
   bit-identical whether it is multiplied alone or with other rows. A 1-token decode step and a
   tree pass therefore see the same linear outputs for the same row.

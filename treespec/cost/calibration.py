@@ -14,8 +14,7 @@ prefix of ``context`` tokens. A batch of B requests is measured too when asked
 (``calibrate_batches``: the real batched pass, ``BatchVerifier.score`` over B trees of n nodes,
 ragged masks and per-row positions included) and then ``CalibratedCost`` reads it (interpolated
 between measured B). Without it, B sequences are read as one pass of B · n tokens, which
-under-predicts the batched pass (its padded attention and per-row mask work; e.g. +27 % for
-B = 8 at 2 nodes per request on an AVX2 core). Longer contexts add their KV bytes at the
+under-predicts the batched pass (its padded attention and per-row mask work). Longer contexts add their KV bytes at the
 bandwidth the n = 1 pass attained (weight bytes / t(1)); calibrate at the context you serve.
 
 File: ``default_calibration_path(model, dtype)`` = ``$TREESPEC_CACHE/calibration-<model>.json``,

@@ -197,9 +197,9 @@ def best_tree(
 
 
 # builder="auto" speculates only where the cost model predicts at least this speedup, on a
-# quiet machine. Its predictions of measured runs land within about ±20 % on a shared 2-core
-# CPU (benchmarks/results/batch.md, "pred / meas"); a tree predicted to gain less than 5 % is
-# as likely to lose as to win there, and plain decoding never loses to itself.
+# quiet machine: a predicted gain this small is within the model's error on a real machine
+# (benchmarks/batch.py reports predicted against measured gains), so it is as likely to lose as
+# to win, and plain decoding never loses to itself.
 AUTO_MIN_GAIN = 1.05
 
 # A noisy machine asks for more (``auto_min_gain``): the predicted gain is a ratio of two pass

@@ -14,18 +14,13 @@ At every node the drafter reports ONE distribution, the mixture
     q(.|path) = λ · v(.|path) + (1 − λ) · q_head(.|path)
 
 as its logits (log q). Builders process it like any drafter's logits and draw the children
-from exactly the q they put in the tree, so every acceptance rule (token, block, traversal) in
-every sampling mode is exact by the rules' own proofs: they hold for any q children are drawn
-from. λ and v depend only on the committed text and the node's path, never on a draw. The builders
-apply the target's processing (temperature, top-k / top-p) to these logits as to any drafter's,
-so at T != 1 the recorded q is the processed mixture; it is still what the children are drawn
-from, so exactness is untouched (only how well q matches p changes).
+from exactly the q they put in the tree, so every acceptance rule stays exact; λ and v depend
+only on the committed text and the node's path, never on a draw (why that suffices, and why
+splicing the lookup token into the head's q would not: docs/exactness.md).
 What the mixture does: when the text repeats, λ is high, the lookup's token is the top child
 (deterministic) or the likely first draw, and its path keeps matching, so the tree grows a long
 lookup chain; the head's candidates stay as siblings (without replacement: the next draws) and
-elsewhere, where nothing matches, q is the head's own q. The wrong merge that this avoids:
-splicing the lookup token in as a child while reporting q_head (or q_head's zero, for a token
-outside an EAGLE-3 draft vocabulary); tests/test_hybrid_exact_law.py shows that it is biased.
+elsewhere, where nothing matches, q is the head's own q.
 
 λ is a speed heuristic, never a correctness one: by default it starts at ``weight`` and learns,
 per match length, how often the lookup's top vote was the token the target then emitted

@@ -16,8 +16,8 @@ Exactness constraint for stochastic modes: the *number* of children drawn at a n
 on anything except those children's own draws; a builder must never drop a drawn child because
 of its value (that biases the i.i.d. / without-replacement law the acceptance rule relies on).
 Deciding to add the j-th child may depend on everything drawn before it (earlier siblings,
-other nodes, their subtrees): the rules reproduce the residual after each rejection whatever
-comes next, so a stopping rule over the draw sequence is exact. ``expand_nodes`` pre-draws a
+other nodes, their subtrees), so a stopping rule over the draw sequence is exact (the proof:
+docs/exactness.md, "Stopping rules in builders"). ``expand_nodes`` pre-draws a
 node's children in draw order; a builder takes a *prefix* of them whose length it decides from
 slot values, never from the drawn tokens themselves.
 Deterministic trees have no such constraint: any candidate set is exact under the

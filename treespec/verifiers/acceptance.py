@@ -47,7 +47,7 @@ class Acceptance:
 
 
 def _long_tensor(values: list[int]) -> torch.Tensor:
-    """LongTensor from a short list (via numpy: ~2x cheaper than torch.tensor per call)."""
+    """LongTensor from a short list (via numpy: cheaper than torch.tensor per call)."""
     return torch.from_numpy(np.array(values, dtype=np.int64))
 
 

@@ -4,13 +4,16 @@ Token-level rules (rejection.py) decide child by child from the root down. These
 decide on whole paths and stay exact. On a chain block verification accepts the most any
 valid rule can (never less than token level); traversal verification equals it on chains and
 often accepts more than token level on trees, but not always (measure it: accept_rules.py).
+Block verification: Sun, Mendlovic, Leviathan et al., ICLR 2025 (arXiv 2403.10444); traversal
+verification: Weng, Hu et al., NeurIPS 2025 (arXiv 2505.12398). The rules, and the induction
+that proves them exact for any draft law per child (every sampling mode), are in
+docs/exactness.md; tests/test_exact_law_joint.py computes the output law by enumeration.
 
 Glossary (adds to rejection.py's):
     p̂_u, q̂_u  the target / draft distribution at node u, normalised in float64. q̂_u is the law
               the *next* child of u was drawn from: q_u (with_replacement), q_u without the
               siblings already tried, renormalised (without_replacement), or the point mass
-              on the child's own token (deterministic: a token fixed by the drafter is a draw
-              from the point mass on it).
+              on the child's own token (deterministic).
     α_u       sequence-level acceptance weight of the path root -> u (Sun et al.'s p_i, Weng
               et al.'s p_α): α_root = 1, α_c = min(α_u p̂_u(x_c) / q̂_u(x_c), 1).
     residual  after the subtree of u's child c is rejected: m = max(α_u p̂_u - q̂_u, 0) with mass
@@ -18,37 +21,16 @@ Glossary (adds to rejection.py's):
     test      a node whose children are all rejected is accepted w.p. α_u (the root always);
               the new token is then drawn from p̂_u (bonus at an untouched leaf, else residual).
 
-Block verification (Sun, Mendlovic, Leviathan et al., ICLR 2025, arXiv 2403.10444), on a chain
-x_1..x_γ: p_i = α of node i; h_γ = p_γ and h_i = r_i / (r_i + 1 - p_i) (the residual step);
-τ = the largest i with η_i < h_i, found backward from γ; the new token comes from p̂_γ if
-τ = γ, else from norm(max(p_τ p̂_τ - q̂_τ, 0)).
-
-Traversal verification (Weng, Hu et al., NeurIPS 2025, arXiv 2505.12398): the same residual
-step on a tree, walked in post-order (children in index order, each child's subtree before
-the child itself, the root last). On a chain it *is* block verification, uniform for uniform.
-
-Sampling modes: both papers draw children from q; with_replacement and without_replacement
-are that. A deterministic child (fixed by the drafter) is a draw from the point mass on its
-token: for block verification that is the paper's setting with q = δ; for traversal with
-several deterministic siblings it is our extension (the induction below never uses how the
-per-child laws relate). Every mode is proven by enumeration, so none is refused; block
-refuses trees that branch. With q̂ = δ_x, α_c = α_u p̂_u(x_c) is the token-level chance of
-reaching c and both rules have exactly the token rule's law (no gain), so ``accept`` runs
-the token walk on deterministic trees; the functions here still handle them.
-
-Why it is exact (induction over subtrees, any draft law per child): a subtree entered with
-weight α_c is accepted with probability α_c and then emits the target's law from c. At u, a
-child drawn from q̂ contributes min(α p̂, q̂) and is rejected with probability 1 - α + r; the
-residual step makes the rest contribute max(α p̂ - q̂, 0); together α p̂.
-tests/test_exact_law_joint.py computes the output law by enumeration for every mode.
+Traversal verification walks the tree in post-order (children in index order, each child's
+subtree before the child itself, the root last); on a chain it *is* block verification. Block
+refuses trees that branch. On deterministic trees both rules have exactly the token rule's law
+and acceptance, so ``accept`` runs the token walk there; the functions here still handle them.
 
 Rows are distributions: p̂_u and q̂_u start as the input rows themselves, taken to sum to 1 (as
-``treespec.sampling.process`` returns them, to float32 round-off); neither rule renormalises a
-row. Reading every row's mass up front would cost a pass over the whole [N, V] block, which
-for a 64-node chain is ten times the token rule's whole call (see benchmarks/accept_rules.py).
-A target row the rule does read (a residual step or the final draw) is checked: one off 1 by
-more than DraftTree's tolerance for q rows (1e-3) is a ValueError. On normalised rows this is
-the papers' rule exactly; rows off 1 by ε move the output law by O(ε).
+``treespec.sampling.process`` returns them); neither rule renormalises a row, since reading every
+row's mass up front would cost a pass over the whole [N, V] block. A target row the rule does
+read (a residual step or the final draw) is checked: one off 1 by more than DraftTree's
+tolerance for q rows (1e-3) is a ValueError.
 
 Cost: a residual step is one float64 pass over a row; it is skipped when the test it feeds
 cannot pass (h_i <= p_i, and a node's α only decreases: a uniform >= α rejects). Deterministic

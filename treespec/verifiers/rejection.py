@@ -12,9 +12,9 @@ Rules at node u with residual r (initially p_u) and children x_1..x_m tried in i
     with_replacement:     accept w.p. min(1, r(x)/q(x)); else r = norm(max(r - q, 0)).
     without_replacement:  accept w.p. min(1, r(x)/q(x)); else r = norm(max(r - q, 0)),
                           q[x] = 0, q = norm(q).
-If no child is accepted the new token is drawn from r. Each rule reproduces p exactly
-(tests/test_exact_law.py computes the output law by enumeration). Greedy decoding is the
-deterministic rule with one-hot p.
+If no child is accepted the new token is drawn from r. Each rule reproduces p exactly (the
+proofs: docs/exactness.md; tests/test_exact_law.py computes the output law by enumeration).
+Greedy decoding is the deterministic rule with one-hot p.
 
 Round-off: all sums, residuals and comparisons are float64. A rejection whose residual mass is
 below ``_NULL_MASS`` (relative) can only come from round-off (in exact arithmetic the
