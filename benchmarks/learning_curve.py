@@ -8,8 +8,9 @@ For every checkpoint this script measures
     held-out acceptance by depth   teacher-forced on held-out ShareGPT replies (the cards' metric:
                                    top1 = greedy acceptance of one draft given a correct prefix,
                                    beta_top32 = a lower bound of the T = 1 acceptance)
-    tree τ                         tokens per target forward of the real SmolLM2-135M at T = 0 on
-                                   MT-bench first turns, for each ``--trees`` builder
+    tree τ                         tokens per target forward of the real SmolLM2-135M at T = 0 and
+                                   T = 1 (seeded) on MT-bench first turns (never trained on), for
+                                   each ``--trees`` builder
 
 and writes ``--out``.{json,md,png} after every point; re-running skips the points already
 measured with the same settings (resumable).
@@ -41,12 +42,12 @@ def checkpoints(runs: list[str]) -> list[Path]:
     found = [p for r in runs for p in sorted((Path(r) / "curve").glob("*.tokens*.safetensors"))]
     if not found:
         raise SystemExit(f"no learning-curve checkpoints (curve/<kind>.tokens<T>.safetensors) under {runs}; "
-                         "train with --shards DIR --tokens N --curve K")
+                         "train with --tokens N --curve K")
     return found
 
 
-def tau_of(target, drafter, trees: list[str], prompts, max_new: int) -> dict:
-    """τ, acceptance by depth and tokens/s at T = 0 for each tree, pooled over ``prompts``."""
+def tau_of(target, drafter, trees: list[str], prompts, max_new: int, temperature: float = 0.0) -> dict:
+    """τ, acceptance by depth and tokens/s at ``temperature`` for each tree, pooled over ``prompts``."""
     out = {}
     for t in trees:
         gen = treespec.SpeculativeGenerator(target, drafter, make_tree(t))
@@ -54,7 +55,7 @@ def tau_of(target, drafter, trees: list[str], prompts, max_new: int) -> dict:
         pool = Pool()
         for q in prompts:
             ids = torch.tensor(chat_prompt(target.tokenizer, q.turns[0]))
-            pool.add_stats(gen.generate(ids, max_new_tokens=max_new, temperature=0.0, seed=0).stats)
+            pool.add_stats(gen.generate(ids, max_new_tokens=max_new, temperature=temperature, seed=0).stats)
         out[t] = {k: v for k, v in pool.row(None).items() if k in ("tau", "acceptance_by_depth", "tokens_per_s")}
     return out
 
@@ -67,31 +68,37 @@ def measure(path: Path, target, args, prompts) -> dict:
     t0 = time.perf_counter()
     held = heldout_of_checkpoint(kind, target, path, sequences=args.heldout_sequences)
     drafter = treespec.load_drafter(kind, target, checkpoint=str(path))
-    tau = tau_of(target, drafter, args.trees.split(","), prompts, args.max_new_tokens)
+    tau = {t: tau_of(target, drafter, args.trees.split(","), prompts, args.max_new_tokens, t) for t in (0.0, 1.0)}
     return {"run": path.parent.parent.name, "checkpoint": path.name, "checksum": card["checksum"], "drafter": kind,
             "tokens": train["tokens_seen"], "curve_point_tokens": train["curve_point_tokens"],
             "steps": train["steps_done"], "train_minutes": train["train_minutes"],
-            "cpu_hours": train["cpu_hours"], "train_cpu_seconds": train["train_cpu_seconds"],
+            "cpu_hours": train["cpu_hours"], "cpu_hours_by_machine": train.get("cpu_hours_by_machine", {}),
+            "train_cpu_seconds": train["train_cpu_seconds"],
             "extraction_cpu_seconds": train["extraction_cpu_seconds"], "processes": train["processes"],
             "global_batch": train["global_batch"], "autocast": train["autocast"],
-            "heldout": held, "tau_t0": tau, "eval_minutes": round((time.perf_counter() - t0) / 60, 2)}
+            "heldout": held, "tau_t0": tau[0.0], "tau_t1": tau[1.0],
+            "eval_minutes": round((time.perf_counter() - t0) / 60, 2)}
 
 
 def markdown(result: dict) -> str:
     c = result["config"]
     trees = c["trees"]
-    lines = [f"# Learning curve ({c['prompts']} MT-bench prompts x {c['max_new_tokens']} tokens, T = 0; "
+    lines = [f"# Learning curve ({c['prompts']} MT-bench prompts x {c['max_new_tokens']} tokens, T = 0 and T = 1; "
              f"held-out: {c['heldout_sequences']} ShareGPT sequences)", "",
-             machine_line(result["machine"]), "",
-             "CPU-hours = training CPU of every process + the extraction CPU of the tokens seen. "
-             "top1 = held-out greedy acceptance of one draft at depth 1..4 given a correct prefix; "
-             "τ = tokens per target forward.", "",
-             "| drafter | tokens | CPU-h | steps | held-out top1 by depth | " + " | ".join(f"τ {t}" for t in trees) + " |",
-             "|---|---|---|---|---|" + "---|" * len(trees)]
+             machine_line(result["machine"]) + " (the evaluation's machine; the CPU-hours column names the "
+             "machines each run trained on)", "",
+             "CPU-hours = training CPU of every process (online runs: the target's pass included) + the "
+             "extraction CPU of the tokens seen (shard runs). top1 = held-out greedy acceptance of one draft at "
+             "depth 1..4 given a correct prefix; τ = tokens per target forward on MT-bench first turns.", "",
+             "| drafter | tokens | CPU-h (by machine) | steps | held-out top1 by depth | "
+             + " | ".join(f"τ {t}, T = {temp}" for temp in (0, 1) for t in trees) + " |",
+             "|---|---|---|---|---|" + "---|" * 2 * len(trees)]
     for p in sorted(result["points"], key=lambda p: (p["drafter"], p["tokens"])):
         top1 = " ".join(f"{x:.2f}" for x in p["heldout"]["top1_by_depth"])
-        taus = " | ".join(f"{p['tau_t0'][t]['tau']:.2f}" for t in trees)
-        lines.append(f"| {p['drafter']} | {p['tokens']:,} | {p['cpu_hours']:.3f} | {p['steps']} | {top1} | {taus} |")
+        taus = " | ".join(f"{p[key][t]['tau']:.2f}" for key in ("tau_t0", "tau_t1") for t in trees)
+        machines = "; ".join(f"{m}: {h:.3f}" for m, h in p.get("cpu_hours_by_machine", {}).items())
+        cpu = f"{p['cpu_hours']:.3f}" + (f" ({machines})" if machines else "")
+        lines.append(f"| {p['drafter']} | {p['tokens']:,} | {cpu} | {p['steps']} | {top1} | {taus} |")
     return "\n".join(lines) + "\n"
 
 
@@ -104,8 +111,9 @@ def plot(result: dict, path: Path) -> None:
         for d in range(min(len(pts[0]["heldout"]["top1_by_depth"]), 4)):
             a.plot(x, [p["heldout"]["top1_by_depth"][d] for p in pts], marker="o", label=f"{kind} depth {d + 1}")
         for t in result["config"]["trees"]:
-            b.plot(x, [p["tau_t0"][t]["tau"] for p in pts], marker="o", label=f"{kind} {t}")
-    for ax, title in ((a, "held-out top-1 acceptance"), (b, "τ at T = 0 (MT-bench)")):
+            for key, style in (("tau_t0", "-"), ("tau_t1", "--")):
+                b.plot(x, [p[key][t]["tau"] for p in pts], style, marker="o", label=f"{kind} {t} T = {key[-1]}")
+    for ax, title in ((a, "held-out top-1 acceptance"), (b, "τ on MT-bench")):
         ax.set_xscale("log")
         ax.set_xlabel("training tokens")
         ax.set_title(title)
@@ -131,7 +139,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "trees": args.trees.split(","),
-              "heldout_sequences": args.heldout_sequences, "threads": args.threads, "temperature": 0.0}
+              "heldout_sequences": args.heldout_sequences, "threads": args.threads, "temperatures": [0.0, 1.0]}
     earlier = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else None
     points = earlier["points"] if earlier and earlier["config"] == config else []
     done = {(p["run"], p["checkpoint"], p["checksum"]) for p in points}
@@ -146,7 +154,8 @@ def main() -> None:
         write_results(out, result, markdown(result))
         plot(result, out.with_suffix(".png"))
         print(f"{path.name}: tokens {points[-1]['tokens']}, top1 {points[-1]['heldout']['top1_by_depth']}, "
-              f"tau {[v['tau'] for v in points[-1]['tau_t0'].values()]}", flush=True)
+              f"tau T=0 {[v['tau'] for v in points[-1]['tau_t0'].values()]}, "
+              f"T=1 {[v['tau'] for v in points[-1]['tau_t1'].values()]}", flush=True)
     if points:
         print(markdown({"config": config, "machine": machine_info(), "points": points}))
 
