@@ -62,6 +62,7 @@ bench: test-slow
 	$(VPY) benchmarks/linear_rows.py
 	$(VPY) benchmarks/batch.py --threads 1
 	$(VPY) benchmarks/hybrid.py
+	$(VPY) benchmarks/train_throughput.py --procs 1,2
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -22,10 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from treespec.fastpath import machine_info, machine_line
+from harness import RESULTS, machine_info, machine_line, write_results
 from treespec.train.loop import load_train_state
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def run(kind: str, procs: int, steps: int, batch_size: int, threads: int) -> dict:
@@ -77,9 +75,7 @@ def main() -> None:
     for procs in (int(p) for p in args.procs.split(",")):
         rows.append(run(args.kind, procs, args.steps, args.batch_size, args.threads))
         print(json.dumps(rows[-1]), flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"machine": info, "kind": args.kind, "rows": rows}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(rows, info, args.kind))
+    write_results(out, {"machine": info, "kind": args.kind, "rows": rows}, markdown(rows, info, args.kind))
     print(markdown(rows, info, args.kind))
 
 
