@@ -41,17 +41,22 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DynamicCache,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
 from treespec.data import find_package_file
 
 __all__ = [
     "TARGET_LOADERS",
     "Target",
+    "check_architecture",
+    "context_limit",
     "load_target",
     "model_fingerprint",
     "tiny_llama",
@@ -107,10 +112,19 @@ class Target:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    def __post_init__(self) -> None:
+        check_architecture(self.model)
+
     @property
     def max_context(self) -> int:
-        """Longest sequence the model supports (``config.max_position_embeddings``)."""
-        return self.model.config.max_position_embeddings
+        """Longest sequence treespec verifies exactly: ``config.max_position_embeddings``, or
+        less where sliding-window attention needs it (:func:`context_limit`)."""
+        return context_limit(self.model)[0]
+
+    @property
+    def max_context_reason(self) -> str:
+        """Why ``max_context`` is what it is, in words (for error messages)."""
+        return context_limit(self.model)[1]
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -124,6 +138,67 @@ class Target:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.append(int(self.tokenizer.eos_token_id))
         return tuple(dict.fromkeys(ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# What a tree pass needs from an architecture
+
+# Cache layers holding one key and one value row per token: the verifier scores a tree in one
+# pass and then gathers the accepted rows (``TreeVerifier.compact``). A sliding-window layer is
+# such a layer while the context fits in its window (it drops rows only past it).
+_ROW_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+_SDPA_LIKE = ("sdpa", "treespec_grouped_sdpa")
+
+
+def _decoder_config(model: PreTrainedModel):
+    config = model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def check_architecture(model: PreTrainedModel) -> None:
+    """Refuse, with the reason, a model whose tree passes could not reproduce plain decoding.
+
+    - attention logit softcapping under sdpa: sdpa has no softcap (HF refuses it mid-forward);
+      ``attn_implementation="eager"`` computes it, under an additive tree mask as well;
+    - cache layers that are not per-token key/value rows (recurrent or convolutional states of
+      hybrid models, caches shared between layers): a rejected branch cannot be dropped from a
+      state that has already absorbed it.
+    Sliding-window attention is not refused: it caps the context instead (:func:`context_limit`).
+    """
+    config = _decoder_config(model)
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None and impl in _SDPA_LIKE:
+        raise ValueError(f"{type(model).__name__} caps its attention logits (attn_logit_softcapping={softcap}), "
+                         f"which {impl} attention does not compute; load it with attn_implementation='eager'")
+    cache = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) not in _ROW_CACHE_LAYERS:
+            kind = (getattr(config, "layer_types", None) or [None] * (i + 1))[i]
+            raise ValueError(
+                f"{type(model).__name__} layer {i} keeps a {type(layer).__name__} cache"
+                f"{f' (layer type {kind!r})' if kind else ''}, not one key/value row per token: a tree "
+                "pass cannot drop its rejected branches from it, so treespec cannot verify this model")
+
+
+def context_limit(model: PreTrainedModel) -> tuple[int, str]:
+    """(longest context treespec verifies exactly, why).
+
+    ``config.max_position_embeddings``, unless a layer attends through a sliding window (or
+    chunks) of W tokens: a tree pass brings its own 4-D mask, which has no window, and the
+    window's cache layer drops rows past W - 1, so the result equals plain decoding only while
+    the window holds the whole context: W - 1 tokens.
+    """
+    config = _decoder_config(model)
+    limit = int(config.max_position_embeddings)
+    reason = f"max_position_embeddings = {limit}"
+    windows = [int(layer.sliding_window) for layer in DynamicCache(config=model.config).layers
+               if isinstance(layer, DynamicSlidingWindowLayer)]
+    if windows and min(windows) - 1 < limit:
+        limit = min(windows) - 1
+        reason = (f"sliding-window attention over {min(windows)} tokens: a tree mask has no window, so "
+                  "only contexts inside the window are verified exactly")
+    return limit, reason
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,6 +39,9 @@ class ModelDrafter:
 
     def __init__(self, model: torch.nn.Module, target_vocab_size: int | None = None,
                  cost_kind: str = "early_exit"):
+        from treespec.models import check_architecture
+
+        check_architecture(model)   # its own tree passes need what the target's do
         self.model = model.eval()
         self.cost_kind = cost_kind    # the cost model's name for one pass of this drafter
         self.vocab_size = output_vocab_size(model)
