@@ -48,9 +48,9 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from treespec.attention import GROUPED_SDPA
 from treespec.data import find_package_file
 from treespec.gguf_parts import QWEN_CODER_0_5B, QWEN_CODER_1_5B, SplitGGUF, assembled_gguf
 
@@ -149,7 +149,7 @@ class Target:
 # pass and then gathers the accepted rows (``TreeVerifier.compact``). A sliding-window layer is
 # such a layer while the context fits in its window (it drops rows only past it).
 _ROW_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
-_SDPA_LIKE = ("sdpa", "treespec_grouped_sdpa")
+_SDPA_LIKE = ("sdpa", GROUPED_SDPA)
 
 
 def _decoder_config(model: PreTrainedModel):
