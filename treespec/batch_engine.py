@@ -86,7 +86,8 @@ def generate_batch(
     budget = getattr(builder, "budget", 1)
     for b, (p, m) in enumerate(zip(prompts, max_new_tokens)):
         if p.numel() + m + budget > target.max_context:
-            raise ValueError(f"request {b} does not fit the context window ({target.max_context}: prompt "
+            raise ValueError(f"request {b} does not fit the context window ({target.max_context}: "
+                             f"{target.max_context_reason}; prompt "
                              f"{p.numel()}, max_new_tokens {m}, tree budget {budget}); shorten it")
     if per_request:
         layers = tuple(sorted({i for d in drafters if d.needs_target_hidden for i in d.target_layers}))

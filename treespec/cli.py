@@ -40,7 +40,11 @@ def make_builder(name: str, budget: int, depth: int, top_k: int, mode: str = "de
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="target name (default smollm2-135m)")
+    from treespec.models import TARGET_LOADERS
+
+    p.add_argument("--model", default="smollm2-135m", choices=sorted(TARGET_LOADERS),
+                   help="target (default smollm2-135m; the Qwen2.5-Coder pair needs `make models-qwen`, "
+                        "docs/qwen.md)")
     from treespec.cost.cli import add_target_args
 
     add_target_args(p)

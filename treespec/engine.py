@@ -370,18 +370,20 @@ class SpeculativeGenerator:
         ids = self.encode(prompt, chat)
         limit = self.target.max_context
         if ids.numel() >= limit:
-            raise ValueError(f"prompt has {ids.numel()} tokens but the context window is {limit}; "
-                             "shorten the prompt")
+            raise ValueError(f"prompt has {ids.numel()} tokens but the context window is {limit} "
+                             f"({self.target.max_context_reason}); shorten the prompt")
         builder = self._builder_for(sampling.temperature)
         budget = getattr(builder, "budget", 1)
         room = limit - ids.numel() - budget
         if max_new_tokens > room and max_new_tokens <= limit - ids.numel() - 1:
-            raise ValueError(f"the tree budget {budget} does not fit the context window ({limit} tokens, "
-                             f"prompt {ids.numel()}, max_new_tokens {max_new_tokens}); use a budget of at "
+            raise ValueError(f"the tree budget {budget} does not fit the context window ({limit} tokens: "
+                             f"{self.target.max_context_reason}; prompt {ids.numel()}, max_new_tokens "
+                             f"{max_new_tokens}); use a budget of at "
                              f"most {limit - ids.numel() - max_new_tokens}")
         if max_new_tokens > room:
             raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the context window "
-                             f"({limit} tokens, prompt {ids.numel()}, tree budget included); "
+                             f"({limit} tokens: {self.target.max_context_reason}; prompt {ids.numel()}, "
+                             f"tree budget included); "
                              f"use at most {max(room, 0)}")
         seed = check_seed(seed)
         gen = torch.Generator(device=self.target.device)  # draws happen where p and q live

@@ -179,40 +179,85 @@ def _fp16_steps(x: torch.Tensor, steps: int) -> torch.Tensor:
 _SCALE_STEPS = (0, -1, 1, -2, 2)
 
 
+def _fp32_steps(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """``x`` (positive float32) moved ``steps`` fp32 ulps."""
+    return (x.view(torch.int32) + steps).view(torch.float32) if steps else x
+
+
+def _level_scale(blocks: torch.Tensor, m: torch.Tensor, top: int) -> torch.Tensor:
+    """[N, K/32, 1] scale of blocks whose values sit on levels ``m + d q``, q in 0..top, when the
+    block need not use every level (GGUF Q4_K: ``d`` = an fp16 number times a 6-bit integer, an
+    fp32 number): the number of steps from the minimum to the maximum is the range over the
+    smallest gap between sorted values (a gap of one level), then d = range / steps."""
+    ordered = blocks.sort(-1).values
+    span = ordered[..., -1:] - ordered[..., :1]
+    gaps = ordered[..., 1:] - ordered[..., :-1]
+    # gaps of round-off size (equal levels) are not level steps
+    gaps = torch.where(gaps > span * 1e-3, gaps, torch.full_like(gaps, float("inf")))
+    steps = torch.round(span / gaps.amin(-1, keepdim=True)).clamp_(1, top)
+    return span / steps
+
+
+def _scale_candidates(blocks: torch.Tensor, bits: int, m: torch.Tensor):
+    """(scale [N, K/32, 1] float32, whether it is the first of its family) in the order tried."""
+    if bits == 4:
+        base = ((blocks.amax(-1, keepdim=True) - m) / 15).half().float()        # Q4_1: fp16 scale
+        for i, steps in enumerate(_SCALE_STEPS):
+            yield _fp16_steps(base, steps), i == 0
+        level = _level_scale(blocks, m, 15)                                     # Q4_K: fp32 scale
+        for i, steps in enumerate(_SCALE_STEPS):
+            yield _fp32_steps(level, steps), i == 0
+    else:
+        base = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()       # Q8_0: fp16 scale
+        for i, steps in enumerate(_SCALE_STEPS):
+            yield _fp16_steps(base, steps), i == 0
+
+
 def _fit_blocks(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``blocks`` [N, K/32, 32] float32 -> (q, d, m) reproducing every value exactly, or None.
 
-    4 bits: q in 0..15, m = the block's minimum, d from its range / 15 (GGUF Q4_1). 8 bits: q in
-    -128..127, m = 0, d from its largest magnitude / 127 (GGUF Q8_0). Every candidate is checked
-    element by element: ``d * q + m`` in float32 must equal the weight bit for bit (d q itself is
-    exact: an 11-bit fp16 scale times a <= 8-bit integer).
+    4 bits: q in 0..15, m = the block's minimum, d an fp16 number near range / 15 (GGUF Q4_1)
+    or, for blocks that fit no such scale, an fp32 number from the block's level spacing (GGUF
+    Q4_K: d = d16 * sc with a 6-bit sc, so up to 17 significant bits). 8 bits: q in -128..127,
+    m = 0, d from its largest magnitude / 127 (GGUF Q8_0). Every candidate is checked element
+    by element as the kernel computes it: ``fma(q, d, m)`` in float32 must equal the weight bit
+    for bit, and ``q * d`` must be exact in float32 (then one rounding, of the sum, as in the
+    fma). GGUF Q6_K (a scale per 16 values) and Q5_0 (5-bit) fit neither form.
     """
     if bits == 4:
         m = blocks.amin(-1, keepdim=True)
-        base = ((blocks.amax(-1, keepdim=True) - m) / 15).half().float()
         lo, hi = 0, 15
     else:
         m = torch.zeros_like(blocks[..., :1])
-        base = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
         lo, hi = -128, 127
-    if not torch.isfinite(base).all():
-        return None
     q_out = torch.zeros_like(blocks, dtype=torch.int16)
-    d_out = torch.zeros_like(base)
-    done = torch.zeros_like(base, dtype=torch.bool)
-    for steps in _SCALE_STEPS:
-        d = _fp16_steps(base, steps)
+    d_out = torch.zeros_like(m)
+    done = torch.zeros_like(m, dtype=torch.bool)
+    skip = False
+    for d, first in _scale_candidates(blocks, bits, m):
+        if not first and skip:
+            continue
+        if not torch.isfinite(d).all():
+            return None
         safe = torch.where(d > 0, d, torch.ones_like(d))
         q = torch.where(d > 0, torch.round((blocks - m) / safe), torch.zeros_like(blocks)).clamp_(lo, hi)
-        ok = ((q * d + m) == blocks).all(-1, keepdim=True) & ~done
+        product = q * d
+        exact = (product.double() == q.double() * d.double()).all(-1, keepdim=True)
+        ok = exact & ((product + m) == blocks).all(-1, keepdim=True) & ~done
         q_out = torch.where(ok, q.to(torch.int16), q_out)
         d_out = torch.where(ok, d, d_out)
+        left = int((~done).sum())
         done |= ok
         if bool(done.all()):
             return q_out, d_out, m
-        if steps == 0 and float(done.float().mean()) < 0.5:
-            return None  # not this format: the neighbours only mend a few rounding cases
+        # a family whose own scale fits under half the blocks is not this format: its
+        # neighbours only mend a few rounding cases, so go on to the next family
+        skip = first and int(ok.sum()) < left / 2
     return None
+
+
+# Rows fitted at a time: the fit sorts and compares in float64, ~20 bytes of temporaries a weight.
+_FIT_ROWS = 2048
 
 
 def _aligned_cat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -238,7 +283,14 @@ def pack_blocks(weight: torch.Tensor) -> BlockPanels | None:
     pad = -n % PANEL
     blocks = w.reshape(n, k // BLOCK, BLOCK)
     for bits in (4, 8):
-        fit = _fit_blocks(blocks, bits)
+        fits = []
+        for row in range(0, n, _FIT_ROWS):
+            fit = _fit_blocks(blocks[row:row + _FIT_ROWS], bits)
+            if fit is None:
+                break
+            fits.append(fit)
+        else:
+            fit = tuple(torch.cat(parts) for parts in zip(*fits))
         if fit is None:
             continue
         q, d, m = (t if not pad else torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in fit)

