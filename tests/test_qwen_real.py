@@ -95,3 +95,12 @@ def test_greedy_equals_hf_generate(target, cases, config) -> None:
         warnings.warn(f"prompt {k}: {config} diverged at token {j} at a near-tie (gap {gap:.2e})")
     if name != "lookup":
         assert accepted > 0, "the 0.5B drafter had no draft accepted: is it the 1.5B's sibling?"
+
+
+def test_the_docs_example_runs(capsys) -> None:
+    """docs/qwen.md's Python block, as written: the pair loads and generates."""
+    from test_readme import doc_block
+
+    code, path = doc_block('load_drafter("qwen2.5-coder-0.5b"')
+    exec(compile(code, path, "exec"), {})
+    assert "def " in capsys.readouterr().out
