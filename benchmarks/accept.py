@@ -33,9 +33,9 @@ import torch
 from harness import (
     N_NODES, RESULTS, SCENARIOS, VOCAB, machine_info, machine_line, make_case, summarise, time_calls, write_results,
 )
-from treespec.masks import hf_tree_mask, pack_tree_masks, position_ids
-from treespec.tree import SAMPLING_MODES, DraftTree
-from treespec.verifiers import accept
+from treespec.core.masks import hf_tree_mask, pack_tree_masks, position_ids
+from treespec.core.tree import SAMPLING_MODES, DraftTree
+from treespec.core import accept
 
 PREFIX = 2_048
 TARGET_MS = {"deterministic": 1.0, "with_replacement": 3.0, "without_replacement": 3.0, "masks": 0.5}

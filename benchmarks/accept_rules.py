@@ -28,8 +28,8 @@ import torch
 from harness import (
     N_NODES, RESULTS, SCENARIOS, VOCAB, machine_info, machine_line, make_case, median_ms, time_calls, write_results,
 )
-from treespec.tree import SAMPLING_MODES, DraftTree
-from treespec.verifiers import accept
+from treespec.core.tree import SAMPLING_MODES, DraftTree
+from treespec.core import accept
 
 CHAIN_SCENARIOS = ("accept-few", "reject-all")
 
@@ -79,9 +79,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['loadavg_after']:.1f} after (shared machine).", "",
              *([machine_line({**meta["machine"], "torch_threads": meta["threads"]}), ""] if "machine" in meta else []),
              "Deterministic trees run the token walk under every rule (same output law, see "
-             "treespec/verifiers/rejection.py). Every rule reads a row only where it rejects or draws: the "
+             "treespec/core/rejection.py). Every rule reads a row only where it rejects or draws: the "
              "joint rules take rows as distributions and read no row for its mass, walk a zero-weight "
-             "subtree without visiting it, and build residuals in a reused buffer (treespec/verifiers/"
+             "subtree without visiting it, and build residuals in a reused buffer (treespec/core/"
              "joint.py). A ratio above 1 is the walk's extra residual steps. 'accepted' is the mean over 100 calls on one "
              "fixed draft; block verification is optimal in expectation over drafts, not per draft.", "",
              "| rule | shape | mode | scenario | token ms | new ms | ratio | accepted token -> new |",

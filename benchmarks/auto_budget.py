@@ -25,13 +25,15 @@ import torch
 
 import treespec
 from harness import RESULTS, machine_info, machine_line, write_results
-from treespec.cost import Calibration, calibrate
-from treespec.measure import calibrate_drafter
-from treespec.cost.calibration import DEFAULT_NS, CalibratedCost
-from treespec.cost.planner import plan_curve
+from treespec.planning import Calibration
+from treespec.calibrate.passes import calibrate
+from treespec.calibrate.drafters import calibrate_drafter
+from treespec.planning.calibration import CalibratedCost
+from treespec.calibrate.passes import DEFAULT_NS
+from treespec.planning.planner import plan_curve
 from treespec.data import mtbench_questions
-from treespec.engine import auto_builder
-from treespec.trees import DynamicTreeBuilder
+from treespec.runtime.generator import auto_builder
+from treespec.builders import DynamicTreeBuilder
 
 
 def main() -> None:

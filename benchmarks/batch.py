@@ -40,11 +40,11 @@ import torch
 
 import treespec
 from harness import RESULTS, figure, machine_info, machine_line, save_figure, write_results
-from treespec.cli import ensure_calibration
-from treespec.cost import Calibration, CalibratedCost, expected_tokens_positional, plan_curve
-from treespec.cost.planner import AUTO_MIN_GAIN, auto_min_gain
+from treespec.cli.main import ensure_calibration
+from treespec.planning import Calibration, CalibratedCost, expected_tokens_positional, plan_curve
+from treespec.planning.planner import AUTO_MIN_GAIN, auto_min_gain
 from treespec.data import chat_prompt, mtbench_questions
-from treespec.trees import ChainBuilder, DynamicTreeBuilder
+from treespec.builders import ChainBuilder, DynamicTreeBuilder
 
 DRAFTER = "eagle3"
 

@@ -18,7 +18,7 @@ import torch
 import treespec
 from harness import RESULTS, machine_info, machine_line, write_results
 from treespec.data import chat_prompt, mtbench_questions
-from treespec.trees import DynamicTreeBuilder
+from treespec.builders import DynamicTreeBuilder
 
 CONFIGS = {"no drafting": lambda: DynamicTreeBuilder(budget=1),
            "eagle3 tree8": lambda: DynamicTreeBuilder(budget=8, depth=4, top_k=4)}

@@ -47,9 +47,9 @@ from harness import RESULTS, figure, machine_info, machine_line, pick_drafter, s
 from treespec import SpeculativeGenerator, load_target
 from treespec.data import chat_prompt, mtbench_questions
 from treespec.drafters.base import TimedDrafter
-from treespec.measure import measure_acceptance_vector
-from treespec.trees import BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder
-from treespec.verifiers import VERIFY_RULES
+from treespec.calibrate.drafters import measure_acceptance_vector
+from treespec.builders import BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder
+from treespec.core import VERIFY_RULES
 
 BUILDERS = ("chain", "static", "dynamic", "best-first", "sequoia")
 

@@ -4,8 +4,8 @@ Goal: after calibration, the predicted target verify time is within ±20 % of a 
 measurement for every n = 1 … 64 tree tokens.
 
 Steps
-    1. Calibration run: ``treespec.cost.calibrate`` on SmolLM2-135M (fp32, the real weights from
-       ``treespec.models.load_target``) at n = 1 … 128 (``DEFAULT_NS``) with a cached prefix of
+    1. Calibration run: ``treespec.planning.calibrate`` on SmolLM2-135M (fp32, the real weights from
+       ``treespec.targets.loader.load_target``) at n = 1 … 128 (``DEFAULT_NS``) with a cached prefix of
        ``--context`` tokens; the fitted JSON is kept as ``results/cost_model_calibration.json``.
     2. Fresh run: the same verify pass measured again at every n = 1 … 64 (timed round-robin in
        shuffled order, new random tokens), compared with the fitted curve; and the early-exit
@@ -39,21 +39,11 @@ from pathlib import Path
 import torch
 
 from harness import RESULTS, machine_info, machine_line, write_results
-from treespec.cost import (
-    DEFAULT_BETA,
-    CalibratedCost,
-    DrafterSpec,
-    RooflineCost,
-    auto_budget,
-    best_choice,
-    calibrate,
-    get_hardware,
-    model_shape,
-    plan_curve,
-)
-from treespec.cost.calibration import DEFAULT_NS, _truncated_model, measure_interleaved, verify_passes
-from treespec.cost.plot import plot_curves
-from treespec.models import load_target
+from treespec.planning import DEFAULT_BETA, CalibratedCost, DrafterSpec, RooflineCost, auto_budget, best_choice, get_hardware, model_shape, plan_curve
+from treespec.calibrate.passes import calibrate
+from treespec.calibrate.passes import DEFAULT_NS, _truncated_model, measure_interleaved, verify_passes
+from treespec.planning.plot import plot_curves
+from treespec.targets.loader import load_target
 
 TOLERANCE = 0.20
 PRESETS = ("h100", "mi300x", "h200", "a100")

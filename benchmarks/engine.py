@@ -3,7 +3,7 @@
 Rows, all run side by side prompt by prompt (interleaved, so machine noise hits all alike), on
 MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sampled, seeded):
 - plain decoding: HF ``generate`` on the stock model and on the packed model
-  (``treespec.fastpath``: plain decoding gets faster too, bf16 packed and fp32 on the panel GEMM,
+  (``treespec.fastpath.packing``: plain decoding gets faster too, bf16 packed and fp32 on the panel GEMM,
   so the faster of the two is the honest baseline);
 - HF assisted generation with the shipped ``small`` drafter, HF prompt lookup (stock fp32 model,
   as a user runs them; ``--all-peers`` adds them in bf16);
@@ -39,11 +39,11 @@ import torch
 
 import treespec
 from harness import RESULTS, hf_generate, log_likelihood, machine_info, machine_line, write_results
-from treespec.cli import ensure_calibration, make_builder
-from treespec.cost import auto_threshold_text
+from treespec.cli.main import ensure_calibration, make_builder
+from treespec.planning import auto_threshold_text
 from treespec.data import chat_prompt, mtbench_questions
-from treespec.fastpath import cpu_info
-from treespec.trees import BestFirstBuilder
+from treespec.fastpath.packing import cpu_info
+from treespec.builders import BestFirstBuilder
 
 PLAIN = ("HF generate", "HF generate (packed)")
 

@@ -38,14 +38,14 @@ RESULTS = Path(__file__).parent / "results"
 # ---------------------------------------------------------------- the machine
 def machine_info() -> dict:
     """CPU model, relevant flags, thread count, torch version and load average of this machine."""
-    from treespec.fastpath import machine_info as info
+    from treespec.fastpath.packing import machine_info as info
 
     return info()
 
 
 def machine_line(info: dict | None = None) -> str:
     """One Markdown line naming the CPU, its relevant flags and the thread count."""
-    from treespec.fastpath import machine_line as line
+    from treespec.fastpath.packing import machine_line as line
 
     return line(info if info is not None else machine_info())
 
@@ -211,7 +211,7 @@ def make_case(mode: str, scenario: str, seed: int = 0):
     (``SCENARIOS``; what each means: accept.py's docstring)."""
     import torch
 
-    from treespec.tree import DraftTree
+    from treespec.core.tree import DraftTree
 
     g = torch.Generator().manual_seed(seed)
     parents = eagle_parents(expanded_last=scenario == "worst-walk")

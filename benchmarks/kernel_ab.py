@@ -1,4 +1,4 @@
-"""Side-by-side timing of two versions of the block kernel (``treespec/csrc/panel_gemm.cpp``).
+"""Side-by-side timing of two versions of the block kernel (``treespec/fastpath/csrc/panel_gemm.cpp``).
 
 Compiles the kernel source at a git revision (``--base``, default HEAD) and the working tree's,
 under two module names in one process, then times one forward's worth of linear layers of
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from harness import RESULTS, interleaved, machine_info, median_ms, write_results
-from treespec.kernels import SOURCE, compile_kernel, pack_blocks
+from treespec.fastpath.kernels import SOURCE, compile_kernel, pack_blocks
 # SmolLM2-135M: hidden 576, 9 query heads and 3 key-value heads of 64, MLP 1536, vocab 49152
 LAYER = (("q", 576, 576), ("k", 192, 576), ("v", 192, 576), ("o", 576, 576),
          ("gate", 1536, 576), ("up", 1536, 576), ("down", 576, 1536))

@@ -1,6 +1,6 @@
 """Where packed fp32 starts to pay: one linear layer, stock ``F.linear`` vs the packed path.
 
-``treespec.fastpath`` packs fp32 weights for inputs of at least ``fp32_min_rows(cpu)`` rows. This
+``treespec.fastpath.packing`` packs fp32 weights for inputs of at least ``fp32_min_rows(cpu)`` rows. This
 measures the crossover on this CPU for SmolLM2-135M's weight shapes (MLP up/down, LM head):
 median microseconds of 15 calls per point, 1 thread, the two paths interleaved per shape.
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import RESULTS, machine_info, machine_line, md_table, median_ms, time_calls, write_results
-from treespec.fastpath import cpu_info, fp32_min_rows, pack_weight, packed_linear
+from treespec.fastpath.packing import cpu_info, fp32_min_rows, pack_weight, packed_linear
 
 SHAPES = ((1536, 576), (576, 1536), (49152, 576))   # [out, in]: MLP up, MLP down, LM head
 
@@ -49,7 +49,7 @@ def main() -> None:
     result = {"machine": machine_info(), "args": vars(args), "fp32_min_rows": chosen, "points": points}
     lines = ["# fp32 linear layer: stock F.linear vs packed, by row count", "", machine_line(result["machine"]), "",
              f"Median us of {args.reps} calls. treespec packs fp32 from **{chosen} rows** on this CPU "
-             "(`treespec.fastpath.fp32_min_rows`).", ""]
+             "(`treespec.fastpath.packing.fp32_min_rows`).", ""]
     lines += md_table(["weight [out, in]", "rows", "stock us", "packed us", "packed / stock"],
                       [(f"{p['weight'][0]} x {p['weight'][1]}", p["rows"], f"{p['stock_us']:.0f}",
                         f"{p['packed_us']:.0f}", f"{p['packed_us'] / p['stock_us']:.2f}") for p in points], "lrrrr")

@@ -16,7 +16,7 @@ all methods alike):
 Reported per (method, T): tokens/s (new tokens / (prefill + decode) seconds, pooled), τ, the
 draft / verify time split, speedup over ``hf`` at the same T, and at T = 0 whether every
 output equals plain greedy decoding token for token. The machine (CPU model, flags, threads) is
-recorded from ``treespec.fastpath.machine_info()``.
+recorded from ``treespec.fastpath.packing.machine_info()``.
 
     python benchmarks/qwen.py                                           # full: all prompts x 128 tokens
     python benchmarks/qwen.py --prompts 1 --max-new-tokens 8 --out /tmp/qwen   # smoke (REDUCED)
@@ -35,7 +35,7 @@ import torch
 import treespec
 from treespec.data import mtbench_questions
 from treespec.drafters import HybridDrafter, ModelDrafter
-from treespec.fastpath import PackedLinear, machine_info, machine_line
+from treespec.fastpath.packing import PackedLinear, machine_info, machine_line
 
 sys.path.insert(0, str(Path(__file__).parent))
 from drafters import Pool, vanilla  # noqa: E402  (the harness's pooled counters and HF baseline)

@@ -2,7 +2,7 @@
 
 Paths (SmolLM2-135M, one process, same prompt prefix, interleaved point by point so machine
 noise hits all alike): fp32 with HF's stock linear layers, fp32 with oneDNN-packed weights, fp32 on
-the panel GEMM (``treespec.kernels``, where it builds; all exact fp32 paths), the block kernel
+the panel GEMM (``treespec.fastpath.kernels``, where it builds; all exact fp32 paths), the block kernel
 with HF's stock sdpa attention instead of treespec's grouped sdpa (same numbers, KV heads copied
 per query head), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units).
 Each point is one ``TreeVerifier.score`` (forward over n tree nodes with the tree mask after a
@@ -26,11 +26,11 @@ import torch
 
 import treespec
 from harness import RESULTS, figure, interleaved, machine_info, median_ms, save_figure, time_calls, write_results
-from treespec.fastpath import cpu_info
-from treespec.kernels import panel_status
-from treespec.sampling import SamplingConfig
-from treespec.tree import DraftTree
-from treespec.verifiers.tree_attention import TreeVerifier
+from treespec.fastpath.packing import cpu_info
+from treespec.fastpath.kernels import panel_status
+from treespec.core.sampling import SamplingConfig
+from treespec.core.tree import DraftTree
+from treespec.runtime.verifier import TreeVerifier
 
 NS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -63,7 +63,7 @@ def linear_params(model: torch.nn.Module) -> int:
 
 def stored_bytes(model: torch.nn.Module) -> int:
     """Bytes the packed linear layers read per pass (integer blocks or fp32 panels)."""
-    from treespec.fastpath import PackedLinear
+    from treespec.fastpath.packing import PackedLinear
 
     return sum(m.packed_nbytes for m in model.modules() if isinstance(m, PackedLinear))
 

@@ -34,9 +34,9 @@ def phase_treespec(args) -> None:
     from treespec import SpeculativeGenerator, load_drafter, load_target
     from treespec.data import chat_prompt, mtbench_questions
     from treespec.export import export_eagle3, export_medusa
-    from treespec.fastpath import machine_info
-    from treespec.models import default_cache_root, gguf_fingerprint, smollm2_gguf_path
-    from treespec.trees import ChainBuilder
+    from treespec.fastpath.packing import machine_info
+    from treespec.targets.loader import default_cache_root, gguf_fingerprint, smollm2_gguf_path
+    from treespec.builders import ChainBuilder
 
     torch.set_num_threads(1)
     work = Path(args.work)

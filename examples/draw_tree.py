@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 
 from treespec import SpeculativeGenerator, load_drafter, load_target, registered_drafters
-from treespec.cli import BUILDERS, make_builder
-from treespec.viz import draw_tree
+from treespec.cli.main import BUILDERS, make_builder
+from treespec.cli.viz import draw_tree
 
 
 def main() -> None:

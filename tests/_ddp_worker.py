@@ -8,7 +8,7 @@ import argparse
 
 import torch.distributed as dist
 
-from treespec.models import tiny_target
+from treespec.targets.loader import tiny_target
 from treespec.train.dist import init_from_env
 from treespec.train.loop import TrainConfig, train_drafter
 from treespec.train.recipes import RecipeConfig

@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from treespec.drafters.base import PartialTree, TargetFeatures
-from treespec.models import Target, tiny_llama
+from treespec.targets.loader import Target, tiny_llama
 
 
 @pytest.fixture

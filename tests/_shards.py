@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from treespec.models import tiny_target
+from treespec.targets.loader import tiny_target
 from treespec.train.data import DataConfig, _chunk, cache_dir
 from treespec.train.online import OnlineData
 from treespec.train.shards import Example, ShardConfig, extract

@@ -1,6 +1,6 @@
 """Test helpers: tiny random Llamas built straight from ``LlamaConfig`` and tiny random trees.
 
-Kept independent of ``treespec.models`` so the acceptance-core tests need nothing but the core.
+Kept independent of ``treespec.targets.loader`` so the acceptance-core tests need nothing but the core.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from treespec.tree import DraftTree
+from treespec.core.tree import DraftTree
 
 TINY_VOCAB = 96
 

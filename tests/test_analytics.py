@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from treespec.analytics import acceptance_rate, expected_chain_tokens, expected_tree_tokens
-from treespec.tree import DraftTree
-from treespec.verifiers import accept
+from treespec.planning.tau import acceptance_rate, expected_chain_tokens, expected_tree_tokens
+from treespec.core.tree import DraftTree
+from treespec.core import accept
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture)
 

@@ -33,12 +33,12 @@ from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 from transformers import models as hf_models
 
 from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, Target
-from treespec.attention import use_grouped_attention
+from treespec.fastpath.attention import use_grouped_attention
 from treespec.drafters import ModelDrafter
-from treespec.fastpath import pack_linears
-from treespec.sampling import SamplingConfig, process
-from treespec.verifiers import accept
-from treespec.verifiers.tree_attention import TreeVerifier
+from treespec.fastpath.packing import pack_linears
+from treespec.core.sampling import SamplingConfig, process
+from treespec.core import accept
+from treespec.runtime.verifier import TreeVerifier
 
 from _engine_helpers import NoisyTargetDrafter, assert_cache_equal, fresh_cache, hf_greedy
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)

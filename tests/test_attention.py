@@ -1,4 +1,4 @@
-"""Grouped sdpa (``treespec.attention``): the same numbers as HF's stock sdpa, without its copies.
+"""Grouped sdpa (``treespec.fastpath.attention``): the same numbers as HF's stock sdpa, without its copies.
 
 Two tiny Llamas with the same weights, one on stock ``sdpa`` and one switched to the grouped
 implementation, score the same trees after the same cached prompts, alone and batched (ragged
@@ -15,13 +15,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from treespec.attention import GROUPED_SDPA, grouped_sdpa_attention, use_grouped_attention
-from treespec.batch import TreeBatch
-from treespec.masks import attn_implementation_of
-from treespec.models import tiny_llama
-from treespec.sampling import SamplingConfig
-from treespec.verifiers.batch_attention import BatchVerifier
-from treespec.verifiers.tree_attention import TreeVerifier
+from treespec.fastpath.attention import GROUPED_SDPA, grouped_sdpa_attention, use_grouped_attention
+from treespec.core.tree_batch import TreeBatch
+from treespec.core.masks import attn_implementation_of
+from treespec.targets.loader import tiny_llama
+from treespec.core.sampling import SamplingConfig
+from treespec.runtime.batch_verifier import BatchVerifier
+from treespec.runtime.verifier import TreeVerifier
 
 from _engine_helpers import one_thread  # noqa: F401
 from test_batch_verifier import ragged_requests
@@ -137,9 +137,9 @@ def test_the_name_works_for_a_model_built_from_config() -> None:
 def test_a_grouped_model_is_calibrated_under_its_own_name(tmp_path, monkeypatch) -> None:
     """A calibration measured with stock attention must not size trees for grouped attention
     (its tree passes cost more): the grouped path has its own file."""
-    from treespec.cost import default_calibration_path
-    from treespec.engine import target_calibration
-    from treespec.models import Target
+    from treespec.planning import default_calibration_path
+    from treespec.runtime.generator import target_calibration
+    from treespec.targets.loader import Target
 
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
     assert default_calibration_path("m", "float32", "blocks", GROUPED_SDPA).name == "calibration-m-blocks-grouped.json"

@@ -2,11 +2,11 @@
 
 import pytest
 
-from treespec.cost import Calibration, Curve, model_shape
+from treespec.planning import Calibration, Curve, model_shape
 from treespec.drafters import LookupDrafter
-from treespec.engine import CalibrationMismatchWarning, SpeculativeGenerator, auto_builder
-from treespec.models import tiny_target
-from treespec.trees import ChainBuilder, DynamicTreeBuilder
+from treespec.runtime.generator import CalibrationMismatchWarning, SpeculativeGenerator, auto_builder
+from treespec.targets.loader import tiny_target
+from treespec.builders import ChainBuilder, DynamicTreeBuilder
 
 
 def _calibration(verify, drafter_s: float) -> Calibration:
@@ -40,7 +40,7 @@ def test_auto_builder_runs_in_the_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match="treespec calibrate"):
         SpeculativeGenerator(target, LookupDrafter(16), "auto")
-    from treespec.cost import default_calibration_path
+    from treespec.planning import default_calibration_path
     cal.save(default_calibration_path(target.name))
     with pytest.warns(CalibrationMismatchWarning, match="measured on 'test'.*treespec calibrate"):
         gen = SpeculativeGenerator(target, LookupDrafter(16), "auto")  # device="test": not here
@@ -84,8 +84,8 @@ def test_a_calibrated_drafter_brings_its_own_pass_times_and_acceptance():
 
 
 def test_calibrate_drafter_measures_pass_times_and_acceptance(tmp_path):
-    from treespec.cost import calibrate
-    from treespec.measure import calibrate_drafter
+    from treespec.calibrate.passes import calibrate
+    from treespec.calibrate.drafters import calibrate_drafter
 
     target = tiny_target(vocab_size=16, seed=1)
     cal = calibrate(target.model, "tiny", ns=(1, 4), context=4, early_exit_layers=1, n_warmup=0, n_rep=1)
@@ -111,8 +111,8 @@ def test_a_calibration_of_this_machine_is_used_without_a_warning(tmp_path, monke
 
     import torch
 
-    from treespec.cost import default_calibration_path, machine_mismatch
-    from treespec.cost.calibration import _device_description
+    from treespec.planning import default_calibration_path, machine_mismatch
+    from treespec.planning.calibration import _device_description
 
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
     target = tiny_target(vocab_size=16)
@@ -132,8 +132,8 @@ def test_machine_mismatch_names_what_differs():
 
     import torch
 
-    from treespec.cost import machine_mismatch
-    from treespec.cost.calibration import _device_description
+    from treespec.planning import machine_mismatch
+    from treespec.planning.calibration import _device_description
 
     now = _device_description()
     hardware, rest = now.split("; ", 1)
@@ -158,7 +158,7 @@ def test_auto_plans_with_the_acceptance_of_the_requested_temperature(tmp_path, m
     temperature of each generate call."""
     import dataclasses
 
-    from treespec.cost import default_calibration_path
+    from treespec.planning import default_calibration_path
     from treespec.drafters import load_drafter
 
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
@@ -185,8 +185,8 @@ def test_a_noisy_machine_keeps_auto_on_plain_decoding_for_a_small_predicted_gain
     import dataclasses
     import warnings
 
-    from treespec.cli import auto_threshold_line
-    from treespec.cost import default_calibration_path
+    from treespec.cli.main import auto_threshold_line
+    from treespec.planning import default_calibration_path
 
     target = tiny_target(vocab_size=16)
     flat = _calibration(lambda n: max(1.0, n / 8), drafter_s=1e-6)

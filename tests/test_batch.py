@@ -16,11 +16,11 @@ import random
 import pytest
 import torch
 
-from treespec.batch import RequestAcceptance, TreeBatch, accept_batch, prepare_verify
-from treespec.masks import tree_bool_mask, unpack_masks
-from treespec.sampling import SamplingConfig, process
-from treespec.tree import DraftTree
-from treespec.verifiers import accept
+from treespec.core.tree_batch import RequestAcceptance, TreeBatch, accept_batch, prepare_verify
+from treespec.core.masks import tree_bool_mask, unpack_masks
+from treespec.core.sampling import SamplingConfig, process
+from treespec.core.tree import DraftTree
+from treespec.core import accept
 
 from _tiny import one_thread, random_tree  # noqa: F401
 

@@ -18,7 +18,7 @@ import torch
 from treespec import (
     BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, SpeculativeGenerator, StaticTreeBuilder,
 )
-from treespec.batch_engine import generate_batch
+from treespec.runtime.server import generate_batch
 from treespec.drafters import LookupDrafter, ModelDrafter
 from treespec.drafters.base import PartialTree
 from treespec.drafters.batched import BatchDrafter, LoopBatchDrafter, as_batch_drafter
@@ -26,9 +26,9 @@ from treespec.drafters.batch_feature import BatchFeatureDrafter
 from treespec.drafters.batch_model import BatchModelDrafter
 from treespec.drafters.eagle import random_feature_drafter
 from treespec.drafters.medusa import BatchMedusaDrafter, random_medusa
-from treespec.models import tiny_target
-from treespec.sampling import SamplingConfig
-from treespec.trees.batch import BuildJob, build_batch
+from treespec.targets.loader import tiny_target
+from treespec.core.sampling import SamplingConfig
+from treespec.builders.batch import BuildJob, build_batch
 
 from _engine_helpers import one_thread, peaky_llama  # noqa: F401
 from test_verifier import greedy_continuation
@@ -133,7 +133,7 @@ def test_one_drafter_forward_per_round_for_all_requests(kind: str) -> None:
     batched = as_batch_drafter(single)
     builder = DynamicTreeBuilder(budget=9, depth=4, top_k=3)
     prompts = prompts_of(2)
-    from treespec.server import SpeculativeServer
+    from treespec.runtime.server import SpeculativeServer
 
     server = SpeculativeServer(target, batched, builder)
     for p in prompts:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator
-from treespec.batch_engine import generate_batch
+from treespec.runtime.server import generate_batch
 from treespec.drafters import ModelDrafter
-from treespec.sampling import SamplingConfig
+from treespec.core.sampling import SamplingConfig
 
 from _engine_helpers import NGramDrafter, hf_greedy, one_thread, peaky_llama, peaky_target  # noqa: F401
 from test_verifier import greedy_continuation
@@ -129,7 +129,7 @@ def test_feature_drafters_in_one_batch() -> None:
     import treespec.drafters.eagle  # noqa: F401  (registers the feature drafters)
     from treespec.drafters.eagle import random_feature_drafter
     from treespec.drafters.medusa import random_medusa
-    from treespec.models import tiny_target
+    from treespec.targets.loader import tiny_target
 
     target = tiny_target(vocab_size=32, seed=0)
     target.model.generation_config.eos_token_id = None

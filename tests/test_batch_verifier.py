@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from treespec.batch import TreeBatch, accept_batch, prepare_verify
-from treespec.masks import unpack_masks
-from treespec.sampling import SamplingConfig
-from treespec.verifiers.batch_attention import BatchVerifier
-from treespec.verifiers.tree_attention import TreeVerifier
+from treespec.core.tree_batch import TreeBatch, accept_batch, prepare_verify
+from treespec.core.masks import unpack_masks
+from treespec.core.sampling import SamplingConfig
+from treespec.runtime.batch_verifier import BatchVerifier
+from treespec.runtime.verifier import TreeVerifier
 
 from _engine_helpers import assert_cache_equal, fresh_cache, one_thread, peaky_llama  # noqa: F401
 from test_verifier import greedy_continuation, tree_with_path

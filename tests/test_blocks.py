@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from treespec.fastpath import PackedLinear, linear_kernel, pack_linears
-from treespec.kernels import block_linear, pack_blocks, pack_panels, panel_linear, panel_status
+from treespec.fastpath.packing import PackedLinear, linear_kernel, pack_linears
+from treespec.fastpath.kernels import block_linear, pack_blocks, pack_panels, panel_linear, panel_status
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from test_fastpath import AVX2_ONLY, random_tree, small_llama, tree_logits

@@ -20,13 +20,13 @@ import torch
 from scipy.stats import chisquare
 
 from treespec.drafters.base import PartialTree, TargetFeatures
-from treespec.sampling import SamplingConfig
-from treespec.trees import (
+from treespec.core.sampling import SamplingConfig
+from treespec.builders import (
     BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder,
     default_choices, draw_children, optimal_tree,
 )
-from treespec.trees.sequoia import expected_tokens, validate_acceptance
-from treespec.trees.static import validate_choices
+from treespec.builders.sequoia import expected_tokens, validate_acceptance
+from treespec.builders.static import validate_choices
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -372,7 +372,7 @@ def test_optimal_tree_cache_and_builder() -> None:
     built = build(b, d)
     assert built.tree.num_nodes == len(shape) + 1 and d.calls == max(len(c) for c in shape)
     try:
-        from treespec.cost.acceptance import optimal_tree as greedy_optimal
+        from treespec.planning.tau import optimal_tree as greedy_optimal
     except ImportError:  # pragma: no cover - cost model absent
         return
     for budget in (4, 9, 20):  # the cost model's best-first optimum (monotone a) agrees
@@ -514,7 +514,7 @@ def test_stochastic_dynamic_and_best_first_fill_the_budget_in_depth(mode) -> Non
 def test_measure_acceptance_vector() -> None:
     from _engine_helpers import NoisyTargetDrafter, peaky_target
 
-    from treespec.measure import measure_acceptance_vector
+    from treespec.calibrate.drafters import measure_acceptance_vector
 
     target = peaky_target(8, seed=0, num_layers=2, std=0.3)
     # the target drafting for itself at T = 0: its top candidate is always the accepted one

@@ -17,7 +17,7 @@ import torch
 
 from treespec import SpeculativeGenerator, registered_drafters
 from treespec.drafters import ModelDrafter, drafter_factory
-from treespec.trees import (
+from treespec.builders import (
     BestFirstBuilder, BuiltTree, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder,
     StaticTreeBuilder, default_choices,
 )

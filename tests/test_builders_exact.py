@@ -23,12 +23,12 @@ from scipy.stats import chisquare
 
 from treespec import SpeculativeGenerator
 from treespec.drafters.base import PartialTree
-from treespec.sampling import SamplingConfig, process
-from treespec.trees import (
+from treespec.core.sampling import SamplingConfig, process
+from treespec.builders import (
     BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder,
 )
-from treespec.trees.base import expand_nodes, finish
-from treespec.verifiers import accept
+from treespec.builders.base import expand_nodes, finish
+from treespec.core import accept
 
 from test_builders import TableDrafter, _one_thread  # noqa: F401  (autouse fixture)
 

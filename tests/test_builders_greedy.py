@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from treespec import SpeculativeGenerator, load_drafter
-from treespec.trees import (
+from treespec.builders import (
     BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder,
 )
 
@@ -28,7 +28,7 @@ MAX_NEW = 32
 
 @pytest.fixture(scope="module")
 def smollm():
-    from treespec.models import load_target
+    from treespec.targets.loader import load_target
 
     return load_target("smollm2-135m")
 

@@ -20,7 +20,7 @@ def _eagle_checkpoint(target, path):
 def test_a_checkpoint_loads_on_every_dtype_copy_of_its_target(saved, tmp_path):
     from treespec import load_drafter
     from treespec.drafters.checkpoint import CheckpointMismatch
-    from treespec.models import tiny_target
+    from treespec.targets.loader import tiny_target
 
     # a scale that puts weights on many binades, fp16 subnormals included
     target = tiny_target(vocab_size=32, seed=0)
@@ -40,7 +40,7 @@ def test_a_checkpoint_loads_on_every_dtype_copy_of_its_target(saved, tmp_path):
 def _cast(target, dtype):
     import copy
 
-    from treespec.models import Target
+    from treespec.targets.loader import Target
 
     return Target.from_hf(copy.deepcopy(target.model).to(dtype), None, target.name)
 
@@ -48,7 +48,7 @@ def _cast(target, dtype):
 def test_an_edited_sampled_weight_is_noticed(tmp_path):
     from treespec import load_drafter
     from treespec.drafters.checkpoint import CheckpointMismatch
-    from treespec.models import tiny_target
+    from treespec.targets.loader import tiny_target
 
     target = tiny_target(vocab_size=32, seed=0)
     path = _eagle_checkpoint(target, tmp_path)
@@ -124,7 +124,7 @@ CORRUPTIONS = ["foreign", "truncated", "header bytes", "length prefix", "tensor 
 def test_a_broken_checkpoint_is_one_clear_error_naming_the_file(case, tmp_path):
     from treespec import load_drafter
     from treespec.drafters.checkpoint import CheckpointError
-    from treespec.models import tiny_target
+    from treespec.targets.loader import tiny_target
 
     target = tiny_target(vocab_size=32, seed=0)
     path = _eagle_checkpoint(target, tmp_path)
@@ -140,7 +140,7 @@ def test_missing_tensors_of_other_kinds_are_named(kind, tmp_path):
     from treespec import load_drafter
     from treespec.drafters.checkpoint import CheckpointError, read_header, save_checkpoint
     from safetensors.torch import load_file
-    from treespec.models import tiny_target
+    from treespec.targets.loader import tiny_target
     import test_drafters_trained as trained
 
     target = tiny_target(vocab_size=32, seed=0)
@@ -154,8 +154,9 @@ def test_missing_tensors_of_other_kinds_are_named(kind, tmp_path):
 
 
 def test_the_cli_prints_a_broken_checkpoint_as_one_error_line(tmp_path, monkeypatch, capsys):
-    from treespec import cli, load_drafter
-    from treespec.models import tiny_target
+    from treespec import load_drafter
+    from treespec.cli import main as cli
+    from treespec.targets.loader import tiny_target
 
     target = tiny_target(vocab_size=32, seed=0)
     path = _eagle_checkpoint(target, tmp_path)
@@ -173,7 +174,7 @@ def test_the_checksum_is_recorded_in_header_and_card_and_old_files_still_load(tm
     from treespec import load_drafter
     from treespec.drafters.checkpoint import read_header, tensor_checksum
     from safetensors.torch import load_file
-    from treespec.models import tiny_target
+    from treespec.targets.loader import tiny_target
 
     target = tiny_target(vocab_size=32, seed=0)
     path = _eagle_checkpoint(target, tmp_path)

@@ -1,4 +1,4 @@
-"""treespec.cli helpers that need no model: builders from arguments, Sequoia's vector."""
+"""treespec.cli.main helpers that need no model: builders from arguments, Sequoia's vector."""
 
 from __future__ import annotations
 
@@ -6,19 +6,19 @@ import argparse
 
 import pytest
 
-from treespec import trees
-from treespec.cli import BUILDERS, _sequoia_acceptance, drafter_options, make_builder
-from treespec.cost import Calibration, Curve, default_calibration_path, model_shape
+from treespec import builders
+from treespec.cli.main import BUILDERS, _sequoia_acceptance, drafter_options, make_builder
+from treespec.planning import Calibration, Curve, default_calibration_path, model_shape
 
 
 def test_make_builder_gives_every_builder_its_arguments():
     built = {name: make_builder(name, 8, 3, 2) for name in BUILDERS}
-    assert isinstance(built["chain"], trees.ChainBuilder) and built["chain"].config.k == 7
-    assert isinstance(built["dynamic"], trees.DynamicTreeBuilder) and built["dynamic"].config.top_k == 2
-    assert isinstance(built["best-first"], trees.BestFirstBuilder) and built["best-first"].max_depth <= 3
-    assert isinstance(built["static"], trees.StaticTreeBuilder)
+    assert isinstance(built["chain"], builders.ChainBuilder) and built["chain"].config.k == 7
+    assert isinstance(built["dynamic"], builders.DynamicTreeBuilder) and built["dynamic"].config.top_k == 2
+    assert isinstance(built["best-first"], builders.BestFirstBuilder) and built["best-first"].max_depth <= 3
+    assert isinstance(built["static"], builders.StaticTreeBuilder)
     seq = make_builder("sequoia", 8, 3, 2, acceptance=(0.6, 0.2))
-    assert isinstance(seq, trees.SequoiaBuilder) and seq.acceptance == (0.6, 0.2)
+    assert isinstance(seq, builders.SequoiaBuilder) and seq.acceptance == (0.6, 0.2)
     with pytest.raises(ValueError, match="unknown tree builder 'bush'"):
         make_builder("bush", 8, 3, 2)
 
@@ -51,7 +51,7 @@ def test_load_drafter_refuses_an_option_its_factory_does_not_take():
 
 
 def test_flags_that_cannot_apply_fail_before_the_model_loads(capsys, monkeypatch):
-    from treespec import cli
+    from treespec.cli import main as cli
 
     def no_load(args):
         raise AssertionError("the target must not load for a bad flag")
@@ -68,7 +68,7 @@ def _args(**kw) -> argparse.Namespace:
 
 
 def test_sequoia_vector_from_the_flag_then_the_calibration(tmp_path, monkeypatch):
-    from treespec.models import tiny_llama
+    from treespec.targets.loader import tiny_llama
 
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
     model = tiny_llama()   # fp32, stock linear layers and attention: the plain file name
@@ -86,7 +86,7 @@ def test_sequoia_vector_from_the_flag_then_the_calibration(tmp_path, monkeypatch
 
 
 def test_bad_input_is_one_error_line_not_a_traceback(capsys, monkeypatch):
-    from treespec import cli
+    from treespec.cli import main as cli
 
     def boom(args):
         raise ValueError("builder='auto' needs a calibration; run `treespec calibrate` first")

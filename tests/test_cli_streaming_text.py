@@ -30,7 +30,7 @@ TEXTS = ["日本語: こんにちは, 中文: 你好", "emoji 😀👍🏽 ok", 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_cli_stream_prints_the_text_of_the_api_one_token_at_a_time(text, monkeypatch, capsys):
-    from treespec import cli
+    from treespec.cli import main as cli
 
     tok = byte_tokenizer()
     ids = tok(text)["input_ids"]
@@ -56,7 +56,7 @@ def test_cli_stream_prints_the_text_of_the_api_one_token_at_a_time(text, monkeyp
 
 
 def test_incremental_text_holds_back_an_incomplete_tail_only():
-    from treespec.streaming import IncrementalText
+    from treespec.runtime.streaming import IncrementalText
 
     tok = byte_tokenizer()
     ids = tok("a你b")["input_ids"]                                   # a, 3 bytes, b

@@ -6,19 +6,9 @@ import json
 
 import pytest
 
-from treespec.cost import (
-    CalibratedCost,
-    Calibration,
-    Curve,
-    auto_budget,
-    auto_min_gain,
-    best_tree,
-    default_calibration_path,
-    measure,
-    measure_interleaved,
-    model_shape,
-)
-from treespec.cost.cli import main
+from treespec.planning import CalibratedCost, Calibration, Curve, auto_budget, auto_min_gain, best_tree, default_calibration_path, model_shape
+from treespec.calibrate.passes import measure, measure_interleaved
+from treespec.cli.plan import main
 
 
 def _flat_then_linear(n: int) -> float:
@@ -60,7 +50,7 @@ def test_measure_interleaved_times_round_robin():
 
 
 def test_time_interleaved_keeps_every_timing_in_rep_order():
-    from treespec.cost.calibration import time_interleaved
+    from treespec.calibrate.passes import time_interleaved
 
     ticks = iter([0, 1, 1, 3, 3, 4, 4, 7])   # a: 1 then 1, b: 2 then 3
     fns = [lambda: None, lambda: None]
@@ -68,7 +58,7 @@ def test_time_interleaved_keeps_every_timing_in_rep_order():
 
 
 def test_relative_spread_is_the_interquartile_range_over_the_median():
-    from treespec.cost.calibration import relative_spread
+    from treespec.planning.calibration import relative_spread
 
     assert relative_spread([3.0, 1.0, 5.0, 2.0, 4.0]) == pytest.approx((4.0 - 2.0) / 3.0)
     assert relative_spread([2.0] * 4) == 0.0
@@ -116,7 +106,7 @@ def test_auto_needs_a_larger_predicted_gain_on_a_noisy_machine():
     assert auto_budget(with_noise(0.12), (0.15,), "lookup").budget == 0      # inside the noise
     assert auto_budget(with_noise(0.12), (0.15,), "lookup", min_gain=1.05).budget > 0   # asked for
     assert auto_budget(with_noise(0.12), (0.5,), "lookup").budget == 7       # a clear gain holds
-    from treespec.cost import auto_threshold_text
+    from treespec.planning import auto_threshold_text
 
     assert auto_threshold_text(with_noise(0.12)) == ("speculates where the cost model predicts at least "
                                                      "1.25x (timing spread 12.0% per pass on this machine)")
@@ -194,8 +184,8 @@ def test_auto_budget_by_hand():
 
 
 def test_calibrate_a_tiny_model():
-    from treespec.cost import calibrate
-    from treespec.models import tiny_llama
+    from treespec.calibrate.passes import calibrate
+    from treespec.targets.loader import tiny_llama
 
     cal = calibrate(tiny_llama(num_layers=2), "tiny", ns=(1, 3), context=5, early_exit_layers=1,
                     n_warmup=0, n_rep=1)
@@ -244,8 +234,8 @@ def test_cli_errors(capsys):
 @pytest.mark.slow
 def test_calibrate_smollm2(tmp_path):
     """The real target, a few points: the CPU verify curve is increasing and far from flat."""
-    from treespec.cost import calibrate
-    from treespec.models import load_target
+    from treespec.calibrate.passes import calibrate
+    from treespec.targets.loader import load_target
 
     cal = calibrate(load_target("smollm2-135m").model, "smollm2-135m", ns=(1, 8, 64), context=32,
                     n_warmup=1, n_rep=3)
@@ -288,7 +278,7 @@ def test_batched_curves_are_read_where_measured_and_interpolated_between():
 def test_acceptance_is_read_at_the_nearest_measured_temperature(tmp_path):
     import dataclasses
 
-    from treespec.cost import acceptance_key
+    from treespec.planning import acceptance_key
 
     assert acceptance_key("eagle3", 0.0) == "eagle3" and acceptance_key("eagle3", 1.0) == "eagle3@T1"
     assert acceptance_key("eagle3", 0.7) == "eagle3@T0.7"
@@ -307,8 +297,8 @@ def test_acceptance_is_read_at_the_nearest_measured_temperature(tmp_path):
 
 
 def test_calibrate_batches_on_a_tiny_model():
-    from treespec.cost import calibrate, calibrate_batches
-    from treespec.models import tiny_llama
+    from treespec.calibrate.passes import calibrate, calibrate_batches
+    from treespec.targets.loader import tiny_llama
 
     model = tiny_llama(num_layers=2)
     cal = calibrate(model, "tiny", ns=(1, 3), context=5, early_exit_layers=1, n_warmup=0, n_rep=1)
@@ -354,11 +344,11 @@ def test_batched_drafter_curves_are_read_where_measured(tmp_path):
 def test_calibrate_drafter_batches_on_a_tiny_target(kind):
     import dataclasses
 
-    from treespec.cost import calibrate
+    from treespec.calibrate.passes import calibrate
     from treespec.drafters import LookupDrafter, ModelDrafter
     from treespec.drafters.eagle import random_feature_drafter
-    from treespec.measure import calibrate_drafter_batches
-    from treespec.models import tiny_llama, tiny_target
+    from treespec.calibrate.drafters import calibrate_drafter_batches
+    from treespec.targets.loader import tiny_llama, tiny_target
 
     target = tiny_target(vocab_size=32, seed=0)
     drafter = {"model": lambda: ModelDrafter(tiny_llama(vocab_size=32, num_layers=1, seed=3), 32),
@@ -379,8 +369,8 @@ def test_calibrate_drafter_batches_on_a_tiny_target(kind):
 def test_a_one_node_pass_is_timed_as_the_verifier_runs_it() -> None:
     """n = 1 is the model's own one-token step (no mask, no positions), as ``TreeVerifier.score``
     runs a root alone; larger n carry the tree mask and positions."""
-    from treespec.cost import verify_passes
-    from treespec.models import tiny_llama
+    from treespec.calibrate.passes import verify_passes
+    from treespec.targets.loader import tiny_llama
 
     model = tiny_llama(vocab_size=16)
     seen = []

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from treespec.cost import (
+from treespec.planning import (
     DrafterSpec,
     RooflineCost,
     acceptance_vector,
@@ -65,7 +65,7 @@ def test_best_first_tree_is_optimal(p):
 @pytest.mark.parametrize("p", [(0.7, 0.2, 0.05), (0.6, 0.15, 0.1, 0.05, 0.05), (0.9,), (0.3, 0.5, 0.1)])
 def test_best_first_agrees_with_the_sequoia_dp(p):
     # trees.sequoia counts the root in its budget; the cost model counts draft nodes.
-    from treespec.trees.sequoia import optimal_tree as sequoia_dp
+    from treespec.builders.sequoia import optimal_tree as sequoia_dp
 
     for depth in (1, 3, 6):
         trees = optimal_trees(p, max_budget=24, max_depth=depth)
@@ -86,7 +86,7 @@ def test_expected_tokens_agree_with_per_node_confidences():
     import torch
 
     from treespec import DraftTree
-    from treespec.cost import expected_tree_tokens
+    from treespec.planning import expected_tree_tokens
 
     parents = (-1, 0, 0, 1, 1, 3)
     p = (0.6, 0.3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from treespec.cost import (
+from treespec.planning import (
     HARDWARE_PRESETS,
     DrafterSpec,
     Hardware,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from treespec.models import tiny_target
+from treespec.targets.loader import tiny_target
 from treespec.train.loop import TrainConfig, train_drafter
 from treespec.train.recipes import RecipeConfig
 

@@ -28,8 +28,8 @@ STEP_CASES = [("eagle3", "dynamic", 0.0), ("eagle3", "best-first", 1.0), ("eagle
 
 def _device_case(kind, tree, mode="with_replacement", device="cpu"):
     from treespec import SpeculativeGenerator
-    from treespec.cli import make_builder
-    from treespec.models import tiny_target
+    from treespec.cli.main import make_builder
+    from treespec.targets.loader import tiny_target
     import test_drafters_trained as trained
 
     target = tiny_target(vocab_size=32, seed=0)
@@ -72,7 +72,7 @@ def test_generation_on_cuda_runs_seeded_and_greedy_equals_hf(kind, tree, tempera
 
 @cuda
 def test_synchronize_waits_for_the_device():
-    from treespec.device import synchronize
+    from treespec.fastpath.device import synchronize
 
     x = torch.randn(2048, 2048, device="cuda")
     y = x @ x
@@ -81,7 +81,7 @@ def test_synchronize_waits_for_the_device():
 
 
 def test_step_timings_synchronize_the_target_device_before_every_clock_read(monkeypatch):
-    import treespec.engine as engine
+    import treespec.runtime.generator as engine
 
     gen = small_generator()
     seen: list[torch.device] = []
@@ -107,7 +107,7 @@ def test_the_drafter_timer_synchronizes_before_reading_the_clock(monkeypatch):
 
 
 def test_synchronize_is_a_no_op_on_the_cpu():
-    from treespec.device import synchronize
+    from treespec.fastpath.device import synchronize
 
     synchronize("cpu")
     synchronize(torch.device("meta"))
@@ -116,7 +116,7 @@ def test_synchronize_is_a_no_op_on_the_cpu():
 
 def test_device_flags_reach_the_loaders_and_bad_devices_are_one_error(monkeypatch, capsys):
     import treespec
-    from treespec import cli
+    from treespec.cli import main as cli
 
     seen = {}
 
@@ -181,7 +181,7 @@ class _HostTensorSites:
 # Host tensors a step makes on purpose: the tree's structure (builders grow it in Python), the
 # accepted path's indices, the tree's derived depth/validation rows, and the lookup drafter's q
 # (built from numpy n-gram votes). Nothing V-sized leaves the device elsewhere.
-HOST_SITES = {"trees/base.py:finish", "engine.py:_loop", "tree.py:_ancestry", "tree.py:_validate",
+HOST_SITES = {"builders/base.py:finish", "runtime/generator.py:_loop", "core/tree.py:_ancestry", "core/tree.py:_validate",
               "drafters/lookup.py:expand"}
 
 

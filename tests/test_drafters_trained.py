@@ -30,8 +30,8 @@ from treespec.drafters.checkpoint import CheckpointMismatch, save_checkpoint
 from treespec.drafters.eagle import FeatureDrafter, random_feature_drafter
 from treespec.drafters.medusa import MedusaDrafter, random_medusa
 from treespec.drafters.small import export_state, small_model
-from treespec.models import tiny_target
-from treespec.sampling import SamplingConfig
+from treespec.targets.loader import tiny_target
+from treespec.core.sampling import SamplingConfig
 
 from _engine_helpers import hf_greedy
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
@@ -194,7 +194,7 @@ def test_checkpoint_roundtrip_and_foreign_target_refused(kind, tmp_path):
     other = tiny_target(vocab_size=32, seed=1)             # same shape, other weights
     with pytest.raises(CheckpointMismatch, match="fingerprint") as err:
         load_drafter(kind, other, checkpoint=str(path))
-    from treespec.models import model_fingerprint
+    from treespec.targets.loader import model_fingerprint
     assert model_fingerprint(target.model) in str(err.value)
     assert model_fingerprint(other.model) in str(err.value)
     bigger = tiny_target(vocab_size=48, seed=0)            # another vocabulary
@@ -203,7 +203,7 @@ def test_checkpoint_roundtrip_and_foreign_target_refused(kind, tmp_path):
 
 
 def test_checkpoint_of_another_kind_or_hidden_size_refused(tmp_path):
-    from treespec.models import Target, tiny_llama
+    from treespec.targets.loader import Target, tiny_llama
 
     target = tiny_target(vocab_size=32, seed=0)
     path = _save_random("eagle", target, tmp_path)
@@ -236,7 +236,7 @@ def test_missing_checkpoint_says_how_to_train(tmp_path):
 # ---------------------------------------------------------------------------------- real model
 @pytest.fixture(scope="module")
 def smollm():
-    from treespec.models import load_target
+    from treespec.targets.loader import load_target
 
     return load_target("smollm2-135m")
 
@@ -349,7 +349,7 @@ def test_eagle3_projection_follows_the_targets_packed_head():
     """On a packed target the draft-vocabulary projection is packed like the target's LM head
     (same numbers within fp32 rounding), stays out of the head's parameters, works when first
     built under inference_mode, and follows an in-place edit of the target's head."""
-    from treespec.fastpath import PackedLinear, panel_status, pack_linears
+    from treespec.fastpath.packing import PackedLinear, panel_status, pack_linears
 
     if not panel_status()[0]:
         pytest.skip(f"panel kernel not available: {panel_status()[1]}")

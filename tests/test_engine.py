@@ -16,8 +16,8 @@ from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, dat
 from treespec.data import MissingPackageError, mtbench_questions
 from treespec.drafters import ModelDrafter
 from treespec.drafters.base import PartialTree
-from treespec.models import Target
-from treespec.trees.base import finish
+from treespec.targets.loader import Target
+from treespec.builders.base import finish
 
 from _engine_helpers import (  # noqa: F401
     NGramDrafter, one_thread, peaky_llama, peaky_target, word_tokenizer,
@@ -281,9 +281,9 @@ def test_float_prompt_ids_are_refused():
     import pytest as _pytest
     import torch as _torch
 
-    from treespec.engine import SpeculativeGenerator as _Gen
+    from treespec.runtime.generator import SpeculativeGenerator as _Gen
     from treespec.drafters import LookupDrafter as _Lookup
-    from treespec.models import tiny_target as _tiny
+    from treespec.targets.loader import tiny_target as _tiny
 
     target = _tiny(vocab_size=16)
     gen = _Gen(target, _Lookup(16))

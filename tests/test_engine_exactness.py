@@ -6,7 +6,7 @@ fixed random perturbation per context (``NoisyTargetDrafter``), so drafts are of
 always accepted.
 
 For each configuration we compute the exact law of the first 3 generated tokens (8^3 sequences)
-from the target's processed probabilities (``treespec.sampling.process``, one plain forward over
+from the target's processed probabilities (``treespec.core.sampling.process``, one plain forward over
 all 64 two-token extensions of the prompt) and run a chi-square goodness-of-fit test on 10^4
 seeded generations. Cells whose expected count is below 5 are pooled; a sample in a cell of
 probability 0 (cut by top-p) fails at once.
@@ -25,7 +25,7 @@ import torch
 from scipy.stats import chisquare
 
 from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator
-from treespec.sampling import SamplingConfig, process
+from treespec.core.sampling import SamplingConfig, process
 
 from _engine_helpers import NoisyTargetDrafter, one_thread, peaky_target  # noqa: F401
 

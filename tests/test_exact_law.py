@@ -10,7 +10,7 @@ extend each emitted sequence with p to a fixed length L, and check that the resu
 V^L sequences equals the target's autoregressive law to 1e-9.
 
 The enumeration re-derives the rules in plain float64 (numpy for the per-sequence sums); it never
-calls ``treespec.verifiers.rejection``. The last test ties the real ``accept`` to the same
+calls ``treespec.core.rejection``. The last test ties the real ``accept`` to the same
 enumeration on fixed trees, by sampling.
 """
 
@@ -25,9 +25,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from treespec.sampling import logits_to_probs
-from treespec.tree import DraftTree
-from treespec.verifiers import accept
+from treespec.core.sampling import logits_to_probs
+from treespec.core.tree import DraftTree
+from treespec.core import accept
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 

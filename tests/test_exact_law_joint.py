@@ -5,7 +5,7 @@ V, with and without temperature / top-k / top-p / min-p, greedy one-hot p). For 
 topology we enumerate every drafting outcome and every accept / reject branch, extend the
 emitted tokens with p to L tokens, and compare with the target's law to 1e-9.
 
-The enumerations re-derive the rules in plain floats and never call ``treespec.verifiers``:
+The enumerations re-derive the rules in plain floats and never call ``treespec.core``:
     block      the paper's forward form: p_i = min(p_{i-1} p(x_i)/q(x_i), 1), h_γ = p_γ,
                h_i = r_i / (r_i + 1 - p_i), P(τ = i) = h_i Π_{j > i} (1 - h_j), new token from p
                at γ, else from norm(max(p_τ p - q, 0)).
@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import torch
 
-from treespec.tree import DraftTree
-from treespec.verifiers import VERIFY_RULES, accept
-from treespec.verifiers.joint import accept_block, accept_traversal
+from treespec.core.tree import DraftTree
+from treespec.core import VERIFY_RULES, accept
+from treespec.core.joint import accept_block, accept_traversal
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from test_exact_law import L, MAX_DEPTH, World, assert_counts_follow_law, deterministic_draft, random_shape

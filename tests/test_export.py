@@ -21,7 +21,7 @@ from treespec.drafters.base import PartialTree, TargetFeatures
 from treespec.drafters.feature import random_feature_drafter
 from treespec.drafters.medusa import random_medusa
 from treespec.export import export_eagle3, export_medusa
-from treespec.models import tiny_llama, Target
+from treespec.targets.loader import tiny_llama, Target
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
@@ -330,7 +330,7 @@ def test_shipped_medusa_export_reproduces_draft_logits(tmp_path, smollm2) -> Non
 
 # ----------------------------------------------------------------------------- CLI
 def test_cli_export_eagle3(tmp_path, capsys, smollm2) -> None:
-    from treespec.cli import main
+    from treespec.cli.main import main
 
     out = tmp_path / "e3"
     assert main(["export", "eagle3", "--out", str(out), "--dtype", "bfloat16"]) == 0
@@ -344,7 +344,7 @@ def test_cli_export_eagle3(tmp_path, capsys, smollm2) -> None:
 
 
 def test_cli_refuses_sglang_before_loading(tmp_path, capsys) -> None:
-    from treespec.cli import main
+    from treespec.cli.main import main
 
     assert main(["export", "eagle3", "--out", str(tmp_path / "x"), "--stack", "sglang"]) == 2
     err = capsys.readouterr().err

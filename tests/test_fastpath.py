@@ -1,4 +1,4 @@
-"""The CPU fast path (``treespec.fastpath``): packed linear layers and ``dtype="auto"``.
+"""The CPU fast path (``treespec.fastpath.packing``): packed linear layers and ``dtype="auto"``.
 
 The packed fp32 model must score trees like the stock one (logits within 1e-5 for every tree
 size, with tree masks over a cached prefix) and decode greedily like HF ``generate``; packing
@@ -18,14 +18,14 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from treespec import SpeculativeGenerator, Target
-from treespec.fastpath import (
+from treespec.fastpath.packing import (
     PANEL_MAX_ROWS, CpuInfo, PackedLinear, _read_cpuinfo, cpu_info, linear_kernel, machine_info, native_bf16,
     pack_linears, packing_available, resolve_dtype, unpack_linears,
 )
-from treespec.kernels import pack_panels, panel_linear, panel_status
-from treespec.masks import hf_tree_mask, position_ids
-from treespec.tree import DraftTree
-from treespec.trees import DynamicTreeBuilder
+from treespec.fastpath.kernels import pack_panels, panel_linear, panel_status
+from treespec.core.masks import hf_tree_mask, position_ids
+from treespec.core.tree import DraftTree
+from treespec.builders import DynamicTreeBuilder
 
 from _engine_helpers import NoisyTargetDrafter, hf_greedy
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
@@ -322,9 +322,9 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
     bar), stores it under the dtype- and path-specific name, and reuses it the next time."""
     import io
 
-    from treespec.cli import ensure_calibration
-    from treespec.cost import Calibration, default_calibration_path
-    from treespec.models import tiny_llama
+    from treespec.cli.main import ensure_calibration
+    from treespec.planning import Calibration, default_calibration_path
+    from treespec.targets.loader import tiny_llama
 
     from _engine_helpers import word_tokenizer
 
@@ -374,7 +374,7 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
 def test_demo_stock_baseline_restores_the_fast_path() -> None:
     """The demo also times plain decoding with stock linear layers: it unpacks the target for
     that run and packs it again with the same kernel; a stock target has no second baseline."""
-    from treespec.cli import stock_decode_speed
+    from treespec.cli.main import stock_decode_speed
 
     model = small_llama(seed=5)
     pack_linears(model)

@@ -1,4 +1,4 @@
-"""Split GGUF checkpoints (``treespec.gguf_parts``): assembly of small fake parts, no download.
+"""Split GGUF checkpoints (``treespec.targets.gguf_parts``): assembly of small fake parts, no download.
 
 The parts are concatenated in part order (not name order: part10 comes after part9), the
 sha256 of the whole is checked where it is known, a failed check leaves no file, a missing part
@@ -12,9 +12,9 @@ import os
 
 import pytest
 
-from treespec import gguf_parts
+from treespec.targets import gguf_parts
 from treespec.data import MissingPackageError
-from treespec.gguf_parts import QWEN_CODER_0_5B, QWEN_CODER_1_5B, SplitGGUF, assemble_parts, assembled_gguf
+from treespec.targets.gguf_parts import QWEN_CODER_0_5B, QWEN_CODER_1_5B, SplitGGUF, assemble_parts, assembled_gguf
 
 
 def fake_parts(tmp_path, n: int = 11) -> tuple[list, bytes]:
@@ -86,7 +86,7 @@ def test_installed_parts_assemble_once_into_the_cache(installed, tmp_path) -> No
 
 
 def test_make_models_qwen_assembles_every_installed_split(monkeypatch, installed, tmp_path) -> None:
-    from treespec import models
+    from treespec.targets import loader as models
 
     paths, whole, _ = installed
     monkeypatch.setattr(models, "SPLIT_GGUFS", {"fake-model": spec_over(paths, whole)})
@@ -111,7 +111,7 @@ def test_missing_parts_name_the_make_target(installed, tmp_path) -> None:
 
 
 def test_the_qwen_loaders_say_how_to_install_the_parts(monkeypatch, tmp_path) -> None:
-    from treespec import models
+    from treespec.targets import loader as models
 
     def absent(distribution: str, relative: str):
         raise MissingPackageError(f"{distribution!r} is not installed")
@@ -133,7 +133,7 @@ def test_qwen_part_layout() -> None:
 def test_the_qwen_drafter_refuses_another_vocabulary_before_loading() -> None:
     from treespec import load_drafter
     from treespec.drafters.checkpoint import CheckpointMismatch
-    from treespec.models import tiny_target
+    from treespec.targets.loader import tiny_target
 
     with pytest.raises(CheckpointMismatch, match="151936-token vocabulary; tiny-llama-v32-s0 has 32"):
         load_drafter("qwen2.5-coder-0.5b", tiny_target())

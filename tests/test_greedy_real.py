@@ -1,5 +1,5 @@
 """Greedy equivalence on the real model: at temperature 0, speculative decoding with SmolLM2-135M
-(fp32, on each packed fast path of ``treespec.fastpath``: the panel GEMM and oneDNN) and its early-exit drafter emits exactly
+(fp32, on each packed fast path of ``treespec.fastpath.packing``: the panel GEMM and oneDNN) and its early-exit drafter emits exactly
 the tokens of ``model.generate(do_sample=False)`` on the stock HF model.
 
 Five MT-bench first turns (writing, roleplay, reasoning, math, coding), through the chat template
@@ -25,8 +25,8 @@ import torch
 
 from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, load_drafter, load_target
 from treespec.data import mtbench_questions
-from treespec.fastpath import KERNELS, PANEL_KERNELS, packing_available
-from treespec.kernels import panel_status
+from treespec.fastpath.packing import KERNELS, PANEL_KERNELS, packing_available
+from treespec.fastpath.kernels import panel_status
 
 from _engine_helpers import hf_greedy
 

@@ -21,7 +21,7 @@ import torch
 from treespec import SpeculativeGenerator, load_drafter
 from treespec.drafters import HybridConfig, HybridDrafter, LookupDrafter, PartialTree, TargetFeatures
 from treespec.drafters.eagle import random_feature_drafter
-from treespec.trees import BestFirstBuilder, ChainBuilder, DynamicTreeBuilder
+from treespec.builders import BestFirstBuilder, ChainBuilder, DynamicTreeBuilder
 
 from _engine_helpers import NoisyTargetDrafter, hf_greedy, one_thread, peaky_target  # noqa: F401
 from test_builders import TableDrafter
@@ -240,7 +240,7 @@ def test_greedy_equals_hf_generate_on_smollm2(builder) -> None:
     """SmolLM2-135M fp32 with the shipped eagle3 head: 2 MT-bench prompts and a rewriting
     prompt (the lookup's case) x 32 tokens, token for token."""
     from treespec.data import chat_prompt, mtbench_questions
-    from treespec.models import load_target
+    from treespec.targets.loader import load_target
 
     smollm = load_target("smollm2-135m", dtype=torch.float32)
     texts = [q.turns[0] for q in mtbench_questions()[:2]]

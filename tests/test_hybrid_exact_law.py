@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from treespec.drafters import HybridConfig, HybridDrafter, PartialTree, TargetFeatures
-from treespec.sampling import SamplingConfig
-from treespec.trees.base import draft_distribution
+from treespec.core.sampling import SamplingConfig
+from treespec.builders.base import draft_distribution
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from test_exact_law import CONFIGS, L, MAX_DEPTH, TOL, World, draft_outcomes, random_shape, verify_law

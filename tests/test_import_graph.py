@@ -5,9 +5,19 @@ from __future__ import annotations
 import pytest
 
 
-# Module ``__getattr__`` forwarders keep pre-move import paths working; they run only when an old
-# name is asked for, never while a module imports, so they are not edges of the import graph.
-COMPAT_FORWARDERS = {"treespec.cost", "treespec.cost.calibration", "treespec.trees", "treespec.trees.sequoia"}
+# The floors of the package, lowest first. A module may import its own package and any package
+# on a lower floor, never one on its own floor or above: so the graph has no loops by
+# construction, and the floors say what depends on what.
+FLOORS = {
+    "core": 0, "fastpath": 0, "data": 0,   # pure tensor math; CPU kernels; prompt files
+    "planning": 1, "targets": 1,           # the pure cost model; loading target models
+    "drafters": 2,
+    "builders": 3, "export": 3,
+    "runtime": 4,                          # verifiers, the generator, the server
+    "calibrate": 5, "train": 5,            # what runs models to measure or to train
+    "cli": 6,
+    "": 7, "__main__": 7,                  # treespec/__init__ (the public API) and ``python -m``
+}
 
 
 def _module_graph() -> dict[str, set[str]]:
@@ -23,13 +33,9 @@ def _module_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in names.items():
         tree = ast.parse(path.read_text())
-        skip = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "__getattr__"
-                and name in COMPAT_FORWARDERS for n in ast.walk(f)}
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges = set()
         for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -80,34 +86,45 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
 def test_the_module_graph_has_no_cycles():
+    assert _cycles(_module_graph()) == []
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Edges into another package on the same floor or above."""
+    return [f"{a} -> {b}" for a in sorted(graph) for b in sorted(graph[a])
+            if _package(a) != _package(b) and FLOORS[_package(b)] >= FLOORS[_package(a)]]
+
+
+def test_imports_only_go_down_the_floors():
     graph = _module_graph()
-    # the engine depends on the pure cost model only; measurements that run generations sit above it
-    assert "treespec.engine" not in graph["treespec.cost.calibration"]
-    assert "treespec.engine" not in graph["treespec.trees.sequoia"]
-    assert _cycles(graph) == []
+    assert {_package(m) for m in graph} == set(FLOORS), "a new package needs its floor in FLOORS"
+    assert _upward(graph) == []
 
 
-def test_every_module_imports_and_old_paths_still_work():
+def test_the_checks_see_an_upward_import_and_a_loop():
+    graph = _module_graph()
+    graph["treespec.core.tree"] = graph["treespec.core.tree"] | {"treespec.runtime.generator"}
+    assert _upward(graph) == ["treespec.core.tree -> treespec.runtime.generator"]
+    graph = _module_graph()
+    graph["treespec.core.tree"] = graph["treespec.core.tree"] | {"treespec.core.masks"}   # masks imports tree
+    assert ["treespec.core.masks", "treespec.core.tree"] in _cycles(graph)
+
+
+def test_every_module_imports():
     """Every module imports (any ``import treespec.X`` runs ``treespec/__init__`` first, so the
-    import order is that file's; the static graph above is what rules out loops), and the
-    names moved by the de-looping still resolve at their old paths."""
+    import order is that file's; the static graph above is what rules out loops)."""
     import importlib
     import pkgutil
 
     import treespec
 
     names = [m.name for m in pkgutil.walk_packages(treespec.__path__, "treespec.")]
-    assert len(names) > 40 and "treespec.measure" in names and "treespec.drafters.feature" in names
+    assert len(names) > 40 and "treespec.core.tree" in names and "treespec.drafters.feature" in names
     for name in names:
         importlib.import_module(name)
-    from treespec.cost import calibrate_drafter
-    from treespec.cost.calibration import calibrate_drafter as c2
-    from treespec.drafters.eagle import FeatureDrafter, HeadConfig, Trunk, build_head  # noqa: F401
-    from treespec.measure import calibrate_drafter as a, measure_acceptance_vector as b
-    from treespec.trees import measure_acceptance_vector
-    from treespec.trees.sequoia import measure_acceptance_vector as m2
-
-    assert a is calibrate_drafter is c2 and b is measure_acceptance_vector is m2
-    with pytest.raises(AttributeError):
-        treespec.trees.no_such_name

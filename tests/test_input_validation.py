@@ -10,7 +10,7 @@ from _engine_helpers import small_generator
 
 @pytest.mark.parametrize("question", ["999", "-1", "80"])
 def test_demo_refuses_a_question_out_of_range_before_loading_anything(question, monkeypatch, capsys):
-    from treespec import cli
+    from treespec.cli import main as cli
 
     monkeypatch.setattr(cli, "_build_generator", lambda args: pytest.fail("loaded a model"))
     assert cli.main(["demo", "--question", question]) == 2
@@ -80,7 +80,7 @@ def test_a_drafter_returning_nan_logits_is_named_in_every_mode(temperature, mode
 
 
 def test_calibrate_does_not_offer_float16():
-    from treespec import cli
+    from treespec.cli import main as cli
 
     with pytest.raises(SystemExit) as exit_:
         cli.build_parser().parse_args(["calibrate", "--dtype", "float16"])

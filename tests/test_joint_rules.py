@@ -25,9 +25,9 @@ import torch
 
 from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator
 from treespec.drafters import ModelDrafter
-from treespec.tree import DraftTree
-from treespec.verifiers import accept
-from treespec.verifiers.joint import accept_block, accept_traversal
+from treespec.core.tree import DraftTree
+from treespec.core import accept
+from treespec.core.joint import accept_block, accept_traversal
 
 from _engine_helpers import one_thread, peaky_target  # noqa: F401
 from _tiny import random_tree
@@ -315,8 +315,8 @@ def test_block_in_the_engine_refuses_a_tree_builder(target):
 
 
 def test_cli_verify_flag_offers_every_rule():
-    from treespec.cli import build_parser
-    from treespec.verifiers import VERIFY_RULES
+    from treespec.cli.main import build_parser
+    from treespec.core import VERIFY_RULES
 
     for rule in VERIFY_RULES:
         assert build_parser().parse_args(["generate", "--prompt", "hi", "--verify", rule]).verify == rule

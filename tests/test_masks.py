@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from treespec.masks import (
+from treespec.core.masks import (
     _pack_bits,
     _pack_bits_torch,
     attn_implementation_of,
@@ -22,7 +22,7 @@ from treespec.masks import (
     tree_bool_mask,
     unpack_masks,
 )
-from treespec.tree import DraftTree
+from treespec.core.tree import DraftTree
 
 from _tiny import TINY_VOCAB, cache_kwargs, one_thread, random_tree, tiny_llama  # noqa: F401
 
@@ -212,7 +212,7 @@ def test_a_bool_mask_is_silently_wrong_under_eager(world):
 def test_tree_forward_args_leave_a_root_alone_to_the_model() -> None:
     """A root alone gets neither positions nor a mask (the model's own decode step); a larger
     tree gets P + depth and the prefix ‖ ancestor mask, in the implementation's mask format."""
-    from treespec.masks import hf_tree_mask, position_ids, tree_forward_args
+    from treespec.core.masks import hf_tree_mask, position_ids, tree_forward_args
 
     root = DraftTree(torch.tensor([5]), torch.tensor([-1]))
     assert tree_forward_args(root, 4) == (None, None)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from treespec.drafters import ModelDrafter, PartialTree, TargetFeatures, early_exit_model, load_drafter
-from treespec.models import Target
+from treespec.targets.loader import Target
 
 from _engine_helpers import assert_cache_equal, fresh_cache, one_thread, peaky_llama  # noqa: F401
 

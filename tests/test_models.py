@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treespec import data, models
+from treespec import data
+from treespec.targets import loader as models
 from treespec.data import MissingPackageError, chat_prompt
-from treespec.models import Target, load_target, model_fingerprint, tiny_llama, tiny_target
+from treespec.targets.loader import Target, load_target, model_fingerprint, tiny_llama, tiny_target
 
 
 def test_tiny_llama_is_deterministic_from_seed_and_leaves_global_rng() -> None:

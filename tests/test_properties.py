@@ -8,10 +8,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treespec.masks import hf_tree_mask, pack_tree_masks, position_ids, tree_bool_mask, unpack_masks
-from treespec.sampling import logits_to_probs
-from treespec.tree import SAMPLING_MODES, DraftTree
-from treespec.verifiers import accept
+from treespec.core.masks import hf_tree_mask, pack_tree_masks, position_ids, tree_bool_mask, unpack_masks
+from treespec.core.sampling import logits_to_probs
+from treespec.core.tree import SAMPLING_MODES, DraftTree
+from treespec.core import accept
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture)
 

@@ -16,7 +16,7 @@ import torch
 
 from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, load_drafter
 from treespec.data import MissingPackageError
-from treespec.gguf_parts import QWEN_CODER_0_5B, QWEN_CODER_1_5B
+from treespec.targets.gguf_parts import QWEN_CODER_0_5B, QWEN_CODER_1_5B
 
 from _engine_helpers import hf_greedy
 from test_greedy_real import NEAR_TIE, top2_gap

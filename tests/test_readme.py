@@ -69,7 +69,7 @@ def test_readme_drafter_example_runs_on_a_tiny_target(capsys):
     """The "Your own drafter" block, with a tiny random target in place of SmolLM2."""
     import treespec
     from treespec.drafters.base import _REGISTRY
-    from treespec.models import tiny_target
+    from treespec.targets.loader import tiny_target
 
     code, where = doc_block("register_drafter")
     tiny = tiny_target(vocab_size=32, seed=0)
@@ -93,7 +93,7 @@ def test_readme_server_example_runs_on_a_tiny_target(capsys):
     """The SpeculativeServer block (docs/serving.md), with a tiny random target and an untrained
     EAGLE-3 head in place of SmolLM2's shipped one."""
     from treespec.drafters.eagle import random_feature_drafter
-    from treespec.models import tiny_target
+    from treespec.targets.loader import tiny_target
 
     code, where = doc_block("SpeculativeServer(")
     assert code.count('"eagle3"') == 1
@@ -110,7 +110,7 @@ def test_readme_adaptive_lookup_example_runs_on_a_tiny_target():
     """The "Adaptive drafting" block (docs/drafters.md), with a tiny random target: on a prompt that repeats, the
     lookup drafts where a 3-token suffix recurs and the output is plain greedy decoding's."""
     import treespec
-    from treespec.models import tiny_target
+    from treespec.targets.loader import tiny_target
 
     code, where = doc_block("min_confidence")
     tiny = tiny_target(vocab_size=32, seed=0)

@@ -13,7 +13,7 @@ import torch
 
 from treespec import SpeculativeGenerator, load_drafter, load_target
 from treespec.data import chat_prompt, mtbench_questions
-from treespec.trees import BestFirstBuilder
+from treespec.builders import BestFirstBuilder
 
 from _engine_helpers import hf_greedy
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)

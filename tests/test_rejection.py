@@ -14,9 +14,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from treespec.sampling import logits_to_probs
-from treespec.tree import SAMPLING_MODES, DraftTree
-from treespec.verifiers import Acceptance, accept
+from treespec.core.sampling import logits_to_probs
+from treespec.core.tree import SAMPLING_MODES, DraftTree
+from treespec.core import Acceptance, accept
 
 from _tiny import one_thread, random_tree  # noqa: F401  (one_thread: autouse fixture)
 

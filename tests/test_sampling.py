@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from treespec.sampling import SamplingConfig, logits_to_probs, process
+from treespec.core.sampling import SamplingConfig, logits_to_probs, process
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture)
 

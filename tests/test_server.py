@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, SpeculativeServer
-from treespec.cost import Calibration, Curve, model_shape
+from treespec.planning import Calibration, Curve, model_shape
 from treespec.drafters import LookupDrafter, ModelDrafter
 from treespec.drafters.eagle import random_feature_drafter
-from treespec.models import tiny_target
-from treespec.sampling import SamplingConfig
+from treespec.targets.loader import tiny_target
+from treespec.core.sampling import SamplingConfig
 
 from _engine_helpers import assert_cache_equal, fresh_cache, one_thread, peaky_llama  # noqa: F401
 
@@ -233,7 +233,7 @@ def test_a_failed_step_leaves_every_request_as_it_was(kind: str, where: str, mon
     """A step that raises midway (inside drafting, after some of its drafter calls; or in
     acceptance, after the target pass) changes nothing: stepping on, every request (greedy and
     seeded sampled) ends exactly as in a run without the failures."""
-    import treespec.server as server_module
+    import treespec.runtime.server as server_module
 
     target = target_of(torch.float64)
     real_accept = server_module.accept_batch

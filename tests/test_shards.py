@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from treespec.models import tiny_target
+from treespec.targets.loader import tiny_target
 from treespec.train.loop import TrainConfig, train_drafter
 from treespec.train.recipes import RecipeConfig
 from treespec.train.shards import (
@@ -131,7 +131,7 @@ def test_bf16_autocast_is_recorded_and_changes_the_features(target, shards, tmp_
 
 
 def test_autocast_auto_follows_native_bf16():
-    from treespec.fastpath import native_bf16
+    from treespec.fastpath.packing import native_bf16
 
     dtype, why = autocast_dtype("auto", "cpu")
     assert (dtype == torch.bfloat16) == native_bf16("cpu")[0] and why.startswith("auto: ")

@@ -15,7 +15,7 @@ import torch
 from treespec.drafters.base import PartialTree, TargetFeatures
 from treespec.drafters.eagle import random_feature_drafter
 from treespec.drafters.medusa import random_medusa
-from treespec.models import tiny_target
+from treespec.targets.loader import tiny_target
 from treespec.train.data import Batch, DataConfig, cache_dir, load_chunks, make_batch, target_pass
 from treespec.train.loop import TrainConfig, heldout_of_checkpoint, train_drafter
 from treespec.train.objectives import depth_view, topk_kd, ttt_unroll
@@ -212,7 +212,7 @@ def test_make_batch_pads_across_chunks(tiny_setup):
 def test_sharegpt_exchanges_are_chat_templated():
     from transformers import AutoTokenizer
 
-    from treespec.models import default_cache_root
+    from treespec.targets.loader import default_cache_root
     from treespec.train.data import exchanges
 
     dirs = sorted(default_cache_root().glob("smollm2-135m-*"))

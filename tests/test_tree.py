@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treespec.tree import DraftTree
+from treespec.core.tree import DraftTree
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture)
 

@@ -10,7 +10,7 @@ from _engine_helpers import small_generator
 
 def test_a_budget_beyond_the_context_is_blamed_on_the_budget():
     from treespec import DynamicTreeBuilder
-    from treespec.engine import LargeTreeWarning
+    from treespec.runtime.generator import LargeTreeWarning
 
     with pytest.warns(LargeTreeWarning):
         gen = small_generator(builder=DynamicTreeBuilder(budget=100000, depth=3, top_k=2))
@@ -23,15 +23,15 @@ def test_a_budget_beyond_the_context_is_blamed_on_the_budget():
 
 def test_a_huge_tree_warns_with_the_memory_its_verify_takes():
     from treespec import SpeculativeGenerator, StaticTreeBuilder
-    from treespec.engine import verify_memory_bytes
+    from treespec.runtime.generator import verify_memory_bytes
     from treespec.drafters import LookupDrafter
-    from treespec.models import Target, tiny_llama
+    from treespec.targets.loader import Target, tiny_llama
 
     model = tiny_llama(vocab_size=49152, max_position_embeddings=8192)
     target = Target.from_hf(model, None, "wide-vocab")
     need = verify_memory_bytes(model, 4000, 4000)
     assert need > 4000 * 49152 * 12                                  # logits, p and q rows at least
-    from treespec.engine import LargeTreeWarning
+    from treespec.runtime.generator import LargeTreeWarning
 
     with pytest.warns(LargeTreeWarning, match=rf"4000 nodes .* about {need / 2**30:.1f} GiB"):
         SpeculativeGenerator(target, LookupDrafter(49152), _static(4000))

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from treespec.drafters.base import PartialTree, as_draft_tree
-from treespec.sampling import SamplingConfig, process
-from treespec.verifiers import accept
-from treespec.verifiers.tree_attention import TreeVerifier
+from treespec.core.sampling import SamplingConfig, process
+from treespec.core import accept
+from treespec.runtime.verifier import TreeVerifier
 
 from _engine_helpers import assert_cache_equal, fresh_cache, one_thread, peaky_llama  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""treespec.viz: PNG pictures of draft trees (tokens on nodes, accepted path highlighted)."""
+"""treespec.cli.viz: PNG pictures of draft trees (tokens on nodes, accepted path highlighted)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from treespec.tree import DraftTree
-from treespec.trees.base import BuiltTree
-from treespec.verifiers import Acceptance
-from treespec.viz import ACCEPTED, NEW, _label, _layout, draw_tree, save_step_tree
+from treespec.core.tree import DraftTree
+from treespec.builders.base import BuiltTree
+from treespec.core import Acceptance
+from treespec.cli.viz import ACCEPTED, NEW, _label, _layout, draw_tree, save_step_tree
 
 from _engine_helpers import word_tokenizer
 

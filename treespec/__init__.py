@@ -7,20 +7,20 @@ try:
 except _NotInstalled:  # a source checkout on sys.path without `pip install -e .`
     __version__ = "0+unknown"
 
-from treespec.batch import RequestAcceptance, TreeBatch, VerifyInputs, accept_batch, prepare_verify
-from treespec.batch_engine import generate_batch
-from treespec.analytics import acceptance_rate, expected_chain_tokens, expected_tree_tokens
-from treespec.drafters import load_drafter, registered_drafters
-from treespec.engine import GenerationResult, GenerationStats, SpeculativeGenerator
-from treespec.models import Target, load_target
-from treespec.sampling import SamplingConfig, logits_to_probs
-from treespec.server import RequestResult, SpeculativeServer
-from treespec.tree import DraftTree
-from treespec.trees import (
+from treespec.builders import (
     BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder, optimal_tree,
 )
-from treespec.verifiers import Acceptance, accept
-from treespec.verifiers.batch_attention import BatchVerifier, BatchVerifyOutput
+from treespec.core import (
+    Acceptance, DraftTree, RequestAcceptance, SamplingConfig, TreeBatch, VerifyInputs, accept, accept_batch,
+    logits_to_probs, prepare_verify,
+)
+from treespec.drafters import load_drafter, registered_drafters
+from treespec.planning.tau import acceptance_rate, expected_chain_tokens, expected_tree_tokens
+from treespec.runtime import (
+    BatchVerifier, BatchVerifyOutput, GenerationResult, GenerationStats, RequestResult, SpeculativeGenerator,
+    SpeculativeServer, generate_batch,
+)
+from treespec.targets import Target, load_target
 
 __all__ = [
     "Acceptance",

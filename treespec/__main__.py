@@ -2,7 +2,7 @@
 
 import sys
 
-from treespec.cli import main
+from treespec.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -48,9 +48,9 @@ def load_drafter(name: str, target, **options) -> Drafter:
 
 
 def _pack_like_target(drafter, target) -> None:
-    """Give a drafter's own linear layers the target's fast path (``treespec.fastpath``):
+    """Give a drafter's own linear layers the target's fast path (``treespec.fastpath.packing``):
     packed when the target's are. Drafters run in the target's dtype, so the same rule holds."""
-    from treespec.fastpath import PackedLinear, pack_linears
+    from treespec.fastpath.packing import PackedLinear, pack_linears
 
     if not any(isinstance(m, PackedLinear) for m in target.model.modules()):
         return

@@ -32,8 +32,8 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-from treespec.device import synchronize
-from treespec.tree import DraftTree
+from treespec.fastpath.device import synchronize
+from treespec.core.tree import DraftTree
 
 
 @dataclass(frozen=True)

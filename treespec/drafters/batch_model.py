@@ -26,7 +26,7 @@ from treespec.drafters.batched import (
     DraftAnswer, DraftCall, Key, RowCheckpoints, RowInputs, ancestor_columns, batch_inputs, check_calls,
     move_columns, settle_moves,
 )
-from treespec.masks import attn_implementation_of, to_hf_mask
+from treespec.core.masks import attn_implementation_of, to_hf_mask
 
 
 @dataclass

@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from treespec.models import model_fingerprint
+from treespec.targets.loader import model_fingerprint
 
 __all__ = [
     "CheckpointError", "CheckpointMismatch", "card_path", "load_card", "load_checkpoint", "restore_module",

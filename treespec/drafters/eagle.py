@@ -77,7 +77,7 @@ class Eagle3Head(FeatureHead):
         kernel the rows of a Q8_0 head stay 8-bit blocks: a quarter of the bytes a draft call
         reads through stock ``F.linear``). Rebuilt when the target's head changes (device,
         dtype, an in-place edit). Kept out of the module tree: not a parameter of the head."""
-        from treespec.fastpath import PackedLinear
+        from treespec.fastpath.packing import PackedLinear
 
         lm_head = self.trunk.lm_head
         w = lm_head.weight

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter, tree_slot_mask
-from treespec.masks import attn_implementation_of
+from treespec.core.masks import attn_implementation_of
 
 
 def output_vocab_size(model: torch.nn.Module) -> int:
@@ -39,7 +39,7 @@ class ModelDrafter:
 
     def __init__(self, model: torch.nn.Module, target_vocab_size: int | None = None,
                  cost_kind: str = "early_exit"):
-        from treespec.models import check_architecture
+        from treespec.targets.loader import check_architecture
 
         check_architecture(model)   # its own tree passes need what the target's do
         self.model = model.eval()
@@ -210,7 +210,7 @@ def _qwen_coder_small_factory(target) -> ModelDrafter:
     """Qwen2.5-Coder-0.5B-Instruct drafting for a target with its tokenizer (the 1.5B), in the
     target's dtype and on its device; parts installed by ``make models-qwen``."""
     from treespec.drafters.checkpoint import CheckpointMismatch
-    from treespec.models import load_qwen_coder_0_5b
+    from treespec.targets.loader import load_qwen_coder_0_5b
 
     if target.vocab_size != QWEN_VOCAB:   # refused before 2 GB are loaded
         raise CheckpointMismatch(f"qwen2.5-coder-0.5b drafts in Qwen2.5's {QWEN_VOCAB}-token vocabulary; "

@@ -162,7 +162,7 @@ def spawn(args) -> int:
 def cmd_train(args) -> int:
     import torch
 
-    from treespec.models import load_target
+    from treespec.targets.loader import load_target
     from treespec.train.data import DataConfig
     from treespec.train.dist import init_from_env
     from treespec.train.loop import TrainConfig, train_drafter

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from treespec.data import chat_prompt, sharegpt_conversations
-from treespec.models import Target, default_cache_root, model_fingerprint
+from treespec.targets.loader import Target, default_cache_root, model_fingerprint
 
 # HF hidden_states indices stored for SmolLM2-135M (L = 30): EAGLE-3's low / middle / high layers
 # (2, L // 2, L - 3) and the last layer (post final norm: what the LM head reads).

@@ -74,7 +74,7 @@ def init_from_env(device: str = "cpu", timeout_minutes: float = 720.0) -> tuple[
     ``timeout_minutes``: how long a rank waits at a collective; extraction imbalance between ranks
     is waited out at a barrier, hence the long default.
     """
-    from treespec.device import resolve_device
+    from treespec.fastpath.device import resolve_device
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from treespec.models import model_fingerprint
+from treespec.targets.loader import model_fingerprint
 from treespec.drafters.checkpoint import card_path, load_checkpoint, save_checkpoint, target_identity
 from treespec.train.data import (
     Batch, DataConfig, build_cache, cache_dir, chunk_count, compute_chunk, iterate_batches, load_chunks, make_batch,
@@ -297,7 +297,7 @@ def _online_data(target, online, stream, layers, first_part: int, cfg: TrainConf
 def machine_kind(device: torch.device) -> str:
     """The kind of machine CPU-hours are booked to: the GPU's name, or the CPU model and its best
     matrix instruction set (a run may span AMX and AVX2 machines, which differ about 5x in speed)."""
-    from treespec.cpu import cpu_info
+    from treespec.fastpath.cpu import cpu_info
 
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"

@@ -174,9 +174,9 @@ def sharegpt_source(tokenizer, cfg: ShardConfig, exclude: tuple[int, int]) -> So
 
 # ---------------------------------------------------------------------------------- extraction
 def autocast_dtype(mode: str, device: torch.device | str) -> tuple[torch.dtype, str]:
-    """``auto``: bf16 where ``device`` multiplies bf16 natively (:func:`treespec.fastpath.native_bf16`),
+    """``auto``: bf16 where ``device`` multiplies bf16 natively (:func:`treespec.fastpath.packing.native_bf16`),
     else fp32; ``bf16`` / ``fp32`` force it. Returns the dtype and the reason."""
-    from treespec.fastpath import native_bf16
+    from treespec.fastpath.packing import native_bf16
 
     if mode == "auto":
         ok, why = native_bf16(device)
@@ -299,7 +299,7 @@ def extract(target, cfg: ShardConfig, directory: str | os.PathLike, source: Sour
     """
     from tqdm import tqdm
 
-    from treespec.models import model_fingerprint
+    from treespec.targets.loader import model_fingerprint
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,220 @@
+"""Measurements that run real generations: they drive the engine, so they sit above it.
+
+The engine depends on the pure cost model (``treespec.planning``: curves, roofline, planner) and on
+the tree builders; the two measurements that *run* the engine live here, so nothing below the
+engine imports it:
+
+- ``measure_acceptance_vector``: Sequoia's positional acceptance vector a[0..w-1] of a drafter,
+  estimated from generations with one-level trees (``treespec.builders.SequoiaBuilder`` uses it).
+- ``calibrate_drafter``: a registered drafter's pass times by width and its acceptance vectors
+  (greedy and T = 1), added to a ``treespec.planning.Calibration`` (``treespec calibrate --drafter
+  NAME``); ``calibrate_acceptance`` adds the vectors alone; ``calibrate_drafter_batches`` adds
+  its batched drafting call (B requests in one ``expand_batch``) for the server's planner.
+
+Both were defined in ``treespec.builders.sequoia`` and ``treespec.planning.calibration``; those
+paths still resolve to these functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from treespec.planning.calibration import Calibration, Curve, acceptance_key
+from treespec.calibrate.passes import DRAFT_WIDTHS, _shuffled_curve
+from treespec.drafters import load_drafter
+from treespec.drafters.base import Drafter, TargetFeatures, TimedDrafter
+from treespec.runtime.generator import SpeculativeGenerator
+from treespec.builders.base import DraftMode, check_int
+from treespec.builders.static import StaticTreeBuilder
+
+__all__ = ["calibrate_acceptance", "calibrate_drafter", "calibrate_drafter_batches", "measure_acceptance_vector"]
+
+# Temperatures a drafter's acceptance is measured at by default: greedy, and T = 1 (acceptance
+# of the same drafts is lower when the target samples, so T > 0 requests need their own plan).
+ACCEPTANCE_TEMPERATURES: tuple[float, ...] = (0.0, 1.0)
+
+
+def measure_acceptance_vector(
+    drafter: Drafter | str,
+    target,
+    prompts: Sequence[str | Sequence[int]],
+    width: int,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    mode: DraftMode = "deterministic",
+    seed: int = 0,
+) -> tuple[float, ...]:
+    """Estimate a[0..width-1] from real generations.
+
+    Every step drafts a one-level tree of ``width`` children of the root (the drafter's ranked
+    candidates, or ``width`` draws in a stochastic ``mode``) and records which child, if any,
+    verification accepted. a[i] = (steps accepting child i) / steps. ``target``: a
+    ``treespec.Target``; ``drafter``: a Drafter or a registered name.
+    """
+    check_int("width", width)
+    counts = [0] * width
+    steps = 0
+
+    def record(built, acceptance, step) -> None:
+        nonlocal steps
+        steps += 1
+        if acceptance.num_accepted:
+            node = int(acceptance.path[0])
+            counts[node - 1] += 1  # depth-1 nodes are 1..width in trial order
+
+    builder = StaticTreeBuilder([(i,) for i in range(width)], mode)
+    gen = SpeculativeGenerator(target, drafter, builder)
+    for i, prompt in enumerate(prompts):
+        gen.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                     seed=seed + i, on_step=record)
+    if steps == 0:
+        raise ValueError("no verification steps ran; pass at least one prompt")
+    return tuple(c / steps for c in counts)
+
+
+def calibrate_drafter(
+    calibration: Calibration,
+    name: str,
+    target: Any,
+    prompts: Sequence[str | Sequence[int]],
+    widths: Sequence[int] = DRAFT_WIDTHS,
+    acceptance_width: int = 8,
+    max_new_tokens: int = 32,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: Callable[[str], None] | None = None,
+    temperatures: Sequence[float] = ACCEPTANCE_TEMPERATURES,
+) -> Calibration:
+    """``calibration`` plus the registered drafter ``name`` measured for real on ``target``.
+
+    Pass times: greedy generations on ``prompts[0]`` with a static tree of ``w`` root children,
+    each with one child, so every step makes one expand call over 1 node (the root, including
+    the drafter's commit work) and one over ``w`` nodes; the median call time per width gives
+    ``drafters[name]``. Acceptance: ``calibrate_acceptance`` at every T in ``temperatures``.
+    Held-out prompts, please: the numbers are meant for other text. Run it with the threads the
+    engine will use.
+    """
+    if not prompts:
+        raise ValueError("calibrate_drafter needs at least one prompt (held-out text)")
+    if not widths or any(not isinstance(w, int) or w < 1 for w in widths):
+        raise ValueError(f"widths must be positive ints, got {list(widths)}")
+    say = progress or (lambda message: None)
+    drafter = TimedDrafter(load_drafter(name, target), clock)
+    samples: dict[int, list[float]] = {}
+    for w in sorted(set(widths)):
+        builder = StaticTreeBuilder([(i,) for i in range(w)] + [(i, 0) for i in range(w)])
+        gen = SpeculativeGenerator(target, drafter, builder)
+        gen.generate(prompts[0], max_new_tokens=4)  # warm-up
+        drafter.reset()
+        gen.generate(prompts[0], max_new_tokens=max_new_tokens)
+        for nodes, seconds in drafter.calls:
+            samples.setdefault(nodes, []).append(seconds)
+    ns = sorted(samples)
+    curve = Curve.from_timings(ns, [samples[n] for n in ns])
+    say(f"{name}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(curve.ns, curve.seconds)))
+    calibration = dataclasses.replace(calibration, drafters={**calibration.drafters, name: curve})
+    return calibrate_acceptance(calibration, drafter.inner, name, target, prompts, temperatures,
+                                acceptance_width, max_new_tokens, progress)
+
+
+def calibrate_acceptance(
+    calibration: Calibration,
+    drafter: Drafter | str,
+    name: str,
+    target: Any,
+    prompts: Sequence[str | Sequence[int]],
+    temperatures: Sequence[float] = ACCEPTANCE_TEMPERATURES,
+    width: int = 8,
+    max_new_tokens: int = 32,
+    progress: Callable[[str], None] | None = None,
+) -> Calibration:
+    """``calibration`` plus ``drafter``'s positional acceptance vector (``measure_acceptance_vector``,
+    width ``width``, seeded) at every T in ``temperatures``, stored under
+    ``acceptance_key(name, T)`` (``Calibration.acceptance_for`` reads it)."""
+    if not prompts:
+        raise ValueError("calibrate_acceptance needs at least one prompt (held-out text)")
+    if not temperatures:
+        raise ValueError("temperatures must name at least one temperature, e.g. (0.0, 1.0)")
+    say = progress or (lambda message: None)
+    if isinstance(drafter, str):
+        drafter = load_drafter(drafter, target)
+    vectors = dict(calibration.acceptance)
+    for temperature in temperatures:
+        key = acceptance_key(name, temperature)
+        vector = measure_acceptance_vector(drafter, target, list(prompts), width=width,
+                                           max_new_tokens=max_new_tokens, temperature=temperature)
+        vectors[key] = tuple(vector)
+        say(f"{key} acceptance: " + ", ".join(f"{a:.3f}" for a in vector))
+    return dataclasses.replace(calibration, acceptance=vectors)
+
+
+def calibrate_drafter_batches(
+    calibration: Calibration,
+    name: str,
+    target: Any,
+    batches: Sequence[int] = (2, 4),
+    widths: Sequence[int] = DRAFT_WIDTHS,
+    n_warmup: int = 1,
+    n_rep: int = 5,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: Callable[[str], None] | None = None,
+    drafter: Drafter | None = None,
+) -> Calibration:
+    """``calibration`` plus the registered drafter ``name``'s batched drafting call measured
+    for real (``drafter``: that drafter already loaded, default ``load_drafter(name, target)``):
+    for each B in ``batches`` (> 1), B requests over ``calibration.context`` random
+    prompt tokens each (with the target's features where the drafter reads them), roots
+    expanded, then ONE ``expand_batch`` over ``w`` new children of every root per point
+    (``restore``d after each, so every call starts from the same state), in a shuffled
+    round-robin over ``widths``. Stored as ``Calibration.batch_drafters[name][B]``; the
+    planner's ``draft_s`` reads it instead of stretching the batch-1 curve to ``w B`` nodes."""
+    import torch
+
+    from treespec.fastpath.device import synchronize
+    from treespec.drafters.base import PartialTree
+    from treespec.drafters.batched import as_batch_drafter
+    from treespec.runtime.batch_verifier import BatchVerifier
+
+    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 2 for b in batches):
+        raise ValueError(f"batches must be ints >= 2 (batch 1 is calibrate_drafter's curve), got {list(batches)}")
+    if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+        raise ValueError(f"widths must be positive ints, got {list(widths)}")
+    if name not in calibration.drafters:
+        raise ValueError(f"calibrate_drafter({name!r}) first: the batch-1 curve anchors the batched ones")
+    say = progress or (lambda message: None)
+    vocab = target.model.config.vocab_size
+    measured = dict(calibration.batch_drafters.get(name, {}))
+    single = drafter if drafter is not None else load_drafter(name, target)
+    for b in sorted(set(batches)):
+        batched = as_batch_drafter(single)       # a fresh batched state, weights shared
+        gen = torch.Generator().manual_seed(seed + b)
+        prompts = [torch.randint(vocab, (calibration.context + 1,), generator=gen) for _ in range(b)]
+        if batched.needs_target_hidden:
+            feats = BatchVerifier(target.model, batched.target_layers).prefill(prompts)
+        else:
+            feats = [TargetFeatures.empty()] * b
+        for key, (prompt, f) in enumerate(zip(prompts, feats)):
+            batched.begin(key, prompt, f)
+        roots = [int(p[-1]) for p in prompts]
+        batched.expand_batch([(key, PartialTree.rooted(r), [0]) for key, r in enumerate(roots)])
+        rooted = batched.checkpoint()
+
+        def passes(order: Sequence[int], batched=batched, roots=roots, rooted=rooted):
+            def make(w: int):
+                def fn() -> None:
+                    calls = []
+                    for key, r in enumerate(roots):
+                        tree = PartialTree.rooted(r)
+                        calls.append((key, tree, [tree.add(0, (r + 1 + i) % vocab) for i in range(w)]))
+                    batched.expand_batch(calls)
+                    synchronize(target.device)
+                    batched.restore(rooted)
+                return fn
+            return [make(w) for w in order]
+
+        measured[b] = _shuffled_curve(passes, sorted(set(widths)), n_warmup, n_rep, clock,
+                                      f"{name} batch {b}", say)
+    return dataclasses.replace(calibration, batch_drafters={**calibration.batch_drafters, name: measured})

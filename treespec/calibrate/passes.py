@@ -1,0 +1,317 @@
+"""Measure this machine's verify and drafter pass times and fit a ``Calibration``.
+
+``calibrate`` times the target's verify pass at n = 1 … 128 new tokens over a cached prefix
+(``verify_passes``) and two stand-in drafters (the first layers of the target, and one layer +
+LM head for a feature head); ``calibrate_batches`` adds the real batched pass
+(``BatchVerifier.score`` over B trees of n nodes, ragged masks and per-row positions included).
+Every curve is timed interleaved in a shuffled order (``measure_interleaved``), so slow drift of
+a shared machine spreads over all points instead of biasing the late ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from treespec.planning.calibration import BATCH_NS, Calibration, Curve, _device_description
+from treespec.planning.shapes import ModelShape
+
+__all__ = [
+    "BATCH_SIZES",
+    "DEFAULT_NS",
+    "DRAFT_WIDTHS",
+    "batch_verify_passes",
+    "calibrate",
+    "calibrate_batches",
+    "measure",
+    "measure_interleaved",
+    "time_interleaved",
+    "verify_passes",
+]
+
+
+# Token counts measured by default: every n up to 8 (where CPU cost is steep), then sparser.
+DEFAULT_NS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64,
+                               80, 96, 112, 128)
+
+
+def measure(
+    fn: Callable[[], object],
+    n_warmup: int = 2,
+    n_rep: int = 7,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Median seconds of ``fn()`` over ``n_rep`` calls after ``n_warmup`` untimed calls.
+
+    ``fn`` must finish its work before returning (synchronise accelerators inside it).
+    ``clock``: wall clock by default; ``time.thread_time`` counts only this thread's CPU
+    time, which on a shared machine leaves out time other processes held the core (a
+    single-threaded pass only: it ignores work done by other threads).
+    """
+    if not isinstance(n_warmup, int) or n_warmup < 0:
+        raise ValueError(f"n_warmup must be an int >= 0, got {n_warmup!r}")
+    if not isinstance(n_rep, int) or n_rep < 1:
+        raise ValueError(f"n_rep must be an int >= 1, got {n_rep!r}")
+    for _ in range(n_warmup):
+        fn()
+    times = []
+    for _ in range(n_rep):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return statistics.median(times)
+
+
+def measure_interleaved(
+    fns: Sequence[Callable[[], object]],
+    n_warmup: int = 2,
+    n_rep: int = 7,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """Median seconds of each of ``fns``, timed round-robin: rep r times fns[0], fns[1], …
+    once each, so a slow drift of the machine (other processes, clock changes) hits every
+    fn alike instead of distorting the curve between neighbours. Same arguments as ``measure``.
+    """
+    return [statistics.median(bucket) for bucket in time_interleaved(fns, n_warmup, n_rep, clock)]
+
+
+def time_interleaved(
+    fns: Sequence[Callable[[], object]],
+    n_warmup: int = 2,
+    n_rep: int = 7,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[list[float]]:
+    """Every timing ``measure_interleaved`` takes: ``n_rep`` seconds per fn, in rep order."""
+    if not isinstance(n_warmup, int) or n_warmup < 0:
+        raise ValueError(f"n_warmup must be an int >= 0, got {n_warmup!r}")
+    if not isinstance(n_rep, int) or n_rep < 1:
+        raise ValueError(f"n_rep must be an int >= 1, got {n_rep!r}")
+    for _ in range(n_warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(n_rep):
+        for fn, bucket in zip(fns, times):
+            start = clock()
+            fn()
+            bucket.append(clock() - start)
+    return times
+
+
+def _truncated_model(model: Any, layers: int) -> Any:
+    """A copy of ``model`` with only its first ``layers`` decoder layers (same weights, same
+    final norm and LM head): the "early-exit" drafter."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    for attr in ("layer_types",):  # per-layer lists must shrink with the layer count
+        if isinstance(getattr(config, attr, None), list):
+            setattr(config, attr, getattr(config, attr)[:layers])
+    param = next(model.parameters())
+    draft = AutoModelForCausalLM.from_config(config, dtype=param.dtype).to(param.device)
+    missing, _ = draft.load_state_dict(model.state_dict(), strict=False)
+    if missing:
+        raise RuntimeError(f"early-exit copy misses weights: {missing[:5]}")
+    return draft.eval().requires_grad_(False)
+
+
+def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) -> list[Callable[[], None]]:
+    """One callable per n: a verify-shaped pass of ``model`` (a HF causal LM).
+
+    Each call runs n tree tokens (a chain; the mask's shape, not the tree, sets the cost) over a
+    cached prefix of ``context`` random tokens with the verifier's 4-D mask and positions, takes
+    the softmax of the [n, V] logits, and crops the cache back to the prefix (shared by all
+    callables, built once here). n = 1 runs as the verifier runs a root alone: the model's own
+    one-token step, without mask or positions.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    from treespec.fastpath.device import synchronize
+    from treespec.core.masks import attn_implementation_of, tree_forward_args
+    from treespec.core.tree import DraftTree
+
+    param = next(model.parameters())
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        if context:
+            prefix = torch.randint(vocab, (1, context), generator=gen).to(param.device)
+            model(input_ids=prefix, cache=cache, use_cache=True)
+    attn_impl = attn_implementation_of(model)
+
+    def make(n_tokens: int) -> Callable[[], None]:
+        tree = DraftTree(torch.randint(vocab, (n_tokens,), generator=gen), torch.arange(-1, n_tokens - 1))
+
+        @torch.inference_mode()
+        def fn() -> None:
+            pos, mask = tree_forward_args(tree, context, attn_impl, param.dtype, param.device)
+            out = model(input_ids=tree.tokens.to(param.device)[None], position_ids=pos,
+                        attention_mask=mask, cache=cache, use_cache=True)
+            out.logits[0].float().softmax(-1)
+            cache.crop(-n_tokens)
+            synchronize(param.device)
+
+        return fn
+
+    return [make(n) for n in ns]
+
+
+def _shuffled_curve(passes: Callable[[Sequence[int]], list[Callable[[], None]]], points: Sequence[int],
+                    n_warmup: int, n_rep: int, clock: Callable[[], float], label: str,
+                    say: Callable[[str], None]) -> Curve:
+    """The Curve of ``passes(order)`` (one callable per n of ``order``) timed round-robin in a
+    shuffled order: neither machine drift nor the previous pass's size (allocator state) lines
+    up with n."""
+    order = sorted(points, key=lambda n: random.Random(n).random())
+    timed = dict(zip(order, time_interleaved(passes(order), n_warmup, n_rep, clock)))
+    curve = Curve.from_timings(list(points), [timed[n] for n in points])
+    say(f"{label}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(curve.ns, curve.seconds))
+        + ("" if curve.noise is None else f"; timing spread {curve.noise:.1%}"))
+    return curve
+
+
+# Batch sizes and nodes per request ``calibrate_batches`` measures by default.
+BATCH_SIZES: tuple[int, ...] = (2, 4, 8, 16)
+
+
+def batch_verify_passes(model: Any, batch: int, ns: Sequence[int], context: int,
+                        seed: int = 0) -> list[Callable[[], None]]:
+    """One callable per n: ONE batched verify pass (``BatchVerifier.score``: B chains of n nodes
+    over B cached prefixes of ``context`` random tokens, ragged 4-D mask, per-row positions,
+    softmax per request), then ``discard`` back to the prefixes (built once here)."""
+    import torch
+
+    from treespec.core.tree_batch import TreeBatch
+    from treespec.fastpath.device import synchronize
+    from treespec.core.sampling import SamplingConfig
+    from treespec.core.tree import DraftTree
+    from treespec.runtime.batch_verifier import BatchVerifier
+
+    param = next(model.parameters())
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    verifier = BatchVerifier(model)
+    verifier.prefill([torch.randint(vocab, (context + 1,), generator=gen) for _ in range(batch)])
+    config = [SamplingConfig(1.0)] * batch   # the full softmax, as a T > 0 request pays
+
+    def make(n_tokens: int) -> Callable[[], None]:
+        trees = [DraftTree(torch.randint(vocab, (n_tokens,), generator=gen), torch.arange(-1, n_tokens - 1))
+                 for _ in range(batch)]
+        tree_batch = TreeBatch.from_trees(trees, config)
+
+        def fn() -> None:
+            verifier.score(tree_batch)
+            verifier.discard()
+            synchronize(param.device)
+
+        return fn
+
+    return [make(n) for n in ns]
+
+
+def calibrate_batches(calibration: Calibration, model: Any, batches: Sequence[int] = BATCH_SIZES,
+                      ns: Sequence[int] = BATCH_NS, n_warmup: int = 1, n_rep: int = 5,
+                      clock: Callable[[], float] = time.perf_counter,
+                      progress: Callable[[str], None] | None = None) -> Calibration:
+    """``calibration`` plus the batched verify pass of ``model`` measured at every B in
+    ``batches`` (> 1) and n nodes per request in ``ns`` (``Calibration.batch_target``), at the
+    calibration's context; run it with the calibration's threads. Cost: about
+    (n_warmup + n_rep) · Σ_B B · Σ n rows through the target (~1 min for the defaults on a
+    135M model on one CPU core)."""
+    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 2 for b in batches):
+        raise ValueError(f"batches must be ints >= 2 (batch 1 is the target curve), got {list(batches)}")
+    if not ns or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in ns) or list(ns) != sorted(set(ns)):
+        raise ValueError(f"ns must be increasing ints >= 1, got {list(ns)}")
+    say = progress or (lambda message: None)
+    measured = dict(calibration.batch_target)
+    for b in sorted(set(batches)):
+        measured[b] = _shuffled_curve(lambda order: batch_verify_passes(model, b, order, calibration.context),
+                                      ns, n_warmup, n_rep, clock, f"batch {b}", say)
+    return dataclasses.replace(calibration, batch_target=measured)
+
+
+def calibrate(
+    model: Any,
+    name: str,
+    ns: Sequence[int] = DEFAULT_NS,
+    context: int = 128,
+    early_exit_layers: int = 4,
+    draft_ns: Sequence[int] | None = None,
+    n_warmup: int = 2,
+    n_rep: int = 7,
+    threads: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: Callable[[str], None] | None = None,
+) -> Calibration:
+    """Measure ``model`` (a HF causal LM) on its device and return the fitted Calibration.
+
+    Measures the verify pass at every n in ``ns``, and two drafters at every n in ``draft_ns``
+    (default: ``ns`` up to 64): "early_exit" (the first ``early_exit_layers`` target layers +
+    LM head) and "eagle" (one target-width layer + LM head; EAGLE's 2H -> H fusion layer is
+    left out, a small fraction of the pass). Each curve is ``measure_interleaved`` over its
+    points (``verify_passes``).
+    ``threads``: torch intra-op threads for the measurement (default: leave as set); on a
+    shared machine 1 thread is far less sensitive to other processes. ``clock``: see ``measure``.
+    Cost: len(ns) · (n_warmup + n_rep) passes of the model, plus the drafters'.
+    """
+    import torch
+
+    from treespec.planning.roofline import _check_sizes
+
+    for n in ns:
+        _check_sizes(n, 1, context)
+    layers = model.config.num_hidden_layers
+    if not 1 <= early_exit_layers <= layers:
+        raise ValueError(f"early_exit_layers must be in [1, {layers}], got {early_exit_layers}")
+    draft_ns = tuple(n for n in ns if n <= 64) if draft_ns is None else tuple(draft_ns)
+    dtype_bytes = next(model.parameters()).element_size()
+    shape = ModelShape.from_hf_config(model.config, name=name, bytes_per_weight=dtype_bytes, bytes_per_kv=dtype_bytes)
+    say = progress or (lambda message: None)
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    try:
+        return _calibrate(model, name, shape, ns, draft_ns, context, early_exit_layers, n_warmup, n_rep, clock, say)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _calibrate(model: Any, name: str, shape: ModelShape, ns: Sequence[int], draft_ns: Sequence[int], context: int,
+               early_exit_layers: int, n_warmup: int, n_rep: int, clock: Callable[[], float],
+               say: Callable[[str], None]) -> Calibration:
+    import torch
+
+    def curve(m: Any, label: str, points: Sequence[int]) -> Curve:
+        return _shuffled_curve(lambda order: verify_passes(m, order, context), points, n_warmup, n_rep, clock,
+                               label, say)
+
+    target = curve(model, "target", ns)
+    drafter_layers = {"early_exit": early_exit_layers, "eagle": 1}
+    drafters = {kind: curve(_truncated_model(model, k), kind, draft_ns) for kind, k in drafter_layers.items()}
+    return Calibration(
+        model=name,
+        shape=shape,
+        context=context,
+        target=target,
+        drafters=drafters,
+        drafter_layers=drafter_layers,
+        device=_device_description(next(model.parameters()).device),
+        threads=torch.get_num_threads(),
+        clock=getattr(clock, "__name__", str(clock)),
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+
+
+# Widths (nodes per expand call) measured for a real drafter by default.
+DRAFT_WIDTHS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)

@@ -1,0 +1,385 @@
+"""Command line: ``treespec generate | demo | plan | calibrate | train | export``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+BUILDERS = ("dynamic", "chain", "static", "best-first", "sequoia")
+
+
+ADAPTIVE = ("chain", "dynamic", "best-first")   # the builders with min_confidence
+
+
+def make_builder(name: str, budget: int, depth: int, top_k: int, mode: str = "deterministic",
+                 acceptance=None, min_confidence: float = 0.0):
+    """A tree builder from CLI-style arguments (budget counts nodes incl. the root).
+    ``acceptance``: Sequoia's positional acceptance vector (None: its default).
+    ``min_confidence``: adaptive termination (chain, dynamic, best-first; 0 = off)."""
+    from treespec import trees
+
+    if min_confidence and name not in ADAPTIVE:
+        raise ValueError(f"min_confidence is an option of the {', '.join(ADAPTIVE)} builders, not {name!r}")
+    if name == "chain":
+        return trees.ChainBuilder(max(budget - 1, 1), mode=mode, min_confidence=min_confidence)
+    if name == "dynamic":
+        return trees.DynamicTreeBuilder(budget=budget, depth=depth, top_k=top_k, mode=mode,
+                                        min_confidence=min_confidence)
+    if name == "best-first":
+        return trees.BestFirstBuilder(budget=budget, max_width=top_k, mode=mode, max_depth=depth,
+                                      min_confidence=min_confidence)
+    if name == "sequoia":
+        return trees.SequoiaBuilder(budget=budget, depth=depth, mode=mode, acceptance=acceptance)
+    if name == "static":
+        return trees.StaticTreeBuilder.default(budget, mode=mode)
+    raise ValueError(f"unknown tree builder {name!r}; choose from {BUILDERS}")
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    from treespec.targets.loader import TARGET_LOADERS
+
+    p.add_argument("--model", default="smollm2-135m", choices=sorted(TARGET_LOADERS),
+                   help="target (default smollm2-135m; the Qwen2.5-Coder pair needs `make models-qwen`, "
+                        "docs/qwen.md)")
+    from treespec.cli.plan import add_target_args
+
+    add_target_args(p)
+    p.add_argument("--drafter", default="eagle3", help="registered drafter name (see treespec.registered_drafters())")
+    p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the drafter's factory, repeatable (e.g. lookup: min_ngram=3)")
+    p.add_argument("--tree", default="dynamic", choices=BUILDERS, help="tree builder")
+    p.add_argument("--budget", default="16", help="tree nodes incl. root, or 'auto' (cost model)")
+    p.add_argument("--depth", type=int, default=5, help="max draft depth (dynamic/sequoia)")
+    p.add_argument("--top-k-draft", type=int, default=4, help="children per expanded node")
+    p.add_argument("--acceptance", default=None,
+                   help="sequoia: positional acceptance vector a0,a1,... (default: the drafter's vector "
+                        "measured by `treespec calibrate --drafter NAME`, else Sequoia's default)")
+    p.add_argument("--min-confidence", type=float, default=0.0,
+                   help="chain / dynamic / best-first: stop drafting where the path's draft confidence falls "
+                        "below it, down to no draft at all (a plain step); 0 = off. With --drafter lookup and "
+                        "--drafter-option min_ngram=3, --tree chain --min-confidence 0.5 drafts only where the text "
+                        "repeats")
+    p.add_argument("--draft-mode", default="deterministic",
+                   choices=("deterministic", "with_replacement", "without_replacement"))
+    p.add_argument("--verify", default="token", choices=("token", "block", "traversal"),
+                   help="acceptance rule: token-level (default), block (chains: --tree chain) or "
+                        "traversal (trees); all exact. The new rules gain only with drawn children "
+                        "(--draft-mode with_replacement/without_replacement); on deterministic trees "
+                        "(and at T = 0) they are the token rule")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's; demo: 1, see its help)")
+
+
+def _load_target(args):
+    from treespec import load_target
+
+    from treespec.fastpath.device import resolve_device
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    target = load_target(args.model, dtype=args.dtype, device=resolve_device(args.device),
+                         pack=not args.no_pack)
+    print(f"[target: {target.speed_path}]", file=sys.stderr, flush=True)
+    return target
+
+
+def auto_threshold_line(calibration, n_nodes: int) -> str:
+    """Why auto chose an ``n_nodes`` tree: the predicted gain it needed on this machine."""
+    from treespec.planning import auto_threshold_text
+
+    return auto_threshold_text(calibration) + ("; no tree does: plain decoding" if n_nodes == 1 else "")
+
+
+def _build_generator(args, target=None):
+    from treespec import SpeculativeGenerator, load_drafter
+
+    options = drafter_options(args.drafter_option)     # malformed flags fail before the model loads
+    if args.budget == "auto" and args.min_confidence:
+        raise ValueError("--min-confidence sets a fixed builder's stop; with --budget auto the cost model "
+                         "chooses the tree (give a --budget number to use it)")
+    target = target if target is not None else _load_target(args)
+    drafter = load_drafter(args.drafter, target, **options)
+    if args.budget == "auto":
+        gen = SpeculativeGenerator(target, drafter, "auto", verify=args.verify)
+        print(f"[auto tree: {gen.builder.config}; {auto_threshold_line(gen.calibration, gen.builder.budget)}]",
+              file=sys.stderr)
+        return target, gen
+    try:
+        budget = int(args.budget)
+    except ValueError:
+        raise SystemExit(f"--budget must be an integer or 'auto', got {args.budget!r}") from None
+    acceptance = _sequoia_acceptance(args, target.model) if args.tree == "sequoia" else None
+    builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode, acceptance,
+                           args.min_confidence)
+    return target, SpeculativeGenerator(target, drafter, builder, verify=args.verify)
+
+
+def drafter_options(pairs: Sequence[str]) -> dict[str, object]:
+    """``["min_ngram=3", ...]`` -> ``{"min_ngram": 3}`` (ints, then floats, else strings)."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--drafter-option takes KEY=VALUE (e.g. min_ngram=3), got {pair!r}")
+        value: object = raw.strip()
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                continue
+        out[key.strip()] = value
+    return out
+
+
+def _sequoia_acceptance(args, model) -> tuple[float, ...] | None:
+    """--acceptance, else the calibrated vector of --drafter measured on a target with ``model``'s
+    dtype, linear path and attention, else None (Sequoia's default)."""
+    if args.acceptance:
+        try:
+            return tuple(float(x) for x in args.acceptance.split(","))
+        except ValueError:
+            raise SystemExit(f"--acceptance must be comma-separated probabilities, got {args.acceptance!r}") from None
+    from treespec.planning.calibration import Calibration, model_calibration_path
+
+    path = model_calibration_path(args.model, model)
+    vector = Calibration.load(path).acceptance.get(args.drafter) if path.exists() else None
+    if vector is not None:
+        print(f"[sequoia acceptance of {args.drafter} from {path}: {list(vector)}]", file=sys.stderr)
+    return vector
+
+
+def cmd_generate(args) -> int:
+    target, gen = _build_generator(args)
+    tok = target.tokenizer
+    hook = None
+    if args.show_tree:
+        from treespec.cli.viz import save_step_tree
+
+        def hook(built, acceptance, step):
+            save_step_tree(built, acceptance, tok, args.show_tree, step)
+
+    stream = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.top_p,
+                        args.top_k, seed=args.seed, on_step=hook)
+    from treespec.runtime.streaming import IncrementalText
+
+    text = IncrementalText(tok)  # prints complete characters only (multi-byte UTF-8 tokens)
+    for chunk in stream:
+        sys.stdout.write(text.push(chunk))
+        sys.stdout.flush()
+    sys.stdout.write(text.flush() + "\n")
+    if args.stats:
+        print(stream.result.stats.table())
+    return 0
+
+
+def plain_decode_speed(target, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                       seed: int | None = None) -> tuple[float, int]:
+    """tokens/s of HF ``generate`` on the same model object (same weights, dtype and linear
+    path: the honest baseline), greedy at temperature 0, sampled otherwise; and the token count."""
+    from treespec.fastpath.device import synchronize
+
+    model = target.model
+    eos = list(target.eos_token_ids) or None
+    sample = temperature > 0
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.inference_mode():
+        synchronize(target.device)
+        t0 = time.perf_counter()
+        out = model.generate(ids[None].to(target.device), do_sample=sample, max_new_tokens=max_new_tokens,
+                             eos_token_id=eos, pad_token_id=eos[0] if eos else 0,
+                             attention_mask=torch.ones_like(ids)[None].to(target.device),
+                             repetition_penalty=None, temperature=temperature if sample else None,
+                             top_p=None, top_k=0 if sample else None)
+        synchronize(target.device)
+        dt = time.perf_counter() - t0
+    n = out.shape[1] - ids.numel()
+    return n / dt, n
+
+
+def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Sequence[int] = ()):
+    """The target's calibration for ``builder="auto"``, measured now (with a progress bar) and
+    cached if this machine has none for this model, dtype and linear path. Parts a cached
+    calibration lacks are added: the drafter's acceptance at T = 1, batched passes at
+    ``batches`` (the server's auto at B > 1). Returns its path."""
+    from tqdm.auto import tqdm
+
+    from treespec.planning import Calibration, acceptance_key, machine_mismatch
+    from treespec.calibrate.passes import calibrate
+    from treespec.planning.calibration import model_calibration_path
+    from treespec.calibrate.passes import calibrate_batches
+    from treespec.data import mtbench_questions
+    from treespec.calibrate.drafters import (
+        ACCEPTANCE_TEMPERATURES, calibrate_acceptance, calibrate_drafter, calibrate_drafter_batches,
+    )
+
+    path = model_calibration_path(target.name, target.model)
+    held_out = [q.turns[0] for q in mtbench_questions()[-4:]]   # the demo uses the first ones
+    why = (f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) with drafter "
+           f"{drafter_name!r} on this machine")
+    cal = None
+    if path.exists():
+        cached = Calibration.load(path)
+        stale = machine_mismatch(cached, target.device)
+        if stale is None and drafter_name in cached.acceptance and cached.timing_noise is not None:
+            cal = cached
+        elif stale is not None:  # e.g. a home directory shared by an AVX-512 and an AVX2 machine
+            why = f"the cached calibration of {target.name} does not fit this machine ({stale})"
+        elif cached.timing_noise is None:  # auto's minimum gain reads the spread of the timings
+            why = f"the cached calibration of {target.name} predates timing spreads"
+    if cal is None:
+        print(f"[{why}: measuring it once, about a minute; cached at {path}]", file=out, flush=True)
+        # target curve, two generic drafter curves, the drafter's pass times, its acceptances
+        bar = tqdm(total=4 + len(ACCEPTANCE_TEMPERATURES), desc="calibrating", unit="stage", file=out)
+
+        def step(message: str) -> None:
+            bar.set_postfix_str(message.split(":")[0])
+            bar.update(1)
+
+        try:
+            ns = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+            layers = target.model.config.num_hidden_layers
+            cal = calibrate(target.model, target.name, ns=ns, context=128, n_rep=5,
+                            early_exit_layers=min(4, layers), progress=step)
+            cal = calibrate_drafter(cal, drafter_name, target, held_out, progress=step)
+        finally:
+            bar.close()
+        cal.save(path)
+    missing_t = [t for t in ACCEPTANCE_TEMPERATURES if acceptance_key(drafter_name, t) not in cal.acceptance]
+    missing_b = sorted(set(batches) - set(cal.batch_target))
+    missing_d = (sorted(set(batches) - set(cal.batch_drafters.get(drafter_name, {})))
+                 if drafter_name in cal.drafters else [])
+    if missing_t or missing_b or missing_d:
+        print(f"[adding to the calibration at {path}: "
+              + "; ".join(([f"{drafter_name} acceptance at T = {', '.join(f'{t:g}' for t in missing_t)}"]
+                           if missing_t else [])
+                          + ([f"batched passes at B = {', '.join(map(str, missing_b))}"] if missing_b else [])
+                          + ([f"batched {drafter_name} calls at B = {', '.join(map(str, missing_d))}"]
+                             if missing_d else []))
+              + "]", file=out, flush=True)
+        say = lambda m: print(f"  {m}", file=out, flush=True)  # noqa: E731
+        if missing_t:
+            cal = calibrate_acceptance(cal, drafter_name, drafter_name, target, held_out, missing_t)
+        if missing_b:
+            cal = calibrate_batches(cal, target.model, missing_b, progress=say)
+        if missing_d:
+            cal = calibrate_drafter_batches(cal, drafter_name, target, missing_d, progress=say)
+        cal.save(path)
+    return path
+
+
+def cmd_demo(args) -> int:
+    """Answer an MT-bench question with the tree the cost model picks for this machine, and
+    compare with plain decoding of the same weights, in the same dtype, on the same path."""
+    from treespec.data import mtbench_questions
+
+    questions = mtbench_questions()
+    if not 0 <= args.question < len(questions):
+        raise ValueError(f"--question must be an index from 0 to {len(questions) - 1} (the MT-bench "
+                         f"questions), got {args.question}")
+    q = questions[args.question]
+    target = _load_target(args)
+    if args.budget == "auto":
+        ensure_calibration(target, args.drafter)
+    target, gen = _build_generator(args, target)
+    print(f"MT-bench #{q.question_id} ({q.category}): {q.turns[0]}\n", flush=True)
+    ids = gen.encode(q.turns[0])
+    gen.generate(ids, max_new_tokens=8)  # warm-up
+    plain_decode_speed(target, ids, 8)
+    res = gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       seed=args.seed)
+    print(res.text, "\n")
+    print(res.stats.table())
+    base_tps, base_n = plain_decode_speed(target, ids, args.max_new_tokens, args.temperature, args.seed)
+    spec_tps = res.stats.new_tokens / (res.stats.decode_time + res.stats.prefill_time)
+    mode = "greedy" if args.temperature == 0 else f"sampled at T={args.temperature:g}"
+    print(f"\npath: {target.speed_path}; {torch.get_num_threads()} threads")
+    print(f"plain decoding (HF generate, {mode}, same weights and path): {base_tps:.1f} tokens/s "
+          f"({base_n} tokens)")
+    print(f"treespec {getattr(gen.builder, 'config', type(gen.builder).__name__)} + {args.drafter}: "
+          f"{spec_tps:.1f} tokens/s -> speedup {spec_tps / base_tps:.2f}x (prefill included on both sides)")
+    stock_tps = stock_decode_speed(target, ids, args.max_new_tokens, args.temperature, args.seed)
+    if stock_tps is not None:
+        print(f"plain decoding with PyTorch's stock linear layers (what HF generate runs without treespec): "
+              f"{stock_tps:.1f} tokens/s -> treespec {spec_tps / stock_tps:.2f}x, plain on the fast path "
+              f"{base_tps / stock_tps:.2f}x")
+    return 0
+
+
+def stock_decode_speed(target, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                       seed: int | None = None) -> float | None:
+    """tokens/s of HF ``generate`` with the target's linear layers put back to stock ``nn.Linear``
+    for the run (then packed again); None when they are stock already."""
+    from treespec.fastpath.packing import linear_kernel, pack_linears, unpack_linears
+
+    kernel = linear_kernel(target.model)
+    if kernel == "stock":
+        return None
+    unpack_linears(target.model)
+    try:
+        return plain_decode_speed(target, ids, max_new_tokens, temperature, seed)[0]
+    finally:
+        pack_linears(target.model, kernel=kernel)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from treespec import __version__
+
+    parser = argparse.ArgumentParser(prog="treespec", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"treespec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream a speculative generation")
+    g.add_argument("--prompt", required=True)
+    _add_generation_args(g)
+    g.add_argument("--stats", action="store_true", help="print the stats table")
+    g.add_argument("--show-tree", default=None, metavar="DIR", help="save a PNG of every step's tree")
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="MT-bench question, speed against plain decoding")
+    _add_generation_args(d)
+    d.add_argument("--question", type=int, default=0, help="index into the 80 MT-bench questions")
+    # One thread by default: on a small shared machine a 2-thread forward of this model slows
+    # down several-fold whenever the other core is busy (OpenMP workers wait for each other).
+    d.set_defaults(func=cmd_demo, budget="auto", threads=1)
+
+    try:
+        from treespec.cli.plan import register as register_cost
+    except ImportError:  # pragma: no cover - cost model not installed in this checkout
+        register_cost = None
+    if register_cost is not None:
+        register_cost(sub)
+    try:
+        from treespec.train.cli import register as register_train
+    except ImportError:
+        register_train = None
+    if register_train is not None:
+        register_train(sub)
+    from treespec.export.cli import register as register_export
+
+    register_export(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand. Bad input (a wrong name, value or missing file or wheel) prints
+    ``error: ...`` and returns 2 instead of a traceback."""
+    from treespec.cli.plan import run_command
+
+    return run_command(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""Compiled CPU kernels: the fp32 *panel GEMM* for small-row passes on AVX2 + FMA CPUs.
+
+Glossary
+--------
+- **panel** — 16 output columns of a weight ``W [N, K]`` stored k-major (``[P, K, 16]``,
+  ``P = ceil(N / 16)``; a last partial panel is zero-padded). One panel is one sequential read.
+- **panel GEMM** — ``treespec/fastpath/csrc/panel_gemm.cpp``: a tile of up to 6 rows of ``x`` times one
+  panel (or 1-3 rows times 4-2 panels) with all partial sums in AVX2 registers; every row block
+  of a panel reuses it from cache, so the weights are read from memory once per pass whatever
+  the row count. PyTorch's own fp32 GEMM re-packs the weights on every call of 2 or more rows,
+  so a small tree pass reads them more than once (measurements: ``docs/cpu-fast-path.md``).
+- **batch-invariant** — each output is one FMA chain over ``k`` in order, so a row's result is
+  bit-identical whether it is multiplied alone or with other rows. A 1-token decode step and a
+  tree pass therefore see the same linear outputs for the same row.
+- **exact blocks** — a weight dequantized from a GGUF Q4_1 / Q8_0 checkpoint (SmolLM2's, the
+  target here) is, value for value, ``d q + m`` per block of 32 ``k`` values, with ``q`` a 4- or
+  8-bit integer and ``d``, ``m`` fp16 numbers. :func:`pack_blocks` finds that form and checks
+  every value bit for bit; :func:`block_linear` then reads 0.75 (4-bit) or 1.125 (8-bit) bytes a
+  weight instead of 4 and rebuilds the weights with ``fma(q, d, m)`` (exactly ``d q + m``: an
+  11-bit scale times a <= 8-bit integer is exact in fp32, so only the sum rounds, as in the
+  dequantized weight). For 1-4 rows each rebuilt panel row goes straight from registers into
+  the rows' FMAs (no store and reload through a buffer); for more rows each 64-row chunk of a
+  panel is rebuilt once in L1 and runs the fp32 tiles. Either way every output is the same in-order FMA chain over the same fp32 weights, so
+  the outputs are bit-identical to the fp32 panels: the same fp32 target, read from 5x fewer bytes.
+
+The kernel is compiled from source with ``torch.utils.cpp_extension`` the first time it is
+needed (about a minute; cached in PyTorch's extension directory, rebuilt when the source
+changes). Where it cannot be (no AVX2/FMA, no C++ compiler, no ninja), :func:`panel_status`
+says why and callers keep PyTorch's own path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from treespec.fastpath.cpu import CpuInfo, cpu_info
+
+__all__ = ["BLOCK", "PANEL", "BlockPanels", "PanelUnavailable", "block_linear", "pack_blocks", "pack_panels",
+           "panel_linear", "panel_status"]
+
+PANEL = 16
+BLOCK = 32
+SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+
+
+class PanelUnavailable(RuntimeError):
+    """The panel kernel cannot run here; the message says why."""
+
+
+def _missing_tools() -> str | None:
+    from torch.utils.cpp_extension import is_ninja_available
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not on PATH; set CXX)"
+    if not is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def compile_kernel(source: Path, name: str):
+    """``source`` compiled as the Python extension module ``name`` with the kernel's flags
+    (``torch.utils.cpp_extension``, cached on disk). Also used to build another revision of the
+    kernel beside this one (``benchmarks/kernel_ab.py``)."""
+    from torch.utils.cpp_extension import load
+
+    return load(name, sources=[str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+
+
+@lru_cache(maxsize=1)
+def _build():
+    """(module, None) or (None, reason). Built once per process, cached on disk across them."""
+    missing = _missing_tools()
+    if missing:
+        return None, missing
+    print("treespec: loading the fp32 panel kernel (compiled on first use, about a minute)...",
+          file=sys.stderr, flush=True)
+    try:
+        module = compile_kernel(SOURCE, "treespec_panel_gemm")
+    except Exception as e:  # a compiler error is a reason to keep the stock path, not a crash
+        return None, f"building {SOURCE.name} failed: {type(e).__name__}: {str(e).splitlines()[-1:]}"
+    return module, None
+
+
+def panel_status(cpu: CpuInfo | None = None, build: bool = True) -> tuple[bool, str]:
+    """Whether the panel kernel runs on this machine, and why not if it does not.
+
+    ``cpu``: a :class:`treespec.fastpath.cpu.CpuInfo` (default: this machine's). ``build=False``
+    only checks the CPU flags (no compilation).
+    """
+    cpu = cpu if cpu is not None else cpu_info()
+    lacking = [f for f in ("avx2", "fma") if f not in cpu.flags]
+    if lacking:
+        return False, f"CPU lacks {' and '.join(lacking)} ({cpu.model})"
+    if not build:
+        return True, "AVX2 + FMA"
+    module, why = _build()
+    return module is not None, why or "AVX2 + FMA, kernel built"
+
+
+def _kernel():
+    module, why = _build()
+    if module is None:
+        raise PanelUnavailable(why)
+    return module
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] float32 (CPU) -> panels [P, K, 16], zero-padded to a multiple of 16 rows."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"pack_panels takes a 2-D float32 CPU weight, got {tuple(weight.shape)} "
+                         f"{weight.dtype} on {weight.device}")
+    n, k = weight.shape
+    pad = -n % PANEL
+    w = weight.detach()
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, k)])
+    # [N', K] -> [P, 16, K] -> [P, K, 16]
+    return w.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for ``panels = pack_panels(W)``; x [..., K] float32 on the CPU."""
+    return _linear(x, panels.shape[1], out_features, bias, lambda x2: _kernel().panel_linear(x2, panels))
+
+
+def _linear(x: torch.Tensor, k: int, out_features: int, bias: torch.Tensor | None, run) -> torch.Tensor:
+    """``run`` ([rows, K] contiguous -> [rows, 16 P]) on x [..., K]: the padded panel columns
+    dropped, the bias added, the leading dimensions restored."""
+    rows = x.numel() // k
+    y = run(x.reshape(rows, k).contiguous())
+    if y.shape[1] != out_features:         # zero-padded last panel
+        y = y[:, :out_features]
+    if bias is not None:
+        y = y + bias.detach()
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block-quantized panels: fp32 weights that are exactly d q + m per block of 32 k values
+
+
+@dataclass(frozen=True)
+class BlockPanels:
+    """A float32 weight ``W [N, K]`` stored exactly as small integers and per-block scales.
+
+    ``W[n, k] = d[n, k // 32] * q[n, k] + m[n, k // 32]`` holds bit for bit (checked when
+    packed). ``blob`` is uint8 ``[P, K / 32, record]``: for each 16-column panel and block of 32
+    k values one record, read as one sequential stream: ``d`` (16 float32), ``m`` (16 float32,
+    4 bits only; 0 for 8 bits), then ``q`` for the 32 rows: 8 bytes a row for 4 bits (byte j =
+    column j in its low nibble, column j + 8 in its high one), 16 signed bytes for 8 bits.
+    """
+
+    blob: torch.Tensor
+    bits: int
+    out_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.blob.numel()
+
+
+def _fp16_steps(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """``x`` (float32, fp16-representable) moved ``steps`` fp16 ulps, as float32."""
+    return (x.half().view(torch.int16) + steps).view(torch.float16).float() if steps else x
+
+
+# Candidate scales: the one the block's range implies, rounded to fp16 as GGUF stores it, then
+# its fp16 neighbours (the quantizer rounds its own fp32 scale, not the range's).
+_SCALE_STEPS = (0, -1, 1, -2, 2)
+
+
+def _fp32_steps(x: torch.Tensor, steps: int) -> torch.Tensor:
+    """``x`` (positive float32) moved ``steps`` fp32 ulps."""
+    return (x.view(torch.int32) + steps).view(torch.float32) if steps else x
+
+
+def _level_scale(blocks: torch.Tensor, m: torch.Tensor, top: int) -> torch.Tensor:
+    """[N, K/32, 1] scale of blocks whose values sit on levels ``m + d q``, q in 0..top, when the
+    block need not use every level (GGUF Q4_K: ``d`` = an fp16 number times a 6-bit integer, an
+    fp32 number): the number of steps from the minimum to the maximum is the range over the
+    smallest gap between sorted values (a gap of one level), then d = range / steps."""
+    ordered = blocks.sort(-1).values
+    span = ordered[..., -1:] - ordered[..., :1]
+    gaps = ordered[..., 1:] - ordered[..., :-1]
+    # gaps of round-off size (equal levels) are not level steps
+    gaps = torch.where(gaps > span * 1e-3, gaps, torch.full_like(gaps, float("inf")))
+    steps = torch.round(span / gaps.amin(-1, keepdim=True)).clamp_(1, top)
+    return span / steps
+
+
+def _scale_candidates(blocks: torch.Tensor, bits: int, m: torch.Tensor):
+    """(scale [N, K/32, 1] float32, whether it is the first of its family) in the order tried."""
+    if bits == 4:
+        base = ((blocks.amax(-1, keepdim=True) - m) / 15).half().float()        # Q4_1: fp16 scale
+        for i, steps in enumerate(_SCALE_STEPS):
+            yield _fp16_steps(base, steps), i == 0
+        level = _level_scale(blocks, m, 15)                                     # Q4_K: fp32 scale
+        for i, steps in enumerate(_SCALE_STEPS):
+            yield _fp32_steps(level, steps), i == 0
+    else:
+        base = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()       # Q8_0: fp16 scale
+        for i, steps in enumerate(_SCALE_STEPS):
+            yield _fp16_steps(base, steps), i == 0
+
+
+def _fit_blocks(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``blocks`` [N, K/32, 32] float32 -> (q, d, m) reproducing every value exactly, or None.
+
+    4 bits: q in 0..15, m = the block's minimum, d an fp16 number near range / 15 (GGUF Q4_1)
+    or, for blocks that fit no such scale, an fp32 number from the block's level spacing (GGUF
+    Q4_K: d = d16 * sc with a 6-bit sc, so up to 17 significant bits). 8 bits: q in -128..127,
+    m = 0, d from its largest magnitude / 127 (GGUF Q8_0). Every candidate is checked element
+    by element as the kernel computes it: ``fma(q, d, m)`` in float32 must equal the weight bit
+    for bit, and ``q * d`` must be exact in float32 (then one rounding, of the sum, as in the
+    fma). GGUF Q6_K (a scale per 16 values) and Q5_0 (5-bit) fit neither form.
+    """
+    if bits == 4:
+        m = blocks.amin(-1, keepdim=True)
+        lo, hi = 0, 15
+    else:
+        m = torch.zeros_like(blocks[..., :1])
+        lo, hi = -128, 127
+    q_out = torch.zeros_like(blocks, dtype=torch.int16)
+    d_out = torch.zeros_like(m)
+    done = torch.zeros_like(m, dtype=torch.bool)
+    skip = False
+    for d, first in _scale_candidates(blocks, bits, m):
+        if not first and skip:
+            continue
+        if not torch.isfinite(d).all():
+            return None
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.where(d > 0, torch.round((blocks - m) / safe), torch.zeros_like(blocks)).clamp_(lo, hi)
+        product = q * d
+        exact = (product.double() == q.double() * d.double()).all(-1, keepdim=True)
+        ok = exact & ((product + m) == blocks).all(-1, keepdim=True) & ~done
+        q_out = torch.where(ok, q.to(torch.int16), q_out)
+        d_out = torch.where(ok, d, d_out)
+        left = int((~done).sum())
+        done |= ok
+        if bool(done.all()):
+            return q_out, d_out, m
+        # a family whose own scale fits under half the blocks is not this format: its
+        # neighbours only mend a few rounding cases, so go on to the next family
+        skip = first and int(ok.sum()) < left / 2
+    return None
+
+
+# Rows fitted at a time: the fit sorts and compares in float64, ~20 bytes of temporaries a weight.
+_FIT_ROWS = 2048
+
+
+def _aligned_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts, -1)`` (uint8) in storage whose first byte is 64-byte aligned."""
+    shape = (*parts[0].shape[:-1], sum(t.shape[-1] for t in parts))
+    nbytes = int(torch.Size(shape).numel())
+    raw = torch.empty(nbytes + 64, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 64
+    out = raw[skip:skip + nbytes].view(shape)
+    return torch.cat(parts, -1, out=out)
+
+
+def pack_blocks(weight: torch.Tensor) -> BlockPanels | None:
+    """``weight`` [N, K] float32 (CPU) -> :class:`BlockPanels` if it is exactly 4-bit (tried
+    first) or 8-bit block-quantized, else None. K must be a multiple of 32."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"pack_blocks takes a 2-D float32 CPU weight, got {tuple(weight.shape)} "
+                         f"{weight.dtype} on {weight.device}")
+    n, k = weight.shape
+    if k % BLOCK or n == 0:
+        return None
+    w = weight.detach()
+    pad = -n % PANEL
+    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    for bits in (4, 8):
+        fits = []
+        for row in range(0, n, _FIT_ROWS):
+            fit = _fit_blocks(blocks[row:row + _FIT_ROWS], bits)
+            if fit is None:
+                break
+            fits.append(fit)
+        else:
+            fit = tuple(torch.cat(parts) for parts in zip(*fits))
+        if fit is None:
+            continue
+        q, d, m = (t if not pad else torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in fit)
+        p, nb = (n + pad) // PANEL, k // BLOCK
+        # [N', K/32, 32] -> [P, 16, K/32, 32] -> [P, K/32, 32, 16]: rows of q per block
+        q = q.reshape(p, PANEL, nb, BLOCK).permute(0, 2, 3, 1)
+        if bits == 4:
+            q = q.to(torch.uint8)
+            q = q[..., :8] | (q[..., 8:] << 4)
+        else:
+            q = q.to(torch.int8).view(torch.uint8)
+        # [N', K/32, 1] -> [P, K/32, 16] float32 -> bytes [P, K/32, 64]
+        scales = [t.reshape(p, PANEL, nb).transpose(1, 2).contiguous().view(torch.uint8)
+                  for t in ((d, m) if bits == 4 else (d,))]
+        parts = [*scales, q.reshape(p, nb, -1)]
+        return BlockPanels(_aligned_cat(parts), bits, n)
+    return None
+
+
+def block_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for ``blocks = pack_blocks(W)``; bit-identical to
+    :func:`panel_linear` on ``pack_panels(W)``. x [..., K] float32 on the CPU."""
+    return _linear(x, blocks.blob.shape[1] * BLOCK, blocks.out_features, bias,
+                   lambda x2: _kernel().panel_linear_blocks(x2, blocks.blob, blocks.bits))

@@ -1,0 +1,389 @@
+"""Fast target passes on the CPU without forking the model: packed weights and native bf16.
+
+Glossary
+--------
+- **re-pack** — a GEMM library copies the weight matrix into its blocked, cache-friendly layout
+  before multiplying. For fp32 ``F.linear`` with 4 or more rows, PyTorch's default path does this
+  on *every* call: a 16-row tree pass then reads and rewrites every weight once more than a
+  1-row decode step, so verifying a small tree costs far more than one decode step.
+- **packed linear** — :class:`PackedLinear`, a drop-in ``nn.Linear`` replacement that keeps the
+  weight pre-packed once (oneDNN's blocked layout, through ``torch.ops.mkldnn``) next to the
+  original parameter. The original stays the module's ``weight`` (same ``Parameter`` object, so
+  tied embeddings, ``state_dict`` and fingerprints are unchanged); the packed copy is not part of
+  the state. Memory: one extra copy of every packed weight (≈ +540 MB for SmolLM2 in fp32).
+- **panel linear** — the same module on the fp32 *panel GEMM* (:mod:`treespec.fastpath.kernels`, compiled
+  once per machine): weights stored as 16-column panels and read once per pass for 1 to
+  :data:`PANEL_MAX_ROWS` rows, each output one in-order FMA chain (bit-identical for a row alone
+  or among others). Chosen on AVX2 CPUs without AVX-512, where it was measured; elsewhere ask for
+  it with ``kernel="panel"``.
+- **native bf16** — matrix units that multiply bf16 directly (x86 ``avx512_bf16`` or
+  ``amx_bf16``; a CUDA device with compute capability ≥ 8.0). Without them bf16 is emulated and
+  slower than fp32, so ``dtype="auto"`` picks fp32 there.
+
+A bf16 target is a *different target* from the fp32 one: its baseline is plain decoding of the
+same bf16 weights. The fp32 packed path is the same target: oneDNN's blocked fp32 GEMM rounds
+differently from MKL's in the last bits (logits within ~1e-4), exactly as PyTorch's own 1-row and
+16-row fp32 kernels already differ; greedy output stays token-identical to HF ``generate`` (tested
+on the real model).
+
+Which path runs is decided from what the machine has (CPU flags from ``/proc/cpuinfo``, whether
+this PyTorch build has oneDNN), never assumed; :func:`pack_linears` returns a report that says
+what it did and why.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treespec.fastpath.cpu import BF16_FLAGS, RELEVANT_FLAGS, CpuInfo, _read_cpuinfo, cpu_info  # noqa: F401 (re-exported)
+from treespec.fastpath.kernels import BlockPanels, block_linear, pack_blocks, pack_panels, panel_linear, panel_status
+
+__all__ = [
+    "CpuInfo",
+    "PackReport",
+    "PackedLinear",
+    "cpu_info",
+    "is_packed",
+    "linear_kernel",
+    "machine_info",
+    "machine_line",
+    "native_bf16",
+    "pack_linears",
+    "pack_weight",
+    "packed_linear",
+    "packing_available",
+    "resolve_dtype",
+    "unpack_linears",
+]
+
+
+# fp32: below this many rows PyTorch's own kernel (a GEMV, no re-pack) is as fast or faster.
+# Where the crossover lies depends on the CPU (benchmarks/linear_rows.py measures it): packed
+# ahead from 4 rows on AVX-512 CPUs, from 2 on AVX2-only ones, whose stock 2- and 3-row products
+# are slower than the 4-row one.
+FP32_MIN_ROWS = 4
+FP32_MIN_ROWS_AVX2 = 2
+
+# The panel GEMM runs passes of 1..PANEL_MAX_ROWS rows (decode steps and trees); longer ones
+# (prefill) go to PyTorch's GEMM, whose re-pack is amortized there (benchmarks/verify_cost.py
+# compares the kernels by tree size).
+PANEL_MAX_ROWS = 64
+KERNELS = ("onednn", "panel", "blocks")
+PANEL_KERNELS = ("panel", "blocks")
+
+
+def fp32_min_rows(cpu: CpuInfo) -> int:
+    """Fewest rows for which packed fp32 beats stock ``F.linear`` on ``cpu`` (measured above)."""
+    return FP32_MIN_ROWS if "avx512f" in cpu.flags else FP32_MIN_ROWS_AVX2
+
+
+def native_bf16(device: str | torch.device = "cpu", cpu: CpuInfo | None = None) -> tuple[bool, str]:
+    """Whether ``device`` multiplies bf16 in hardware, and the reason in words."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        ok = major >= 8
+        return ok, f"CUDA compute capability {major}.{minor} ({'>=' if ok else '<'} 8.0 for native bf16)"
+    if device.type != "cpu":
+        return False, f"no bf16 rule for device type {device.type!r}; using float32"
+    cpu = cpu if cpu is not None else cpu_info()
+    have = [f for f in BF16_FLAGS if f in cpu.flags]
+    if have:
+        return True, f"CPU has {' and '.join(have)} ({cpu.model})"
+    return False, f"CPU has neither {' nor '.join(BF16_FLAGS)} ({cpu.model}): bf16 would be emulated"
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
+                  cpu: CpuInfo | None = None) -> tuple[torch.dtype, str]:
+    """``"auto"`` -> bf16 where the hardware has native bf16 matrix units, else fp32.
+
+    Names (``"float32"``, ``"bfloat16"``, ``"float16"``) and ``torch.dtype`` pass through.
+    Returns the dtype and the reason, for printing once.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype, "requested"
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a torch.dtype or a name ('auto', 'float32', 'bfloat16'), "
+                        f"got {type(dtype).__name__}")
+    if dtype == "auto":
+        ok, why = native_bf16(device, cpu)
+        return (torch.bfloat16 if ok else torch.float32), f"auto: {why}"
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"unknown dtype {dtype!r}; use 'auto', 'float32' or 'bfloat16'")
+    return resolved, "requested"
+
+
+def machine_info() -> dict:
+    """CPU model, relevant flags, thread count and versions: recorded in every result file."""
+    cpu = cpu_info()
+    return {
+        "cpu_model": cpu.model,
+        "cpu_flags": list(cpu.flags),
+        "torch_cpu_capability": cpu.torch_capability,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "onednn": torch.backends.mkldnn.is_available(),
+        # Other processes on a shared machine slow every timing: say how busy it was.
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def machine_line(info: dict | None = None) -> str:
+    """One Markdown line naming the CPU, its relevant flags and the thread count."""
+    m = info if info is not None else machine_info()
+    flags = ", ".join(m["cpu_flags"]) or "none of " + ", ".join(RELEVANT_FLAGS)
+    return (f"CPU: {m['cpu_model']}; flags: {flags}; torch {m['torch']} ({m['torch_cpu_capability']}), "
+            f"{m['torch_threads']} thread(s).")
+
+
+def packing_available() -> bool:
+    """Whether this PyTorch build can pre-pack linear weights (oneDNN with its linear ops)."""
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise"))
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] copied once into oneDNN's blocked layout (an opaque CPU tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def _fast_path_ok(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, rows: int, min_rows: int,
+                  max_rows: int | None) -> bool:
+    """Whether a packed kernel (weights in ``dtype``) may serve ``x``: ``min_rows``..``max_rows``
+    rows, the packed dtype, the CPU, and no autograd through either side (a packed kernel has no
+    backward: with a trainable weight the stock op must run, or its gradient would be lost)."""
+    return (min_rows <= rows and (max_rows is None or rows <= max_rows) and x.dtype == dtype
+            and weight.dtype == dtype and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, min_rows: int = 1,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through ``packed`` (:func:`pack_weight` of ``weight``) when
+    x has >= ``min_rows`` rows in the packed dtype on the CPU without autograd; else the stock op."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if packed is None or not _fast_path_ok(x, weight, packed.dtype, rows, min_rows, None):
+        return F.linear(x, weight, bias)
+    bias = None if bias is None else bias.detach()
+    # [rows, in] -> [rows, out]
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, weight.shape[1]), packed, bias, "none", [], "")
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` whose weight is packed once for a faster CPU GEMM (fp32 or bf16).
+
+    ``kernel="onednn"``: oneDNN's blocked layout, used for inputs of at least ``min_rows`` rows in
+    the packed dtype. ``kernel="panel"``: the fp32 panel GEMM (:mod:`treespec.fastpath.kernels`), used for
+    ``min_rows`` to ``max_rows`` rows. ``kernel="blocks"``: the same GEMM reading the weight as
+    exact 4- or 8-bit integer blocks where it is one (a weight dequantized from a GGUF Q4_1 or
+    Q8_0 checkpoint is; :func:`treespec.fastpath.kernels.pack_blocks` checks every value), fp32 panels
+    where it is not; the outputs are bit-identical to ``"panel"``, from 5.3x (4-bit) or 3.6x
+    (8-bit) fewer bytes.
+    Other inputs take the stock ``F.linear`` on the original weight. The packed copy is rebuilt
+    if the weight changes in place (its version counter moves), so it never goes stale.
+    """
+
+    def __init__(self, linear: nn.Linear, min_rows: int = 1, kernel: str = "onednn",
+                 max_rows: int | None = None):
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"PackedLinear wraps an nn.Linear, got {type(linear).__name__}")
+        if linear.weight.device.type != "cpu":
+            raise ValueError(f"PackedLinear packs CPU weights; this one is on {linear.weight.device}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if kernel in PANEL_KERNELS and linear.weight.dtype != torch.float32:
+            raise ValueError(f"the {kernel} kernel is float32 only; this weight is {linear.weight.dtype} "
+                             "(use kernel='onednn')")
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight          # the same Parameter: ties and state_dict unchanged
+        self.bias = linear.bias
+        self.kernel = kernel
+        self.min_rows = int(min_rows)
+        self.max_rows = PANEL_MAX_ROWS if max_rows is None and kernel in PANEL_KERNELS else max_rows
+        self._pack()
+
+    def _pack(self) -> None:
+        packed = None
+        if self.kernel == "blocks":
+            packed = pack_blocks(self.weight)
+        if packed is None:
+            packed = pack_weight(self.weight) if self.kernel == "onednn" else pack_panels(self.weight)
+        self._packed = packed
+        self._version = self.weight._version
+
+    @property
+    def packed_nbytes(self) -> int:
+        """Bytes of the packed copy: what one pass through the fast path reads."""
+        p = self._packed
+        if isinstance(p, BlockPanels):
+            return p.nbytes
+        return self.weight.numel() * self.weight.element_size() if self.kernel == "onednn" else p.numel() * 4
+
+    @property
+    def storage(self) -> str:
+        """How the packed copy holds the weight: "4-bit blocks", "8-bit blocks", "fp32 panels",
+        or "onednn"."""
+        if isinstance(self._packed, BlockPanels):
+            return f"{self._packed.bits}-bit blocks"
+        return "onednn" if self.kernel == "onednn" else "fp32 panels"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Runs ~200 times per target pass: each parameter is read once (nn.Module's attribute
+        # lookup for parameters is the slow path).
+        weight, bias = self.weight, self.bias
+        if weight._version != self._version:
+            self._pack()
+        if self.kernel == "onednn":
+            return packed_linear(x, weight, self._packed, self.min_rows, bias)
+        rows = x.numel() // max(x.shape[-1], 1)
+        if _fast_path_ok(x, weight, torch.float32, rows, self.min_rows, self.max_rows):
+            packed = self._packed
+            if isinstance(packed, BlockPanels):
+                return block_linear(x, packed, bias)
+            return panel_linear(x, packed, self.out_features, bias)
+        return F.linear(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        rows = f"{self.min_rows}..{self.max_rows}" if self.max_rows is not None else f">= {self.min_rows}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, kernel={self.kernel}, storage={self.storage}, "
+                f"dtype={self.weight.dtype}, rows={rows}")
+
+    def unpacked(self) -> nn.Linear:
+        """A plain ``nn.Linear`` sharing this module's parameters."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           device="meta")
+        linear.weight = self.weight
+        linear.bias = self.bias
+        return linear
+
+
+@dataclass(frozen=True)
+class PackReport:
+    """What :func:`pack_linears` did: how many layers it packed, on which path, and why."""
+
+    packed: int
+    path: str      # e.g. "panel (fp32, 1..64 rows)", "onednn (bf16)", "onednn (fp32, >= 4 rows)", "stock"
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    kernel: str                # one of KERNELS
+    min_rows: int
+    max_rows: int | None
+    reason: str
+
+
+def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
+                  kernel: str | None = None) -> _Plan | str:
+    """The plan, or the reason to leave the model as it is. ``kernel`` None picks by the CPU."""
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel must be None (pick by CPU) or one of {KERNELS}, got {kernel!r}")
+    if kernel in PANEL_KERNELS and dtype != torch.float32:
+        raise ValueError(f"kernel={kernel!r} is float32 only; these weights are {dtype} (use kernel='onednn')")
+    if device.type != "cpu":
+        return f"weights on {device}: packing is a CPU path"
+    # The panel GEMM was measured on AVX2 CPUs; AVX-512 ones keep oneDNN until it is measured
+    # there (ask for it by name). Where it runs, exact integer blocks are read where the weights
+    # are ones (bit-identical outputs, fewer bytes).
+    fallback = ""
+    if dtype == torch.float32 and (kernel in PANEL_KERNELS or kernel is None and "avx2" in cpu.flags
+                                   and "avx512f" not in cpu.flags):
+        ok, why = panel_status(cpu)
+        if ok:
+            chosen = kernel or "blocks"
+            stored = ("as exact 4/8-bit integer blocks where the weights are ones, else as fp32 "
+                      "16-column panels" if chosen == "blocks" else "as 16-column panels")
+            return _Plan(chosen, 1, PANEL_MAX_ROWS, f"fp32 weights stored {stored}, read once per pass "
+                         f"of 1..{PANEL_MAX_ROWS} rows (treespec.fastpath.kernels); PyTorch's GEMM above")
+        if kernel in PANEL_KERNELS:
+            raise ValueError(f"kernel={kernel!r} is not available here: {why}")
+        fallback = f" (panel kernel unavailable: {why})"
+    if not packing_available():
+        return "this PyTorch build has no oneDNN linear packing" + fallback
+    if dtype == torch.bfloat16:
+        if not cpu.native_bf16:
+            return "bf16 without native bf16 units: packing would not make it fast"
+        return _Plan("onednn", 1, None,
+                     f"bf16 GEMM on {'/'.join(f for f in BF16_FLAGS if f in cpu.flags)} with weights packed once")
+    if dtype == torch.float32:
+        rows = fp32_min_rows(cpu)
+        return _Plan("onednn", rows, None,
+                     f"fp32 weights packed once for >= {rows} rows on this "
+                     f"{'AVX-512' if 'avx512f' in cpu.flags else 'AVX2'} CPU (stock F.linear re-packs "
+                     f"them on every call){fallback}")
+    return f"no packed path for {dtype}"
+
+
+def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = None,
+                 kernel: str | None = None) -> PackReport:
+    """Swap every ``nn.Linear`` of ``model`` for a :class:`PackedLinear`, in place, where it helps.
+
+    Helps = CPU weights in fp32 (the panel GEMM on AVX2 CPUs, over exact integer blocks where
+    the weights are ones; oneDNN packing for tree passes elsewhere), or bf16 on a CPU with native
+    bf16 units (oneDNN, every pass). Elsewhere (GPU, fp16, no oneDNN, ``enabled=False``) the model
+    is left untouched and the report says why. ``kernel`` (one of :data:`KERNELS`) overrides the
+    CPU-based choice; asking for one that cannot run here is a ``ValueError``. Modules, parameter
+    names and the ``forward`` code of the model are unchanged; only leaf ``nn.Linear`` objects
+    are replaced.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not enabled:
+        return PackReport(0, "stock", "packing turned off")
+    weight = next(model.parameters())
+    plan = _packing_plan(weight.dtype, weight.device, cpu if cpu is not None else cpu_info(), kernel)
+    if isinstance(plan, str):
+        return PackReport(0, "stock", plan)
+    layers = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == weight.dtype:
+                layer = PackedLinear(child, plan.min_rows, plan.kernel, plan.max_rows)
+                setattr(parent, name, layer)
+                layers.append(layer)
+    if plan.kernel in PANEL_KERNELS:
+        kind = f"fp32, {plan.min_rows}..{plan.max_rows} rows"
+        if plan.kernel == "blocks":
+            stored = Counter(layer.storage for layer in layers)
+            kind += "; " + ", ".join(f"{n} as {what}" for what, n in sorted(stored.items()))
+    else:
+        kind = "bf16" if weight.dtype == torch.bfloat16 else f"fp32, >= {plan.min_rows} rows"
+    return PackReport(len(layers), f"{plan.kernel} ({kind})" if layers else "stock", plan.reason)
+
+
+def is_packed(model: nn.Module) -> bool:
+    """Whether any linear layer of ``model`` runs on a packed path."""
+    return linear_kernel(model) != "stock"
+
+
+def linear_kernel(model: nn.Module) -> str:
+    """One of :data:`KERNELS`, or "stock": the path ``model``'s linear layers run on."""
+    return next((m.kernel for m in model.modules() if isinstance(m, PackedLinear)), "stock")
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Undo :func:`pack_linears` in place; returns how many layers were restored."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                setattr(parent, name, child.unpacked())
+                count += 1
+    return count

@@ -1,0 +1,256 @@
+"""Expected tokens per step (τ) for chains and trees, and the optimal tree of each budget.
+
+Glossary:
+    β (beta)            per-token acceptance rate of one draft token drawn from q against
+                        target p: β = Σ_x min(p(x), q(x)) = 1 − TVD(p, q).
+    τ (tau)             expected tokens emitted per target forward (accepted + the new token).
+    acceptance vector   Sequoia's positional acceptance (Chen et al. 2024, "Sequoia", §3):
+                        p[i] = P(the (i+1)-th child of a node is the one accepted | the node was
+                        reached), the same at every node. The events are disjoint, so
+                        Σ p[i] <= 1. Usually non-increasing (the drafter's best candidates are
+                        tried first), though measured vectors may have noisy tails.
+    budget              draft nodes of a tree, root excluded; verification runs on
+                        n = budget + 1 tokens. Budget 0 is plain decoding (τ = 1).
+    value of a node     P(node accepted) = product of p[rank] over the path from the root.
+                        τ = 1 + Σ values (each accepted node is a token, plus the new token).
+
+Optimal tree: with a non-increasing p every child is worth at most its parent and every later
+sibling at most the earlier one, so the ``budget`` most valuable nodes of the infinite
+depth-limited tree form a valid tree, and no tree of that size is worth more. Best-first
+growth (a heap on value) therefore yields Sequoia's DP optimum for *every* budget at once,
+in O(budget · log budget). For a vector that increases somewhere, best-first growth still
+gives valid trees but only a lower bound of the optimum; ``treespec.builders.sequoia.optimal_tree``
+(the DP, with the builders' convention budget = nodes *including* the root) is exact for any
+vector. The tests cross-check both.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from treespec.core.tree import DraftTree
+
+__all__ = [
+    "DEFAULT_BETA",
+    "DEFAULT_SIBLINGS",
+    "OptimalTree",
+    "acceptance_rate",
+    "acceptance_vector",
+    "expected_chain_tokens",
+    "expected_tokens_positional",
+    "expected_tree_tokens",
+    "optimal_tree",
+    "optimal_trees",
+]
+
+
+def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """β = Σ_x min(p(x), q(x)) = 1 − TVD(p, q) over the last dim; [..., V] -> [...].
+
+    This is the probability that standard speculative sampling accepts one token drawn from q
+    (accept w.p. min(1, p/q): Σ_x q(x)·min(1, p(x)/q(x)) = Σ_x min(p(x), q(x))).
+    """
+    if p.shape != q.shape:
+        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
+    return torch.minimum(p, q).sum(-1)
+
+
+def expected_chain_tokens(beta: float, k: int) -> float:
+    """τ of a chain of k draft tokens with i.i.d. per-token acceptance β.
+
+    Token i (1-based) is emitted iff the first i are all accepted (prob β^i), plus the one new
+    token always: τ = Σ_{i=0..k} β^i = (1 − β^(k+1)) / (1 − β), and k + 1 at β = 1.
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if k < 0:
+        raise ValueError(f"k (chain length) must be >= 0, got {k}")
+    if beta == 1.0:
+        return float(k + 1)
+    return (1.0 - beta ** (k + 1)) / (1.0 - beta)
+
+
+def expected_tree_tokens(tree: DraftTree, node_accept_probs: torch.Tensor) -> float:
+    """τ of a tree from per-node acceptance probabilities.
+
+    ``node_accept_probs[i]`` (FloatTensor[N]) is P(node i is accepted | its parent was reached),
+    e.g. p(x_i | path) for deterministic children under the target; entry 0 (the root) is
+    ignored. Node i is on the accepted path with probability R_i = Π_{j on path(i), j≠root}
+    a_j, and τ = 1 + Σ_{i≥1} R_i (each accepted node is one token, plus the new token).
+    The a_i of siblings must sum to at most 1 (they are disjoint events).
+    """
+    if node_accept_probs.shape != (tree.num_nodes,):
+        raise ValueError(f"node_accept_probs must have shape [N={tree.num_nodes}], got "
+                         f"{tuple(node_accept_probs.shape)}")
+    a = node_accept_probs.to(torch.float64)
+    if bool((a < 0).any()) or bool((a > 1).any()):
+        raise ValueError("node_accept_probs must lie in [0, 1]")
+    reach = torch.ones(tree.num_nodes, dtype=torch.float64)
+    par = tree.parents.tolist()
+    for i in range(1, tree.num_nodes):
+        reach[i] = reach[par[i]] * a[i]
+    return float(1.0 + reach[1:].sum())
+
+# Per-token acceptance β at temperature 0, per drafter kind (override with your measurement).
+DEFAULT_BETA: dict[str, float] = {
+    # EAGLE (Li et al., ICML 2024) reports acceptance rates α ≈ 0.7-0.8 on MT-bench at T=0 for
+    # its one-layer feature drafters (Vicuna / LLaMA2-Chat 7B-70B).
+    "eagle": 0.75,
+    # Independent small drafts: Leviathan et al. 2023 (Table 3) measure α ≈ 0.5-0.8 for drafts
+    # 100-1000x smaller than the target; a 68M draft for Llama-2-7B sits in that range.
+    "model": 0.6,
+    # First-k-layer self-speculation works only with early-exit training (LayerSkip, Elhoushi
+    # et al. 2024, reports ~0.5-0.8 with it); untrained exits are far worse. Placeholder.
+    "early_exit": 0.5,
+    # Medusa (Cai et al. 2024): the first head's top-1 accuracy is ≈ 0.6 on Vicuna-7B.
+    "medusa": 0.6,
+    # Prompt / n-gram lookup: entirely task dependent (high when the output copies the
+    # prompt). Placeholder.
+    "lookup": 0.3,
+}
+
+# Siblings per node when a scalar β is expanded into a positional vector.
+DEFAULT_SIBLINGS = 8
+
+
+def acceptance_vector(acceptance: float | Sequence[float], siblings: int = DEFAULT_SIBLINGS) -> tuple[float, ...]:
+    """A validated positional acceptance vector.
+
+    A scalar β becomes ``p[i] = β · (1 − β)^i`` for i < ``siblings``: the approximation that
+    each further candidate is accepted with probability β given the earlier ones were rejected
+    (i.i.d. candidates). Measured vectors decay faster (the target's token is usually among the
+    drafter's first few candidates or not at all); pass one when you have it.
+    Errors: an empty vector, entries outside [0, 1], a sum above 1.
+    """
+    if isinstance(acceptance, (int, float)):
+        beta = float(acceptance)
+        if not 0.0 <= beta <= 1.0 or math.isnan(beta):
+            raise ValueError(f"acceptance rate β must be in [0, 1], got {acceptance}")
+        if not isinstance(siblings, int) or siblings < 1:
+            raise ValueError(f"siblings must be a positive int, got {siblings!r}")
+        return tuple(beta * (1.0 - beta) ** i for i in range(siblings))
+    p = tuple(float(x) for x in acceptance)
+    if not p:
+        raise ValueError("acceptance vector must not be empty")
+    for i, x in enumerate(p):
+        if not 0.0 <= x <= 1.0 or math.isnan(x):
+            raise ValueError(f"acceptance vector entries must be probabilities in [0, 1]; p[{i}] = {x}")
+    if math.fsum(p) > 1.0 + 1e-9:
+        raise ValueError(f"acceptance vector sums to {math.fsum(p):.4g} > 1: p[i] is the probability "
+                         "that child i is the accepted one, and those events are disjoint")
+    return p
+
+
+def expected_tokens_positional(parents: Sequence[int], acceptance: float | Sequence[float]) -> float:
+    """τ of a given tree under positional acceptance.
+
+    ``parents``: parent index per node, ``parents[0] == -1``, ``parents[i] < i`` (DraftTree
+    order); a node's rank is its position among its parent's children in index order.
+    """
+    p = acceptance_vector(acceptance)
+    if not parents or parents[0] != -1:
+        raise ValueError("parents must start with the root's -1")
+    value = [1.0] * len(parents)
+    children_seen = [0] * len(parents)
+    for i in range(1, len(parents)):
+        parent = parents[i]
+        if not 0 <= parent < i:
+            raise ValueError(f"parents[{i}] = {parent} must be in [0, {i})")
+        rank = children_seen[parent]
+        children_seen[parent] += 1
+        value[i] = value[parent] * (p[rank] if rank < len(p) else 0.0)
+    return math.fsum(value)
+
+
+@dataclass(frozen=True)
+class OptimalTree:
+    """The best tree of one budget under a positional acceptance vector.
+
+    Attributes:
+        parents:     parent index per node (N = budget + 1, root first, topological).
+        tau:         expected tokens per step, 1 + Σ node values.
+        level_sizes: nodes per depth, depth 0 (the root) first; ``len - 1`` is the depth.
+    """
+
+    parents: tuple[int, ...]
+    tau: float
+    level_sizes: tuple[int, ...]
+
+    @property
+    def budget(self) -> int:
+        return len(self.parents) - 1
+
+    @property
+    def depth(self) -> int:
+        return len(self.level_sizes) - 1
+
+    @property
+    def draft_widths(self) -> tuple[int, ...]:
+        """Nodes each drafting pass expands: levels 0 .. depth − 1."""
+        return self.level_sizes[:-1]
+
+
+def optimal_trees(acceptance: float | Sequence[float], max_budget: int, max_depth: int) -> list[OptimalTree]:
+    """Optimal trees for budgets 0, 1, … (up to ``max_budget``) with depth <= ``max_depth``.
+
+    Best-first growth (see the module docstring): exact for a non-increasing vector, a lower
+    bound otherwise. The list is shorter than max_budget + 1 when
+    larger trees gain nothing (all remaining nodes are worth 0 or the depth/sibling limit is
+    reached).
+    """
+    if not isinstance(max_budget, int) or max_budget < 0:
+        raise ValueError(f"max_budget must be an int >= 0, got {max_budget!r}")
+    if not isinstance(max_depth, int) or max_depth < 0:
+        raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
+    return list(_optimal_trees(acceptance_vector(acceptance), max_budget, max_depth))
+
+
+@functools.lru_cache(maxsize=256)
+def _optimal_trees(p: tuple[float, ...], max_budget: int, max_depth: int) -> tuple[OptimalTree, ...]:
+    parents, values, depths = [-1], [1.0], [0]
+    level_sizes = [1]
+    trees = [OptimalTree((-1,), 1.0, (1,))]
+    # heap of candidates: (-value, depth, tie-break counter, parent, rank among siblings)
+    heap: list[tuple[float, int, int, int, int]] = []
+    counter = 0
+    if max_depth >= 1:
+        heap.append((-p[0], 1, counter, 0, 0))
+    tau = 1.0
+    while heap and len(parents) <= max_budget:
+        neg_value, depth, _, parent, rank = heapq.heappop(heap)
+        if neg_value == 0.0:
+            break
+        node = len(parents)
+        parents.append(parent)
+        values.append(-neg_value)
+        depths.append(depth)
+        if depth == len(level_sizes):
+            level_sizes.append(0)
+        level_sizes[depth] += 1
+        tau += -neg_value
+        trees.append(OptimalTree(tuple(parents), tau, tuple(level_sizes)))
+        counter += 1
+        if depth < max_depth:  # first child of the new node
+            heapq.heappush(heap, (neg_value * p[0], depth + 1, counter, node, 0))
+        if rank + 1 < len(p):  # next sibling of the new node
+            counter += 1
+            heapq.heappush(heap, (-values[parent] * p[rank + 1], depth, counter, parent, rank + 1))
+    return tuple(trees)
+
+
+def optimal_tree(acceptance: float | Sequence[float], budget: int, depth: int) -> OptimalTree:
+    """The optimal tree of exactly ``budget`` draft nodes and depth <= ``depth``.
+
+    Error when no such tree adds value (e.g. budget > depth for a chain-only vector (β,)).
+    """
+    trees = optimal_trees(acceptance, budget, depth)
+    if len(trees) <= budget:
+        raise ValueError(f"no tree of budget {budget} and depth <= {depth} gains over budget "
+                         f"{len(trees) - 1} under acceptance {acceptance}")
+    return trees[budget]

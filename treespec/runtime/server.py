@@ -1,0 +1,401 @@
+"""SpeculativeServer: continuous batching of tree-speculative requests on one target.
+
+Requests join and leave between steps; every step serves all live requests with ONE batched
+drafter forward per drafting round and ONE target forward:
+
+    admit      queued requests: one prefill forward (``BatchVerifier.add``), ``drafter.begin``
+    build      build_batch(drafter, jobs)      per request its own builder (budget), root,
+                                               sampling config and generator
+    verify     verifier.score(TreeBatch)       ONE target forward, p per request's config
+    accept     accept_batch(..., generators)   per request, its own generator
+    compact    verifier.compact(keep plans); drafter.commit(key, ...)
+    leave      EOS / max_new_tokens / cancel: verifier.retain(live rows), drafter.drop(key)
+
+Each request draws only from its own generator, in the order ``SpeculativeGenerator`` does
+(its tree's draws, then its acceptance), and sees only its own cache rows: its output is its
+output alone whatever joins or leaves around it (exact law always; identical tokens greedy,
+and at T > 0 whenever the batched forwards round like the single ones, see
+``treespec.drafters.batched``). Memory: the target and drafter caches hold live requests only.
+
+``budget="auto"`` (``builder="auto"``): each step the cost model picks each request's tree for
+the CURRENT batch size and its temperature (``auto_builder(..., batch=B, temperature=T)``:
+verification turns compute-bound as B grows, so the tree shrinks to a chain, then to none; a
+sampled request accepts less than a greedy one, so its tree is smaller). The calibration's
+batched curves (``calibrate_batches``) give the batched pass's cost where measured.
+
+``generate_batch`` is the front door for a fixed set of requests: all join at the first step,
+each leaves at its EOS or limit. With one drafter for all, drafting is batched too; with a
+list of per-request drafters, each request is drafted by its own (``LoopBatchDrafter``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import torch
+
+from treespec.core.tree_batch import TreeBatch, accept_batch
+from treespec.fastpath.device import synchronize
+from treespec.drafters import load_drafter
+from treespec.drafters.base import Drafter, TargetFeatures
+from treespec.drafters.batched import BatchDrafter, LoopBatchDrafter, as_batch_drafter
+from treespec.runtime.generator import auto_builder, check_builder, check_seed, target_calibration
+from treespec.targets.loader import Target
+from treespec.core.sampling import SamplingConfig
+from treespec.builders.base import TreeBuilder
+from treespec.builders.batch import BuildJob, build_batch
+from treespec.builders.dynamic import DynamicTreeBuilder
+from treespec.core.acceptance import VERIFY_RULES, VerifyRule
+from treespec.runtime.batch_verifier import BatchVerifier
+
+AUTO_MAX_BUDGET = 64          # the largest tree budget="auto" may pick (context is reserved for it)
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """A finished request: its new tokens (EOS included when hit) and why it stopped."""
+
+    tokens: tuple[int, ...]
+    reason: Literal["eos", "length", "cancelled"]
+
+
+@dataclass
+class ServerStats:
+    """Counters and timings since the server started (seconds)."""
+
+    steps: int = 0                 # target verify forwards
+    request_steps: int = 0         # Σ over steps of the live requests (tokens / this = τ per request)
+    new_tokens: int = 0
+    tree_nodes: int = 0            # verified nodes, roots included
+    drafter_calls: int = 0         # batched drafter forwards
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    accept_time: float = 0.0
+    other_time: float = 0.0
+
+    @property
+    def decode_time(self) -> float:
+        return self.draft_time + self.verify_time + self.accept_time + self.other_time
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: torch.Tensor            # LongTensor[P]
+    sampling: SamplingConfig
+    max_new_tokens: int
+    generator: torch.Generator
+    builder: TreeBuilder | None     # None: budget="auto"
+    root: int
+    out: list[int] = field(default_factory=list)
+
+
+class SpeculativeServer:
+    """Continuous batching (see the module docstring).
+
+    Args:
+        target:  a ``treespec.Target``.
+        drafter: a registered name, a Drafter (its batched form is used, ``as_batch_drafter``)
+                 or a BatchDrafter.
+        builder: the default tree of a request: a TreeBuilder, "auto" (cost model at the current
+                 batch size; needs ``treespec calibrate``) or None (DynamicTreeBuilder()).
+        verify:  the acceptance rule ("token", "block", "traversal").
+        calibration: for "auto": a ``treespec.planning.Calibration`` (default: the local one).
+    """
+
+    def __init__(self, target: Target, drafter: "str | Drafter | BatchDrafter",
+                 builder: TreeBuilder | Literal["auto"] | None = None, verify: VerifyRule = "token",
+                 calibration=None):
+        if not isinstance(target, Target):
+            raise TypeError(f"target must be a treespec.Target, got {type(target).__name__}")
+        if isinstance(drafter, str):
+            drafter = load_drafter(drafter, target)
+        self.drafter = as_batch_drafter(drafter)
+        if self.drafter.vocab_size != target.vocab_size:
+            raise ValueError(f"drafter vocab size {self.drafter.vocab_size} != target vocab size "
+                             f"{target.vocab_size}; they must share one vocabulary")
+        if verify not in VERIFY_RULES:
+            raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
+        self.target, self.verify = target, verify
+        self.calibration = calibration
+        self.builder = self._check_builder(builder) if builder is not None else DynamicTreeBuilder()
+        self.layers = tuple(self.drafter.target_layers) if self.drafter.needs_target_hidden else ()
+        self.verifier = BatchVerifier(target.model, self.layers)
+        self.eos = set(target.eos_token_ids)
+        self.stats = ServerStats()
+        self.finished: dict[int, RequestResult] = {}
+        self._queued: list[_Request] = []
+        self._live: list[_Request] = []           # row b of the caches = _live[b]
+        self._ids = itertools.count()
+        self._auto: dict[tuple[int, float], TreeBuilder] = {}   # (batch size, T) -> the cost model's tree
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def live(self) -> tuple[int, ...]:
+        """Ids of the requests being decoded (queued ones join at the next step)."""
+        return tuple(r.rid for r in self._live)
+
+    @property
+    def queued(self) -> tuple[int, ...]:
+        return tuple(r.rid for r in self._queued)
+
+    def add_request(self, prompt_ids: "torch.Tensor | Sequence[int]", sampling: SamplingConfig | None = None,
+                    max_new_tokens: int = 128, seed: int | None = None,
+                    builder: TreeBuilder | Literal["auto"] | None = None) -> int:
+        """Queue a request (it joins at the next ``step``); returns its id.
+
+        ``sampling`` defaults to greedy; ``seed`` seeds its own generator (None: fresh random);
+        ``builder`` overrides the server's tree for this request (its own budget, or "auto").
+        """
+        ids = _prompt_ids(prompt_ids, self.target.vocab_size)
+        sampling = SamplingConfig(0.0) if sampling is None else sampling
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be an int > 0, got {max_new_tokens!r}")
+        seed = check_seed(seed)
+        chosen = self.builder if builder is None else self._check_builder(builder)
+        budget = AUTO_MAX_BUDGET + 1 if chosen == "auto" else chosen.budget
+        limit = self.target.max_context
+        if ids.numel() + max_new_tokens + budget > limit:
+            raise ValueError(f"the request does not fit the context window ({limit}: "
+                             f"{self.target.max_context_reason}; prompt {ids.numel()}, "
+                             f"max_new_tokens {max_new_tokens}, tree budget {budget}); shorten it")
+        gen = torch.Generator(device=self.target.device)
+        gen.manual_seed(seed) if seed is not None else gen.seed()
+        rid = next(self._ids)
+        self._queued.append(_Request(rid, ids, sampling, max_new_tokens, gen,
+                                     None if chosen == "auto" else chosen, int(ids[-1])))
+        return rid
+
+    def cancel(self, rid: int) -> None:
+        """Stop request ``rid`` now (queued or live); its tokens so far go to ``finished``."""
+        for pool in (self._queued, self._live):
+            for i, r in enumerate(pool):
+                if r.rid == rid:
+                    if pool is self._live:
+                        self._leave([i])
+                    else:
+                        pool.pop(i)
+                    self.finished[rid] = RequestResult(tuple(r.out), "cancelled")
+                    return
+        if rid in self.finished:
+            raise ValueError(f"request {rid!r} already finished ({self.finished[rid].reason}); nothing to cancel")
+        raise ValueError(f"unknown request id {rid!r}")
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> dict[int, list[int]]:
+        """Admit queued requests, then one speculative step for every live request; returns
+        each live request's new tokens (never past its limit; finished ones move to
+        ``finished``). Empty when nothing is live or queued."""
+        self._admit()
+        if not self._live:
+            return {}
+        stats, device = self.stats, self.target.device
+
+        def clock() -> float:
+            synchronize(device)
+            return time.perf_counter()
+
+        t0 = clock()
+        calls = getattr(self.drafter, "calls", 0)
+        # A step that fails before its commits (a drafter error, an interrupt) leaves every
+        # request as it was: the drafter, the target cache and the random generators.
+        drafted = self.drafter.checkpoint()
+        rng = [r.generator.get_state() for r in self._live]
+        scored = None
+        try:
+            jobs = [BuildJob(r.rid, r.builder or self._auto_builder(r.sampling.temperature), r.root, r.sampling,
+                             r.generator)
+                    for r in self._live]
+            built = build_batch(self.drafter, jobs)
+            t1 = clock()
+            batch = TreeBatch.from_trees([x.tree for x in built], [r.sampling for r in self._live])
+            scored = self.verifier.score(batch)
+            t2 = clock()
+            results = accept_batch(batch, scored.probs, [r.generator for r in self._live], self.verify)
+            t3 = clock()
+        except BaseException:
+            if scored is not None:
+                self.verifier.discard()
+            self.drafter.restore(drafted)
+            for r, state in zip(self._live, rng):
+                r.generator.set_state(state)
+            raise
+        self.verifier.compact([x.keep_src for x in results])
+        out, done = {}, []
+        for row, (r, x, acc) in enumerate(zip(self._live, built, results)):
+            feats = scored.features[row].select(acc.keep_src) if self.layers else TargetFeatures.empty()
+            self.drafter.commit(r.rid, x.source[acc.path], acc.tokens, feats)
+            new = acc.tokens.tolist()
+            chunk = []
+            for t in new:
+                chunk.append(t)
+                if t in self.eos or len(r.out) + len(chunk) >= r.max_new_tokens:
+                    break
+            r.out += chunk
+            r.root = new[-1]
+            out[r.rid] = chunk
+            stats.new_tokens += len(chunk)
+            stats.tree_nodes += x.tree.num_nodes
+            if chunk[-1] in self.eos or len(r.out) >= r.max_new_tokens:
+                reason = "eos" if chunk[-1] in self.eos else "length"
+                self.finished[r.rid] = RequestResult(tuple(r.out), reason)
+                done.append(row)
+        self._leave(done)
+        stats.steps += 1
+        stats.request_steps += len(out)
+        stats.drafter_calls += getattr(self.drafter, "calls", calls) - calls
+        t4 = clock()
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        stats.accept_time += t3 - t2
+        stats.other_time += t4 - t3
+        return out
+
+    def run(self) -> dict[int, RequestResult]:
+        """Step until nothing is live or queued; returns ``finished``."""
+        while self._live or self._queued:
+            self.step()
+        return self.finished
+
+    # ------------------------------------------------------------------ internals
+    def _check_builder(self, builder) -> "TreeBuilder | Literal['auto']":
+        if builder == "auto":
+            if self.calibration is None:
+                self.calibration = target_calibration(self.target)
+            return "auto"
+        if isinstance(builder, str):
+            raise ValueError(f"builder must be a TreeBuilder or 'auto', got {builder!r}")
+        check_builder(builder)
+        return builder
+
+    def _auto_builder(self, temperature: float) -> TreeBuilder:
+        key = (len(self._live), temperature)
+        if key not in self._auto:
+            self._auto[key] = auto_builder(self.target, self.drafter, self.calibration,
+                                           max_budget=AUTO_MAX_BUDGET, batch=key[0], temperature=temperature)
+        return self._auto[key]
+
+    def _admit(self) -> None:
+        if not self._queued:
+            return
+        joining, self._queued = self._queued, []
+        t0 = time.perf_counter()
+        feats = self.verifier.add([r.prompt for r in joining])
+        for r, f in zip(joining, feats):
+            self.drafter.begin(r.rid, r.prompt, f if self.layers else TargetFeatures.empty())
+        self._live += joining
+        synchronize(self.target.device)
+        self.stats.prefill_time += time.perf_counter() - t0
+
+    def _leave(self, rows: list[int]) -> None:
+        """Drop cache rows ``rows`` (finished or cancelled requests)."""
+        if not rows:
+            return
+        for i in rows:
+            self.drafter.drop(self._live[i].rid)
+        keep = [i for i in range(len(self._live)) if i not in rows]
+        if keep:
+            self.verifier.retain(keep)
+        else:                                      # nothing live: a fresh, empty cache
+            self.verifier = BatchVerifier(self.target.model, self.layers)
+        self._live = [self._live[i] for i in keep]
+
+
+def _prompt_ids(prompt_ids, vocab: int) -> torch.Tensor:
+    """LongTensor[P] (on the host) of a request's prompt; clear errors otherwise."""
+    if isinstance(prompt_ids, torch.Tensor):
+        ids = prompt_ids
+    elif isinstance(prompt_ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt_ids):
+        ids = torch.tensor(prompt_ids, dtype=torch.long)
+    else:
+        raise TypeError(f"prompt_ids must be a LongTensor or a list of ints, got {type(prompt_ids).__name__}")
+    if ids.dtype != torch.long or ids.dim() != 1:
+        raise TypeError(f"prompt_ids must be a 1-D LongTensor, got {ids.dtype} {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError("prompt_ids is empty; pass at least one token id")
+    if bool((ids < 0).any()) or bool((ids >= vocab).any()):
+        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+    return ids.cpu()
+
+def _check_requests(target: Target, drafters, prompts, max_new_tokens, configs, seeds,
+                    per_request: bool = True) -> None:
+    for name, value in (("drafters", drafters), ("prompts", prompts), ("max_new_tokens", max_new_tokens),
+                        ("configs", configs), ("seeds", seeds)):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be a list with one entry per request, got {type(value).__name__}")
+        if len(value) != len(prompts):
+            raise ValueError(f"{name} has {len(value)} entries but there are {len(prompts)} prompts")
+    if not prompts:
+        raise ValueError("prompts must hold at least one request")
+    if per_request and len({id(d) for d in drafters}) != len(drafters):
+        raise ValueError("each request needs its own drafter object (a drafter holds one request's state)")
+    for b, (d, p, m, c) in enumerate(zip(drafters, prompts, max_new_tokens, configs)):
+        if not isinstance(d, (Drafter, BatchDrafter)) or (per_request and not isinstance(d, Drafter)):
+            raise TypeError(f"drafters[{b}] must be a Drafter, got {type(d).__name__}")
+        if d.vocab_size != target.vocab_size:
+            raise ValueError(f"drafters[{b}] has vocab size {d.vocab_size} but the target has "
+                             f"{target.vocab_size}; they must share one vocabulary")
+        if not isinstance(p, torch.Tensor) or p.dtype != torch.long or p.dim() != 1 or p.numel() < 1:
+            raise TypeError(f"prompts[{b}] must be a 1-D LongTensor with at least one token id")
+        if bool((p < 0).any()) or bool((p >= target.vocab_size).any()):
+            raise ValueError(f"prompts[{b}] has token ids outside [0, {target.vocab_size})")
+        if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
+            raise ValueError(f"max_new_tokens[{b}] must be an int > 0, got {m!r}")
+        if not isinstance(c, SamplingConfig):
+            raise TypeError(f"configs[{b}] must be a SamplingConfig, got {type(c).__name__}")
+
+
+def generate_batch(
+    target: Target,
+    drafters: "Sequence[Drafter] | Drafter | BatchDrafter",
+    builder: TreeBuilder,
+    # B prompts, LongTensor[P_b + 1] each
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: Sequence[int],
+    configs: Sequence[SamplingConfig] | None = None,
+    seeds: Sequence[int | None] | None = None,
+    verify: VerifyRule = "token",
+) -> list[list[int]]:
+    """New token ids per request (EOS included when hit; never more than its limit).
+
+    ``drafters``: one Drafter or BatchDrafter for every request (its batched form: one
+    drafter forward per round for all of them), or a list with request b's own single-request
+    drafter at b (each driven alone, ``LoopBatchDrafter``). ``configs`` default to greedy;
+    ``seeds[b]`` seeds request b's generator (None: a fresh random seed). Runs a
+    ``SpeculativeServer`` with every request joining at the first step.
+    """
+
+    b_ = len(prompts) if isinstance(prompts, (list, tuple)) else 0
+    configs = [SamplingConfig(0.0)] * b_ if configs is None else configs
+    seeds = [0] * b_ if seeds is None else seeds
+    if not isinstance(target, Target):
+        raise TypeError(f"target must be a treespec.Target, got {type(target).__name__}")
+    check_builder(builder)
+    if verify not in VERIFY_RULES:
+        raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
+    per_request = isinstance(drafters, (list, tuple))
+    _check_requests(target, drafters if per_request else [drafters] * b_, prompts, max_new_tokens,
+                    configs, seeds, per_request)
+    budget = getattr(builder, "budget", 1)
+    for b, (p, m) in enumerate(zip(prompts, max_new_tokens)):
+        if p.numel() + m + budget > target.max_context:
+            raise ValueError(f"request {b} does not fit the context window ({target.max_context}: "
+                             f"{target.max_context_reason}; prompt "
+                             f"{p.numel()}, max_new_tokens {m}, tree budget {budget}); shorten it")
+    if per_request:
+        layers = tuple(sorted({i for d in drafters if d.needs_target_hidden for i in d.target_layers}))
+        drafter = LoopBatchDrafter(lambda key: drafters[key], target.vocab_size, bool(layers), layers)
+    else:
+        drafter = as_batch_drafter(drafters)
+    server = SpeculativeServer(target, drafter, builder, verify)
+    rids = [server.add_request(p, c, m, s) for p, c, m, s in zip(prompts, configs, max_new_tokens, seeds)]
+    assert rids == list(range(b_))          # LoopBatchDrafter keys are request indices
+    server.run()
+    return [list(server.finished[r].tokens) for r in rids]

@@ -1,0 +1,118 @@
+"""Tree-attention verification: score every node of a DraftTree in ONE target forward.
+
+The target is a stock HF causal LM. Tree tokens go in with ``position_ids = P + depth`` and a
+4-D mask (cached prefix ‖ ancestor mask); afterwards ``compact`` gathers the KV rows of the
+root and the accepted path in place, so the cache holds exactly what sequential decoding of the
+emitted tokens would hold and never grows with rejected branches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from treespec.drafters.base import TargetFeatures
+from treespec.core.masks import attn_implementation_of, tree_forward_args
+from treespec.core.sampling import SamplingConfig, process
+from treespec.core.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    """Target outputs for one tree.
+
+    Attributes:
+        probs:    FloatTensor[N, V]; processed target distribution p(.|path to node).
+        features: target hidden states [N, H] per requested layer (empty if none requested).
+    """
+
+    probs: torch.Tensor
+    features: TargetFeatures
+
+
+class TreeVerifier:
+    """Owns the target's KV cache for one request.
+
+    Invariant between steps: the cache holds the committed tokens except the last one (the
+    root of the next tree), i.e. ``prefix_len`` positions.
+    """
+
+    def __init__(self, model: torch.nn.Module, sampling: SamplingConfig, target_layers: tuple[int, ...] = ()):
+        self.model = model
+        self.sampling = sampling
+        self.target_layers = tuple(target_layers)
+        self.attn_impl = attn_implementation_of(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache: DynamicCache | None = None
+        self.prefix_len = 0
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor | None, mask: torch.Tensor | None,
+                 logits_to_keep: int = 0):
+        """``logits_to_keep``: HF's own argument; 0 = logits for every row, k = the last k rows."""
+        out = self.model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=bool(self.target_layers),
+            logits_to_keep=logits_to_keep,
+        )
+        feats = TargetFeatures({i: out.hidden_states[i][0] for i in self.target_layers}) \
+            if self.target_layers else TargetFeatures.empty()
+        return out.logits[0], feats
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: torch.Tensor) -> TargetFeatures:
+        """Cache prompt_ids[:-1] (LongTensor[P]); returns their features. The last token is the root."""
+        self.cache = DynamicCache(config=self.model.config)
+        self.prefix_len = 0
+        body = prompt_ids[:-1]
+        if body.numel() == 0:
+            hidden = self.model.config.hidden_size
+            return TargetFeatures({i: torch.zeros(0, hidden, device=self.device, dtype=self.dtype)
+                                   for i in self.target_layers})
+        ids = body.to(self.device)[None]
+        # No prefix row's logits are used (the root's come with the first tree): skip the LM head
+        # over the prompt but one row (P x V multiply-adds, ~0.15 s for 300 fp32 tokens here).
+        _, feats = self._forward(ids, None, None, logits_to_keep=1)
+        self.prefix_len = body.numel()
+        return feats
+
+    @torch.inference_mode()
+    def score(self, tree: DraftTree) -> VerifyOutput:
+        """One forward over all N nodes; appends N rows to the cache (undone by ``compact``)."""
+        if self.cache is None:
+            raise RuntimeError("call prefill() before score()")
+        p = self.prefix_len
+        ids = tree.tokens.to(self.device)[None]
+        # a root alone takes the model's own one-token path (no mask, no positions)
+        pos, mask = tree_forward_args(tree, p, self.attn_impl, self.dtype, self.device)
+        logits, feats = self._forward(ids, pos, mask)
+        # [N, V]
+        probs = process(logits.float(), self.sampling)
+        return VerifyOutput(probs, feats)
+
+    @torch.inference_mode()
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep the tree rows ``keep`` (LongTensor[K], node indices incl. the root, root first).
+
+        Gathers rows P + keep to P .. P + K - 1 in place in every layer, then crops the rest.
+        The last kept node's token is *not* the next root: the next root is the new token, so
+        after compaction the prefix is P + K and every cached position is committed.
+        """
+        p = self.prefix_len
+        idx = keep.to(self.device) + p
+        k = idx.numel()
+        moved = not torch.equal(idx, torch.arange(p, p + k, device=self.device))  # else in place
+        for layer in self.cache.layers:
+            total = layer.keys.shape[-2]
+            if moved:
+                layer.keys[..., p:p + k, :] = layer.keys.index_select(-2, idx)
+                layer.values[..., p:p + k, :] = layer.values.index_select(-2, idx)
+            if total > p + k:
+                layer.crop(-(total - p - k))
+        self.prefix_len = p + keep.numel()
