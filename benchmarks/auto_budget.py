@@ -113,7 +113,7 @@ def render(result: dict, cal: Calibration) -> str:
     best_fixed = max((k for k in med if k != "auto"), key=med.get)
     result.update(ratio_auto_to_best=med["auto"] / med[best_fixed], best_fixed=best_fixed)
     curve = plan_curve(CalibratedCost(cal, args.drafter), result["acceptance"], 1, cal.context, 64, 16)
-    predicted = {c.budget + 1: c.speedup for c in curve}  # keyed by nodes incl. the root
+    predicted = {c.budget: c.speedup for c in curve}  # keyed by nodes incl. the root
     base = med.get("dynamic 1")
     lines = [
         f"# budget='auto' vs a fixed-budget sweep ({args.drafter} drafter, {args.prompts} MT-bench prompts x "

@@ -94,10 +94,10 @@ def predicted(cal: Calibration, kind: str, acceptance, row: str, b: int, context
     """The cost model's prediction for a row at batch b: its speculative gain over plain decoding,
     τ per request and the verify and draft seconds per step (so each part can be checked)."""
     cost = CalibratedCost(cal, kind)
-    curve = plan_curve(cost, acceptance, b, context, max_budget=64)
+    curve = plan_curve(cost, acceptance, b, context, max_drafts=64)
     plain = b / cost.verify_s(1, b, context)
     if row == "treespec auto":   # as auto_budget picks it: plain decoding below min_gain
-        c = max(curve, key=lambda c: (c.tokens_per_s, -c.budget))
+        c = max(curve, key=lambda c: (c.tokens_per_s, -c.drafts))
         c = c if c.speedup >= min_gain else curve[0]
     elif row.startswith("treespec chain"):
         k = int(row.rsplit(" ", 1)[1])
@@ -106,7 +106,7 @@ def predicted(cal: Calibration, kind: str, acceptance, row: str, b: int, context
         return {"gain": b * tau / (verify + draft) / plain, "tau": tau, "verify_s": verify, "draft_s": draft}
     elif row.startswith("treespec tree"):
         n = int(row.rsplit(" ", 1)[1])
-        c = next((c for c in curve if c.budget == n - 1), None)
+        c = next((c for c in curve if c.budget == n), None)
         if c is None:
             return None
     elif row == "treespec none":

@@ -23,9 +23,10 @@ from treespec.drafters.base import PartialTree, TargetFeatures
 from treespec.core.sampling import SamplingConfig
 from treespec.builders import (
     BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder,
-    default_choices, draw_children, optimal_tree,
+    default_choices, draw_children,
 )
-from treespec.builders.sequoia import expected_tokens, validate_acceptance
+from treespec.builders.sequoia import expected_tokens
+from treespec.planning import optimal_tree, optimal_trees, validate_acceptance
 from treespec.builders.static import validate_choices
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -355,7 +356,8 @@ def test_optimal_tree_equals_brute_force(a) -> None:
     for budget in range(1, 8):
         for depth in range(1, 5):
             best = max(tree_value(t, a) for n in range(1, budget + 1) for t in all_trees(n, depth))
-            tau, shape = optimal_tree(a, budget, depth)
+            best_tree = optimal_tree(a, budget, depth)
+            tau, shape = best_tree.tau, best_tree.choices
             assert tau == pytest.approx(best, abs=1e-12), (a, budget, depth)
             assert len(shape) + 1 <= budget and max((len(c) for c in shape), default=0) <= depth
             assert validate_choices(shape) == shape
@@ -365,18 +367,14 @@ def test_optimal_tree_equals_brute_force(a) -> None:
 def test_optimal_tree_cache_and_builder() -> None:
     a = (0.6, 0.2, 0.1)
     assert optimal_tree(a, 32, 6) is optimal_tree(list(a), 32, 6)  # cached
-    tau, shape = optimal_tree(a, 16, 4)
+    tau, shape = optimal_tree(a, 16, 4).tau, optimal_tree(a, 16, 4).choices
     b = SequoiaBuilder(16, 4, acceptance=a)
     assert b.choices == shape and b.budget == 16 and b.expected_tokens == tau
     d = TableDrafter()
     built = build(b, d)
     assert built.tree.num_nodes == len(shape) + 1 and d.calls == max(len(c) for c in shape)
-    try:
-        from treespec.planning.tau import optimal_tree as greedy_optimal
-    except ImportError:  # pragma: no cover - cost model absent
-        return
-    for budget in (4, 9, 20):  # the cost model's best-first optimum (monotone a) agrees
-        assert optimal_tree(a, budget, 5)[0] == pytest.approx(greedy_optimal(a, budget - 1, 5).tau)
+    for budget in (4, 9, 20):  # the best-first optimum of every size at once (monotone a) agrees
+        assert optimal_tree(a, budget, 5).tau == pytest.approx(optimal_trees(a, budget - 1, 5)[budget - 1].tau)
 
 
 @pytest.mark.parametrize("bad,match", [((-0.1, 0.5), "in \\[0, 1\\]"), ((0.7, 0.5), "not a distribution"),
@@ -525,6 +523,6 @@ def test_measure_acceptance_vector() -> None:
                                   temperature=1.0, mode="without_replacement")
     assert len(a) == 4 and all(x >= 0 for x in a) and 0 < sum(a) <= 1
     assert a[1] > 0  # a noisy drafter's second draw is sometimes the accepted one
-    assert optimal_tree(a, 8, 3)[0] > 1.0
+    assert optimal_tree(a, 8, 3).tau > 1.0
     with pytest.raises(ValueError, match="at least one prompt"):
         measure_acceptance_vector("target", target, [], width=2)

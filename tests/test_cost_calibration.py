@@ -102,10 +102,10 @@ def test_auto_needs_a_larger_predicted_gain_on_a_noisy_machine():
     assert auto_min_gain(with_noise(0.12)) == pytest.approx(1 + 2 * math.sqrt(2) * 0.12 / 1.349)
     # one free draft accepted 15 % of the time on a flat curve: a 15 % predicted gain
     quiet = auto_budget(with_noise(0.01), (0.15,), "lookup")
-    assert quiet.budget > 0 and 1.05 < quiet.speedup < 1.2
-    assert auto_budget(with_noise(0.12), (0.15,), "lookup").budget == 0      # inside the noise
-    assert auto_budget(with_noise(0.12), (0.15,), "lookup", min_gain=1.05).budget > 0   # asked for
-    assert auto_budget(with_noise(0.12), (0.5,), "lookup").budget == 7       # a clear gain holds
+    assert quiet.drafts > 0 and 1.05 < quiet.speedup < 1.2
+    assert auto_budget(with_noise(0.12), (0.15,), "lookup").drafts == 0      # inside the noise
+    assert auto_budget(with_noise(0.12), (0.15,), "lookup", min_gain=1.05).drafts > 0   # asked for
+    assert auto_budget(with_noise(0.12), (0.5,), "lookup").drafts == 7       # a clear gain holds
     from treespec.planning import auto_threshold_text
 
     assert auto_threshold_text(with_noise(0.12)) == ("speculates where the cost model predicts at least "
@@ -171,16 +171,16 @@ def test_calibrated_cost_follows_the_measurement():
 def test_auto_budget_by_hand():
     # Free drafting on a verify curve flat up to 8 tokens, then linear; chain-only acceptance
     # 0.5: τ(b) = 2 − 0.5^b rises while t(b + 1) stays 1 s up to b = 7, after which the time
-    # grows faster (9/8 at b = 8) than τ (1.996 / 1.992). Best: a 7-node chain.
+    # grows faster (9/8 at b = 8) than τ (1.996 / 1.992). Best: a chain of 7 drafts (budget 8).
     choice = auto_budget(_calibration(), (0.5,), "lookup")
-    assert (choice.budget, choice.depth) == (7, 7)
+    assert (choice.drafts, choice.depth) == (7, 7)
     assert choice.tau == pytest.approx(2 - 0.5**7) and choice.tokens_per_s == pytest.approx(choice.tau)
     assert choice.speedup == pytest.approx(choice.tau)
     # A costly drafter shortens it.
     slow = auto_budget(_calibration(drafter_s=0.2), (0.5,), "early_exit")
-    assert 0 < slow.budget < 7
+    assert 0 < slow.drafts < 7
     # best_tree accepts a calibration as the hardware.
-    assert best_tree("smollm2-135m", "lookup", _calibration(), context=64, acceptance=(0.5,)).budget == 7
+    assert best_tree("smollm2-135m", "lookup", _calibration(), context=64, acceptance=(0.5,)).drafts == 7
 
 
 def test_calibrate_a_tiny_model():
@@ -315,9 +315,9 @@ def test_calibrate_batches_on_a_tiny_model():
 def test_auto_budget_speculates_only_above_its_minimum_gain():
     # τ(1) = 1.04 for one free draft on a flat curve: a 4 % predicted gain is not worth a tree
     weak = auto_budget(_calibration(), (0.04,), "lookup")
-    assert weak.budget == 0 and weak.speedup == 1.0
-    assert auto_budget(_calibration(), (0.04,), "lookup", min_gain=1.0).budget > 0
-    assert auto_budget(_calibration(), (0.5,), "lookup").budget == 7      # a clear gain: unchanged
+    assert weak.drafts == 0 and weak.speedup == 1.0
+    assert auto_budget(_calibration(), (0.04,), "lookup", min_gain=1.0).drafts > 0
+    assert auto_budget(_calibration(), (0.5,), "lookup").drafts == 7      # a clear gain: unchanged
     with pytest.raises(ValueError, match="min_gain must be >= 1"):
         auto_budget(_calibration(), (0.5,), "lookup", min_gain=0.9)
 

@@ -27,24 +27,25 @@ def test_chain_formula_by_hand():
     assert expected_chain_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert expected_chain_tokens(1.0, 4) == 5.0
     # A chain-only acceptance vector (β,) gives chains, with the same τ.
-    tree = optimal_tree((0.5,), budget=3, depth=5)
+    tree = optimal_tree((0.5,), budget=4, depth=5)
     assert tree.parents == (-1, 0, 1, 2) and tree.tau == pytest.approx(1.875)
     assert tree.level_sizes == (1, 1, 1, 1) and tree.draft_widths == (1, 1, 1)
 
 
 def test_optimal_tree_by_hand():
     # Root children are worth 0.6, 0.3; the first child's children 0.36, 0.18.
-    # Budget 3: take 0.6, 0.36, 0.3 -> τ = 2.26, a 2-level tree.
-    tree = optimal_tree((0.6, 0.3), budget=3, depth=4)
+    # Three draft nodes (budget 4, the root included): take 0.6, 0.36, 0.3 -> τ = 2.26, 2 levels.
+    tree = optimal_tree((0.6, 0.3), budget=4, depth=4)
     assert tree.tau == pytest.approx(1 + 0.6 + 0.36 + 0.3)
-    assert tree.level_sizes == (1, 2, 1)
+    assert tree.level_sizes == (1, 2, 1) and tree.budget == 4 and tree.drafts == 3
+    assert tree.choices == ((0,), (1,), (0, 0))
     assert expected_tokens_positional(tree.parents, (0.6, 0.3)) == pytest.approx(tree.tau)
 
 
-def _brute_force_tau(p: tuple[float, ...], budget: int, depth: int) -> float:
-    """Best τ over every parent array with ``budget`` draft nodes and depth <= ``depth``."""
+def _brute_force_tau(p: tuple[float, ...], drafts: int, depth: int) -> float:
+    """Best τ over every parent array with ``drafts`` draft nodes and depth <= ``depth``."""
     best = 1.0
-    for tail in itertools.product(*(range(i) for i in range(1, budget + 1))):
+    for tail in itertools.product(*(range(i) for i in range(1, drafts + 1))):
         parents = (-1, *tail)
         depths = [0]
         for i in range(1, len(parents)):
@@ -56,22 +57,20 @@ def _brute_force_tau(p: tuple[float, ...], budget: int, depth: int) -> float:
 
 @pytest.mark.parametrize("p", [(0.7, 0.2, 0.05), (0.5, 0.25, 0.125, 0.0625), (0.9,), (0.4, 0.4, 0.2)])
 def test_best_first_tree_is_optimal(p):
-    trees = optimal_trees(p, max_budget=6, max_depth=3)
-    for budget in range(1, 7):
-        if budget < len(trees):
-            assert trees[budget].tau == pytest.approx(_brute_force_tau(p, budget, 3))
+    trees = optimal_trees(p, max_drafts=6, max_depth=3)
+    for drafts in range(1, 7):
+        if drafts < len(trees):
+            assert trees[drafts].tau == pytest.approx(_brute_force_tau(p, drafts, 3))
+            assert optimal_tree(p, drafts + 1, 3).tau == pytest.approx(_brute_force_tau(p, drafts, 3))
 
 
 @pytest.mark.parametrize("p", [(0.7, 0.2, 0.05), (0.6, 0.15, 0.1, 0.05, 0.05), (0.9,), (0.3, 0.5, 0.1)])
 def test_best_first_agrees_with_the_sequoia_dp(p):
-    # trees.sequoia counts the root in its budget; the cost model counts draft nodes.
-    from treespec.builders.sequoia import optimal_tree as sequoia_dp
-
     for depth in (1, 3, 6):
-        trees = optimal_trees(p, max_budget=24, max_depth=depth)
-        for budget in (1, 5, 12, 24):
-            dp_tau, _ = sequoia_dp(p, budget + 1, depth)
-            tau = trees[min(budget, len(trees) - 1)].tau
+        trees = optimal_trees(p, max_drafts=24, max_depth=depth)
+        for drafts in (1, 5, 12, 24):
+            dp_tau = optimal_tree(p, drafts + 1, depth).tau
+            tau = trees[min(drafts, len(trees) - 1)].tau
             if list(p) == sorted(p, reverse=True):
                 assert tau == pytest.approx(dp_tau)  # exact
             else:
@@ -100,22 +99,22 @@ def test_sequoia_a100_grows_larger_trees_than_l40():
     # Sequoia (Chen et al. 2024): Llama-2-7B + JackFram/llama-68m, optimal trees of 128 nodes on
     # an A100 vs 64 on an L40. The L40 attains a lower ridge point, so its verify cost rises sooner.
     draft = DrafterSpec("model", shape=model_shape("llama-68m"))
-    a100 = best_tree("llama-2-7b", draft, "a100", batch=1, context=256, acceptance=0.6, max_budget=256)
-    l40 = best_tree("llama-2-7b", draft, "l40", batch=1, context=256, acceptance=0.6, max_budget=256)
-    assert a100.budget > l40.budget
-    assert 64 <= l40.budget < a100.budget <= 256  # large trees on both, as published
+    a100 = best_tree("llama-2-7b", draft, "a100", batch=1, context=256, acceptance=0.6, max_drafts=256)
+    l40 = best_tree("llama-2-7b", draft, "l40", batch=1, context=256, acceptance=0.6, max_drafts=256)
+    assert a100.drafts > l40.drafts
+    assert 64 <= l40.drafts < a100.drafts <= 256  # large trees on both, as published
 
 
 def test_best_tree_fields_are_consistent():
     choice = best_tree("llama-3-8b", "eagle", "h100", batch=1, context=2048)
-    assert choice.budget > 0 and choice.depth >= 1 and choice.speedup > 1
-    assert sum(choice.level_sizes) == choice.budget + 1 and len(choice.level_sizes) == choice.depth + 1
+    assert choice.drafts > 0 and choice.depth >= 1 and choice.speedup > 1
+    assert sum(choice.level_sizes) == choice.budget == choice.drafts + 1 and len(choice.level_sizes) == choice.depth + 1
     assert choice.tokens_per_s == pytest.approx(choice.tau / (choice.verify_s + choice.draft_s))
-    assert choice.tau == pytest.approx(optimal_trees(0.75, choice.budget, choice.depth)[choice.budget].tau)
+    assert choice.tau == pytest.approx(optimal_trees(0.75, choice.drafts, choice.depth)[choice.drafts].tau)
 
 
 def test_tree_shrinks_with_batch_to_chain_then_nothing():
-    budgets = [best_tree("llama-3-8b", "eagle", "h100", batch=b, context=128).budget for b in (1, 8, 64, 512)]
+    budgets = [best_tree("llama-3-8b", "eagle", "h100", batch=b, context=128).drafts for b in (1, 8, 64, 512)]
     assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1]
     limits = batch_limits("llama-3-8b", "eagle", "h100", context=128)
     assert limits.verify_compute_bound is not None and limits.decode_compute_bound is not None
@@ -124,22 +123,22 @@ def test_tree_shrinks_with_batch_to_chain_then_nothing():
     assert limits.chain <= limits.no_speculation
     assert best_tree("llama-3-8b", "eagle", "h100", batch=limits.chain, context=128).level_sizes == \
         (1,) * (best_tree("llama-3-8b", "eagle", "h100", batch=limits.chain, context=128).depth + 1)
-    assert best_tree("llama-3-8b", "eagle", "h100", batch=limits.no_speculation, context=128).budget == 0
-    assert best_tree("llama-3-8b", "eagle", "h100", batch=limits.no_speculation - 1, context=128).budget > 0
+    assert best_tree("llama-3-8b", "eagle", "h100", batch=limits.no_speculation, context=128).drafts == 0
+    assert best_tree("llama-3-8b", "eagle", "h100", batch=limits.no_speculation - 1, context=128).drafts > 0
 
 
-def test_budget_zero_is_a_valid_answer():
-    assert best_tree("llama-3-8b", "eagle", "h100", acceptance=0.0).budget == 0
+def test_no_speculation_is_a_valid_answer():
+    assert best_tree("llama-3-8b", "eagle", "h100", acceptance=0.0).drafts == 0
     # A drafter as slow as the target: D + 1 passes for τ < D + 1 tokens never pays.
     target = model_shape("llama-3-8b")
     curve = plan_curve(RooflineCost(target, DrafterSpec("model", shape=target), get_hardware("h100")), 0.3)
-    assert best_choice(curve).budget == 0 and curve[0].speedup == 1.0 and curve[0].tau == 1.0
+    assert best_choice(curve).budget == 1 and curve[0].speedup == 1.0 and curve[0].tau == 1.0
 
 
 def test_free_drafter_on_flat_verify_takes_the_largest_tree():
     # Lookup drafting costs 0 and at batch 1 a 70B verify is flat up to the ridge point.
-    choice = best_tree("llama-3-70b", "lookup", get_hardware("h200"), acceptance=0.5, max_budget=32)
-    assert choice.budget == 32
+    choice = best_tree("llama-3-70b", "lookup", get_hardware("h200"), acceptance=0.5, max_drafts=32)
+    assert choice.drafts == 32 and choice.budget == 33
 
 
 def test_planning_errors():
@@ -157,5 +156,7 @@ def test_planning_errors():
         best_tree("llama-3-8b", "eagle", "h100", context=-5)
     with pytest.raises(KeyError, match="unknown hardware 'b200'"):
         best_tree("llama-3-8b", "eagle", "b200")
-    with pytest.raises(ValueError, match="no tree of budget 3"):
-        optimal_tree((0.5,), budget=3, depth=2)
+    with pytest.raises(ValueError, match=r"budget \(tree nodes, root included\) must be an int >= 1, got 0"):
+        optimal_tree((0.5,), budget=0, depth=2)
+    # a chain-only vector cannot use a node beyond the depth: the tree leaves it unused
+    assert optimal_tree((0.5,), budget=4, depth=2).budget == 3

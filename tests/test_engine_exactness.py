@@ -89,8 +89,8 @@ def sample_counts(gen: SpeculativeGenerator, prompt: list[int], sampling: Sampli
     counts = np.zeros((V,) * HORIZON, dtype=np.int64)
     steps = attempts = accepts = 0
     for i in range(samples):
-        r = gen.generate(prompt, HORIZON, sampling.temperature, sampling.top_p, sampling.top_k,
-                         seed=seed0 + i)
+        r = gen.generate(prompt, HORIZON, temperature=sampling.temperature, top_k=sampling.top_k,
+                         top_p=sampling.top_p, seed=seed0 + i)
         toks = r.token_ids.tolist()
         assert len(toks) == HORIZON
         counts[tuple(toks)] += 1

@@ -21,7 +21,7 @@ def close(a, b):
 
 
 def test_temperature_one_is_softmax():
-    assert close(logits_to_probs(LOGITS), [0.1, 0.2, 0.3, 0.4])
+    assert close(logits_to_probs(LOGITS, temperature=1.0), [0.1, 0.2, 0.3, 0.4])
 
 
 def test_temperature_scales_logits():
@@ -39,52 +39,52 @@ def test_greedy_is_one_hot_with_ties_to_lowest_id():
     # top-k / top-p / min-p do not matter for greedy
     out2 = logits_to_probs(logits, temperature=0.0, top_k=2, top_p=0.5, min_p=0.5)
     assert torch.equal(out, out2)
-    assert SamplingConfig(temperature=0).greedy and not SamplingConfig().greedy
+    assert SamplingConfig().greedy and not SamplingConfig(temperature=1).greedy
 
 
 def test_top_k():
-    assert close(logits_to_probs(LOGITS, top_k=2), [0, 0, 3 / 7, 4 / 7])
-    assert close(logits_to_probs(LOGITS, top_k=1), [0, 0, 0, 1])
+    assert close(logits_to_probs(LOGITS, temperature=1.0, top_k=2), [0, 0, 3 / 7, 4 / 7])
+    assert close(logits_to_probs(LOGITS, temperature=1.0, top_k=1), [0, 0, 0, 1])
     # k >= V and k = 0 disable it
-    assert close(logits_to_probs(LOGITS, top_k=4), [0.1, 0.2, 0.3, 0.4])
-    assert close(logits_to_probs(LOGITS, top_k=9), [0.1, 0.2, 0.3, 0.4])
-    assert close(logits_to_probs(LOGITS, top_k=0), [0.1, 0.2, 0.3, 0.4])
+    assert close(logits_to_probs(LOGITS, temperature=1.0, top_k=4), [0.1, 0.2, 0.3, 0.4])
+    assert close(logits_to_probs(LOGITS, temperature=1.0, top_k=9), [0.1, 0.2, 0.3, 0.4])
+    assert close(logits_to_probs(LOGITS, temperature=1.0, top_k=0), [0.1, 0.2, 0.3, 0.4])
 
 
 def test_top_k_keeps_every_token_tied_with_the_kth():
     """Like HF's TopKLogitsWarper: tokens equal to the k-th largest logit are all kept."""
     logits = torch.tensor([1.0, 2.0, 2.0, 0.0], dtype=F64)
-    assert close(logits_to_probs(logits, top_k=1), [0, 0.5, 0.5, 0])
+    assert close(logits_to_probs(logits, temperature=1.0, top_k=1), [0, 0.5, 0.5, 0])
 
 
 def test_top_p():
     # sorted 0.4, 0.3, 0.2, 0.1; keep a token while the mass before it is < top_p
-    assert close(logits_to_probs(LOGITS, top_p=0.3), [0, 0, 0, 1])
-    assert close(logits_to_probs(LOGITS, top_p=0.65), [0, 0, 3 / 7, 4 / 7])
-    assert close(logits_to_probs(LOGITS, top_p=0.75), [0, 2 / 9, 3 / 9, 4 / 9])
-    assert close(logits_to_probs(LOGITS, top_p=0.95), [0.1, 0.2, 0.3, 0.4])
-    assert close(logits_to_probs(LOGITS, top_p=1.0), [0.1, 0.2, 0.3, 0.4])
+    assert close(logits_to_probs(LOGITS, temperature=1.0, top_p=0.3), [0, 0, 0, 1])
+    assert close(logits_to_probs(LOGITS, temperature=1.0, top_p=0.65), [0, 0, 3 / 7, 4 / 7])
+    assert close(logits_to_probs(LOGITS, temperature=1.0, top_p=0.75), [0, 2 / 9, 3 / 9, 4 / 9])
+    assert close(logits_to_probs(LOGITS, temperature=1.0, top_p=0.95), [0.1, 0.2, 0.3, 0.4])
+    assert close(logits_to_probs(LOGITS, temperature=1.0, top_p=1.0), [0.1, 0.2, 0.3, 0.4])
 
 
 def test_top_p_ties_keep_the_lower_id_first():
     logits = torch.zeros(4, dtype=F64)  # uniform: mass before token j (stable order) is j / 4
-    assert close(logits_to_probs(logits, top_p=0.3), [0.5, 0.5, 0, 0])
+    assert close(logits_to_probs(logits, temperature=1.0, top_p=0.3), [0.5, 0.5, 0, 0])
 
 
 def test_min_p():
     # floor = min_p * max prob = min_p * 0.4
-    assert close(logits_to_probs(LOGITS, min_p=0.6), [0, 0, 3 / 7, 4 / 7])  # floor 0.24
-    assert close(logits_to_probs(LOGITS, min_p=0.4), [0, 2 / 9, 3 / 9, 4 / 9])  # floor 0.16
-    assert close(logits_to_probs(LOGITS, min_p=0.2), [0.1, 0.2, 0.3, 0.4])  # floor 0.08
+    assert close(logits_to_probs(LOGITS, temperature=1.0, min_p=0.6), [0, 0, 3 / 7, 4 / 7])  # floor 0.24
+    assert close(logits_to_probs(LOGITS, temperature=1.0, min_p=0.4), [0, 2 / 9, 3 / 9, 4 / 9])  # floor 0.16
+    assert close(logits_to_probs(LOGITS, temperature=1.0, min_p=0.2), [0.1, 0.2, 0.3, 0.4])  # floor 0.08
 
 
 def test_order_is_temperature_top_k_top_p_min_p():
     # top-k first: [3/7, 4/7]; then top-p 0.5 keeps only 4/7 (top-p first would keep two)
-    assert close(logits_to_probs(LOGITS, top_k=2, top_p=0.5), [0, 0, 0, 1])
+    assert close(logits_to_probs(LOGITS, temperature=1.0, top_k=2, top_p=0.5), [0, 0, 0, 1])
     # temperature first: T = 0.5 gives [1, 4, 9, 16] / 30; top-p 0.6 keeps 16/30 and 9/30
     assert close(logits_to_probs(LOGITS, temperature=0.5, top_p=0.6), [0, 0, 9 / 25, 16 / 25])
     # top-p then min-p: top-p 0.75 -> [0, 2/9, 3/9, 4/9]; min-p 0.6 -> floor 0.267 drops 2/9
-    assert close(logits_to_probs(LOGITS, top_p=0.75, min_p=0.6), [0, 0, 3 / 7, 4 / 7])
+    assert close(logits_to_probs(LOGITS, temperature=1.0, top_p=0.75, min_p=0.6), [0, 0, 3 / 7, 4 / 7])
 
 
 def test_batch_shapes_and_dtypes():

@@ -1,6 +1,6 @@
 """Feature shards: extraction streams, shards by tokens, resumes from its manifest without redoing
 or duplicating a shard, splits across ranks; training streams them with bounded memory, stops on
-a token budget and writes learning-curve checkpoints. Tiny random target, synthetic source."""
+a token limit and writes learning-curve checkpoints. Tiny random target, synthetic source."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_manifest_records_tokens_offsets_fingerprint_dtype(target, shards):
     cfg = shard_config()
     assert m["fingerprint"] and m["autocast"] == "float32" and m["source"] == "synthetic"
     assert m["tokens"] == sum(r["tokens"] for r in m["shards"]) >= cfg.tokens
-    assert m["tokens"] - m["shards"][-1]["tokens"] < cfg.tokens           # no shard past the budget
+    assert m["tokens"] - m["shards"][-1]["tokens"] < cfg.tokens           # no shard past the limit
     assert all(r["tokens"] >= cfg.shard_tokens for r in m["shards"])     # fixed size (the source did not run out)
     assert m["shards"][0]["first_record"] == 0
     for a, b in zip(m["shards"], m["shards"][1:]):                        # contiguous source offsets
@@ -102,7 +102,7 @@ def test_ranks_extract_disjoint_shards_that_together_equal_one_process(target, s
     _same_shards(shards, tmp_path, n)
 
 
-def test_a_larger_budget_extends_the_extraction(target, shards, tmp_path):
+def test_a_larger_token_limit_extends_the_extraction(target, shards, tmp_path):
     small = make_shards(target, tmp_path, shard_config(tokens=300))
     more = make_shards(target, tmp_path, shard_config(tokens=600))
     assert more.computed and min(more.computed) == small.shards and not set(more.computed) & set(small.computed)
@@ -191,7 +191,7 @@ def _cfg(**kw) -> TrainConfig:
                        recipe=RecipeConfig(draft_vocab=16, frequent=8, subset_top=4, medusa_heads=3), **kw)
 
 
-def test_token_budget_stops_and_writes_curve_checkpoints(target, shards, held, tmp_path):
+def test_token_limit_stops_and_writes_curve_checkpoints(target, shards, held, tmp_path):
     from treespec.drafters import load_drafter
     import treespec.drafters.eagle  # noqa: F401
 
@@ -242,10 +242,10 @@ def test_shard_only_options_need_shards(target, tmp_path):
         train_drafter("medusa", target, tmp_path, _cfg(grad_accum=0))
 
 
-def test_cli_refuses_bad_budgets_before_loading_anything(tmp_path, capsys):
+def test_cli_refuses_bad_limits_before_loading_anything(tmp_path, capsys):
     from treespec.train.cli import curve_points, main
 
-    # a token budget is an online or a shard run's; the in-memory cache runs by minutes or steps
+    # a token limit is an online or a shard run's; the in-memory cache runs by minutes or steps
     assert main(["eagle3", "--out", str(tmp_path), "--cache", "--tokens", "3M"]) == 2
     assert "need online data or --shards DIR" in capsys.readouterr().err
     for bad, says in ((["--extract-tokens", "1M"], "add --shards DIR"), (["--sequences", "64"], "add --cache"),

@@ -8,14 +8,14 @@ except _NotInstalled:  # a source checkout on sys.path without `pip install -e .
     __version__ = "0+unknown"
 
 from treespec.builders import (
-    BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder, optimal_tree,
+    BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder,
 )
 from treespec.core import (
     Acceptance, DraftTree, RequestAcceptance, SamplingConfig, TreeBatch, VerifyInputs, accept, accept_batch,
     logits_to_probs, prepare_verify,
 )
 from treespec.drafters import load_drafter, registered_drafters
-from treespec.planning.tau import acceptance_rate, expected_chain_tokens, expected_tree_tokens
+from treespec.planning.tau import acceptance_rate, expected_chain_tokens, expected_tree_tokens, optimal_tree
 from treespec.runtime import (
     BatchVerifier, BatchVerifyOutput, GenerationResult, GenerationStats, RequestResult, SpeculativeGenerator,
     SpeculativeServer, generate_batch,

@@ -25,12 +25,11 @@ from treespec.builders.batch import BuildJob, build_batch
 from treespec.builders.best_first import BestFirstBuilder
 from treespec.builders.chain import ChainBuilder
 from treespec.builders.dynamic import DynamicTreeBuilder
-from treespec.builders.sequoia import SequoiaBuilder, optimal_tree
+from treespec.builders.sequoia import SequoiaBuilder
 from treespec.builders.static import StaticTreeBuilder, default_choices
 
 __all__ = [
     "BestFirstBuilder", "BuildJob", "BuiltTree", "ChainBuilder", "ExpandCall", "build_batch",
     "run_alone", "DynamicTreeBuilder", "SequoiaBuilder",
     "StaticTreeBuilder", "TreeBuilder", "default_choices", "draw_children",
-    "optimal_tree",
 ]

@@ -10,14 +10,8 @@ Glossary:
     shape              the topology as Medusa-style rank-path tuples (root excluded), usable by
                        ``StaticTreeBuilder``.
 
-``optimal_tree(a, budget, depth)`` is the dynamic programme over (nodes, depth):
-    T(n, d) = best τ of a tree with at most n nodes (root incl.) and depth <= d;
-    T(1, d) = 1,  T(n, 0) = 1,  T(n, d) = 1 + G_d(0, n - 1)
-    G_d(i, m) = best value of at most m nodes placed below children of rank >= i
-              = max(0, max_{1<=s<=m} a[i]·T(s, d - 1) + G_d(i + 1, m - s)).
-A child of rank i exists only if ranks < i exist (children are tried in order), which the
-recursion over i encodes. Note: ``budget`` counts the root here (as in every builder); the cost
-model (``treespec.planning``) counts draft nodes only. Results are cached per (a, budget, depth).
+The shape is ``treespec.planning.optimal_tree(a, budget, depth).choices``: Sequoia's dynamic
+programme, exact for any vector (its recursion is written out in ``treespec.planning.tau``).
 
 ``SequoiaBuilder`` is a ``StaticTreeBuilder`` with that shape; in stochastic modes each node
 draws exactly as many children as the shape gives it. ``treespec.calibrate.drafters.measure_acceptance_vector``
@@ -28,92 +22,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from treespec.builders.base import DraftMode, check_int, check_mode
+from treespec.planning.tau import optimal_tree, validate_acceptance
 from treespec.builders.static import MEDUSA_PRIOR, Choice, StaticTreeBuilder
 
 # Used when no measured vector is given (the Medusa-style prior of trees.static).
 DEFAULT_ACCEPTANCE: tuple[float, ...] = MEDUSA_PRIOR
-_SUM_ATOL = 1e-6
-
-
-def validate_acceptance(acceptance: Sequence[float] | torch.Tensor) -> tuple[float, ...]:
-    """A positional acceptance vector as a tuple; errors say what is wrong with it."""
-    if isinstance(acceptance, torch.Tensor):
-        acceptance = acceptance.detach().flatten().tolist()
-    if isinstance(acceptance, (str, bytes)) or not isinstance(acceptance, Sequence):
-        raise TypeError(f"acceptance must be a sequence of probabilities, got "
-                        f"{type(acceptance).__name__}")
-    a = tuple(float(x) for x in acceptance)
-    if not a:
-        raise ValueError("acceptance vector must not be empty")
-    for i, x in enumerate(a):
-        if not math.isfinite(x) or not 0.0 <= x <= 1.0:
-            raise ValueError(f"acceptance vector entries must be probabilities in [0, 1]; "
-                             f"a[{i}] = {x}")
-    if math.fsum(a) > 1.0 + _SUM_ATOL:
-        raise ValueError(f"acceptance vector sums to {math.fsum(a):.6g} > 1, so it is not a "
-                         "distribution: a[i] is the probability that child i is THE accepted "
-                         "one, and those events are disjoint")
-    return a
-
-
-def optimal_tree(acceptance: Sequence[float] | torch.Tensor, budget: int,
-                 depth: int) -> tuple[float, tuple[Choice, ...]]:
-    """(expected tokens τ, shape) of the best tree with <= ``budget`` nodes (root included) and
-    depth <= ``depth`` under the positional acceptance vector (module docstring)."""
-    a = validate_acceptance(acceptance)
-    check_int("budget", budget)
-    check_int("depth", depth)
-    return _optimal_tree(a, budget, depth)
-
-
-@lru_cache(maxsize=256)
-def _optimal_tree(a: tuple[float, ...], budget: int, depth: int) -> tuple[float, tuple[Choice, ...]]:
-    n_max = budget
-    k = min(len(a), n_max - 1)
-    # T[d][n], n = 0..n_max (n = 0 unused); split[d][i][m] = nodes given to rank i's subtree
-    T = np.ones((depth + 1, n_max + 1))
-    split = np.zeros((depth + 1, max(k, 1), n_max), dtype=np.int64)
-    for d in range(1, depth + 1):
-        g_next = np.zeros(n_max)  # G_d(k, m) = 0
-        for i in range(k - 1, -1, -1):
-            g = np.zeros(n_max)
-            for m in range(1, n_max):
-                s = np.arange(1, m + 1)
-                cand = a[i] * T[d - 1][s] + g_next[m - s]
-                best = int(np.argmax(cand))  # first maximum: the smallest subtree
-                if cand[best] > g[m - 1] and cand[best] > 0:
-                    g[m], split[d][i][m] = cand[best], best + 1
-                else:  # one node fewer does as well: keep it unused
-                    g[m], split[d][i][m] = g[m - 1], -1
-            g_next = g
-        T[d][1:] = 1.0 + g_next[np.arange(n_max)]
-    shape: list[Choice] = []
-
-    def place(prefix: Choice, n: int, d: int) -> None:
-        """Emit the optimal subtree of <= n nodes and depth <= d rooted at ``prefix``."""
-        m, i = n - 1, 0
-        while d > 0 and i < k and m > 0:
-            s = int(split[d][i][m])
-            if s == -1:
-                m -= 1
-                continue
-            if s == 0:
-                break
-            child = prefix + (i,)
-            shape.append(child)
-            place(child, s, d - 1)
-            m, i = m - s, i + 1
-
-    place((), n_max, depth)
-    shape.sort(key=lambda c: (len(c), c))
-    return float(T[depth][n_max]), tuple(shape)
 
 
 def expected_tokens(acceptance: Sequence[float] | torch.Tensor, shape: Sequence[Choice]) -> float:
@@ -155,8 +73,9 @@ class SequoiaBuilder(StaticTreeBuilder):
                  mode: DraftMode = "deterministic"):
         self.sequoia = SequoiaConfig(budget, depth,
                                      DEFAULT_ACCEPTANCE if acceptance is None else acceptance, mode)
-        self.expected_tokens, shape = optimal_tree(self.sequoia.acceptance, budget, depth)
-        super().__init__(shape, mode)
+        best = optimal_tree(self.sequoia.acceptance, budget, depth)
+        self.expected_tokens = best.tau
+        super().__init__(best.choices, mode)
 
     @property
     def acceptance(self) -> tuple[float, ...]:

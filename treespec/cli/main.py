@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
+from treespec.core.sampling import SamplingConfig
+
 BUILDERS = ("dynamic", "chain", "static", "best-first", "sequoia")
 
 
@@ -20,7 +22,7 @@ def make_builder(name: str, budget: int, depth: int, top_k: int, mode: str = "de
     """A tree builder from CLI-style arguments (budget counts nodes incl. the root).
     ``acceptance``: Sequoia's positional acceptance vector (None: its default).
     ``min_confidence``: adaptive termination (chain, dynamic, best-first; 0 = off)."""
-    from treespec import trees
+    from treespec import builders as trees
 
     if min_confidence and name not in ADAPTIVE:
         raise ValueError(f"min_confidence is an option of the {', '.join(ADAPTIVE)} builders, not {name!r}")
@@ -70,9 +72,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                         "traversal (trees); all exact. The new rules gain only with drawn children "
                         "(--draft-mode with_replacement/without_replacement); on deterministic trees "
                         "(and at T = 0) they are the token rule")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    defaults = SamplingConfig()   # the one set of sampling defaults (greedy)
+    p.add_argument("--temperature", type=float, default=defaults.temperature, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=defaults.top_k, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=defaults.top_p, help="nucleus mass; 1 = off")
+    p.add_argument("--min-p", type=float, default=defaults.min_p, help="drop tokens below min-p x the most likely; 0 = off")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None,
@@ -170,8 +174,8 @@ def cmd_generate(args) -> int:
         def hook(built, acceptance, step):
             save_step_tree(built, acceptance, tok, args.show_tree, step)
 
-    stream = gen.stream(args.prompt, args.max_new_tokens, args.temperature, args.top_p,
-                        args.top_k, seed=args.seed, on_step=hook)
+    stream = gen.stream(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, min_p=args.min_p, seed=args.seed, on_step=hook)
     from treespec.runtime.streaming import IncrementalText
 
     text = IncrementalText(tok)  # prints complete characters only (multi-byte UTF-8 tokens)

@@ -69,7 +69,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--acceptance", type=_acceptance, default=None,
                       help="β, or a positional acceptance vector 'p1,p2,...' (default per drafter: "
                            + ", ".join(f"{k} {v}" for k, v in DEFAULT_BETA.items()) + ")")
-    plan.add_argument("--max-budget", type=int, default=128, help="largest tree budget searched (default 128)")
+    plan.add_argument("--max-budget", type=int, default=129,
+                      help="largest tree searched, in nodes incl. the root (default 129)")
     plan.add_argument("--max-depth", type=int, default=16, help="deepest tree searched (default 16)")
     plan.add_argument("--calibration", type=Path, default=None,
                       help="calibration JSON for 'local' (default: the model's default calibration path)")
@@ -148,6 +149,8 @@ def _plan(args: argparse.Namespace) -> int:
     target = model_shape(args.model)
     spec = _drafter(args)
     acceptance = args.acceptance if args.acceptance is not None else DEFAULT_BETA[spec.kind]
+    if args.max_budget < 1:
+        raise SystemExit(f"--max-budget counts tree nodes incl. the root and must be >= 1, got {args.max_budget}")
     names = [h.strip() for h in args.hardware.split(",") if h.strip()]
     costs = {name: _cost(name, target, spec, args) for name in names}
     print(f"target {target.name} ({target.total_params / 1e9:.3g} B params, {target.bytes_per_weight:g} B/weight), "
@@ -159,7 +162,7 @@ def _plan(args: argparse.Namespace) -> int:
     curves: dict[int, dict[str, list[TreeChoice]]] = {}
     for name, cost in costs.items():
         for batch in args.batch:
-            curve = plan_curve(cost, acceptance, batch, args.context, args.max_budget, args.max_depth)
+            curve = plan_curve(cost, acceptance, batch, args.context, args.max_budget - 1, args.max_depth)
             curves.setdefault(batch, {})[name] = curve
             c = best_choice(curve)
             print(f"{name:<9} {batch:>5} {c.budget:>6} {c.depth:>5} {c.tau:>6.2f} {c.tokens_per_s:>10.1f} "
@@ -171,7 +174,7 @@ def _plan(args: argparse.Namespace) -> int:
             hardware = Calibration.load(args.calibration or default_calibration_path(args.model)) \
                 if name.lower() == "local" else get_hardware(name)
             lim = batch_limits(target, spec, hardware, args.context, acceptance,
-                               max_budget=args.max_budget, max_depth=args.max_depth)
+                               max_drafts=args.max_budget - 1, max_depth=args.max_depth)
             print(f"{name:<9} {_fmt_batch(lim.decode_compute_bound):>6} | {_fmt_batch(lim.verify_compute_bound):>6} | "
                   f"{_fmt_batch(lim.chain):>6} | {_fmt_batch(lim.no_speculation):>6}")
     plot = args.plot if args.plot is not None else f"plan-{args.model}.png"

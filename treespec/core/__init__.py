@@ -11,13 +11,13 @@
 Nothing here imports a model, a drafter or another treespec package.
 """
 
-from treespec.core.acceptance import Acceptance
+from treespec.core.acceptance import VERIFY_RULES, Acceptance, VerifyRule
 from treespec.core.rejection import accept
 from treespec.core.sampling import SamplingConfig, logits_to_probs
 from treespec.core.tree import DraftTree
 from treespec.core.tree_batch import RequestAcceptance, TreeBatch, VerifyInputs, accept_batch, prepare_verify
 
 __all__ = [
-    "Acceptance", "DraftTree", "RequestAcceptance", "SamplingConfig", "TreeBatch", "VerifyInputs",
-    "accept", "accept_batch", "logits_to_probs", "prepare_verify",
+    "VERIFY_RULES", "Acceptance", "DraftTree", "RequestAcceptance", "SamplingConfig", "TreeBatch", "VerifyInputs",
+    "VerifyRule", "accept", "accept_batch", "logits_to_probs", "prepare_verify",
 ]

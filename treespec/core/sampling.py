@@ -16,18 +16,20 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How logits become probabilities. Validated on construction.
-
-    Attributes:
-        temperature: 0 = greedy (one-hot argmax); > 0 divides the logits.
-        top_k:       keep the k most likely tokens; 0 disables.
-        top_p:       keep the smallest most-likely set with mass >= top_p; 1.0 disables.
-        min_p:       drop tokens with prob < min_p * max prob; 0.0 disables.
+    """How logits become probabilities, for the target and the drafter alike. Validated on
+    construction. These are the only sampling defaults in treespec: every front door
+    (``generate``, ``stream``, ``add_request``, ``generate_batch``, the CLI) takes the same
+    settings in this order and defaults to this dataclass's values, i.e. greedy decoding.
     """
 
-    temperature: float = 1.0
+    # 0 = greedy (one-hot argmax, exact token-for-token equality with plain decoding);
+    # > 0 divides the logits before the softmax.
+    temperature: float = 0.0
+    # keep the k most likely tokens; 0 disables.
     top_k: int = 0
+    # keep the smallest most-likely set whose mass reaches top_p; 1.0 disables.
     top_p: float = 1.0
+    # drop tokens whose probability is below min_p times the largest; 0.0 disables.
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
@@ -49,12 +51,13 @@ class SamplingConfig:
 def logits_to_probs(
     # [..., V]
     logits: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
 ) -> torch.Tensor:
-    """Processed probabilities [..., V] in float32 (float64 stays float64).
+    """Processed probabilities [..., V] in float32 (float64 stays float64). The settings and
+    their defaults are ``SamplingConfig``'s (greedy by default).
 
     Raises ValueError on invalid sampling values (see SamplingConfig).
     """

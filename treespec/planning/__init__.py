@@ -20,6 +20,7 @@ from treespec.planning.tau import (
     expected_tree_tokens,
     optimal_tree,
     optimal_trees,
+    validate_acceptance,
 )
 from treespec.planning.calibration import (
     CalibratedCost, Calibration, Curve, acceptance_key, default_calibration_path, machine_mismatch, model_calibration_path,
@@ -88,6 +89,7 @@ __all__ = [
     "model_shape",
     "optimal_tree",
     "optimal_trees",
+    "validate_acceptance",
     "pass_bytes",
     "pass_flops",
     "pass_time",

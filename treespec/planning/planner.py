@@ -1,12 +1,13 @@
 """Tree sizing: pick the budget and depth that maximise expected tokens per second.
 
-For a tree with budget b (draft nodes, root excluded) and depth D on a batch of B sequences:
+For a tree of d draft nodes (its budget is d + 1 nodes, the root included) and depth D on a
+batch of B sequences:
 
-    step_s       = t_draft(level widths) + t_target(n = b + 1 tokens per sequence)
-    tokens_per_s = B · τ(b, D) / step_s          (aggregate over the batch)
+    step_s       = t_draft(level widths) + t_target(n = d + 1 tokens per sequence)
+    tokens_per_s = B · τ(d, D) / step_s          (aggregate over the batch)
     speedup      = tokens_per_s / (B / t_target(1))  (vs. plain decoding on the same model)
 
-τ(b, D) is the optimal tree's (``acceptance.optimal_trees``). Budget 0 (no speculation) is
+τ(d, D) is the optimal tree's (``tau.optimal_trees``). d = 0 (no speculation) is
 always a candidate, so the answer shrinks to a chain, then to nothing, as the batch grows and
 verification turns compute-bound.
 """
@@ -73,18 +74,18 @@ class TreeChoice:
     """A tree size and its predicted performance.
 
     Attributes:
-        budget:       draft nodes, root excluded (0 = no speculation). The tree builders count
-                      the root: pass ``n_nodes`` (= budget + 1) as their ``budget``.
-        depth:        levels below the root (0 when budget is 0); budget == depth is a chain.
+        drafts:       draft nodes, root excluded (0 = no speculation); ``budget`` (a property)
+                      is drafts + 1, the nodes incl. the root that every builder takes.
+        depth:        levels below the root (0 when drafts is 0); drafts == depth is a chain.
         tau:          predicted tokens per step (accepted + 1).
         tokens_per_s: predicted tokens/s summed over the batch.
         speedup:      tokens_per_s over plain decoding's on the same cost model.
-        verify_s:     seconds of the target pass over budget + 1 tokens per sequence.
+        verify_s:     seconds of the target pass over drafts + 1 tokens per sequence.
         draft_s:      seconds of drafting (all levels).
         level_sizes:  nodes per depth, the root's level first.
     """
 
-    budget: int
+    drafts: int
     depth: int
     tau: float
     tokens_per_s: float
@@ -94,9 +95,9 @@ class TreeChoice:
     level_sizes: tuple[int, ...]
 
     @property
-    def n_nodes(self) -> int:
-        """Tree nodes including the root: the ``budget`` argument of ``treespec.builders`` builders."""
-        return self.budget + 1
+    def budget(self) -> int:
+        """Tree nodes including the root: the ``budget`` argument of every builder."""
+        return self.drafts + 1
 
     @property
     def step_s(self) -> float:
@@ -108,9 +109,9 @@ class TreeChoice:
         return max(self.level_sizes) <= 1
 
 
-def _check_planning(batch: int, context: int, max_budget: int, max_depth: int) -> None:
+def _check_planning(batch: int, context: int, max_drafts: int, max_depth: int) -> None:
     for name, value, low in (("batch", batch, 1), ("context", context, 0),
-                             ("max_budget", max_budget, 0), ("max_depth", max_depth, 0)):
+                             ("max_drafts", max_drafts, 0), ("max_depth", max_depth, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
@@ -120,14 +121,14 @@ def plan_curve(
     acceptance: Acceptance,
     batch: int = 1,
     context: int = 0,
-    max_budget: int = 128,
+    max_drafts: int = 128,
     max_depth: int = 16,
 ) -> list[TreeChoice]:
-    """The best choice of every budget 0 .. max_budget (each at its best depth <= max_depth).
+    """The best choice of every size, 0 .. max_drafts draft nodes (each at its best depth <= max_depth).
 
     Budgets no tree can use (all further nodes worth 0) are left out.
     """
-    _check_planning(batch, context, max_budget, max_depth)
+    _check_planning(batch, context, max_drafts, max_depth)
     verify_cache: dict[int, float] = {}
 
     def verify_s(n_tokens: int) -> float:
@@ -138,23 +139,23 @@ def plan_curve(
     baseline = batch / verify_s(1)
     best: dict[int, TreeChoice] = {0: TreeChoice(0, 0, 1.0, baseline, 1.0, verify_s(1), 0.0, (1,))}
     for depth in range(1, max_depth + 1):
-        for tree in optimal_trees(acceptance, max_budget, depth)[1:]:
+        for tree in optimal_trees(acceptance, max_drafts, depth)[1:]:
             if tree.depth < depth:  # the same tree was scored at a smaller depth limit
                 continue
-            verify = verify_s(tree.budget + 1)
+            verify = verify_s(tree.budget)
             draft = cost.draft_s(tree.draft_widths, batch, context)
             rate = batch * tree.tau / (verify + draft)
-            if tree.budget not in best or rate > best[tree.budget].tokens_per_s:
-                best[tree.budget] = TreeChoice(tree.budget, tree.depth, tree.tau, rate, rate / baseline,
+            if tree.drafts not in best or rate > best[tree.drafts].tokens_per_s:
+                best[tree.drafts] = TreeChoice(tree.drafts, tree.depth, tree.tau, rate, rate / baseline,
                                                verify, draft, tree.level_sizes)
     return [best[b] for b in sorted(best)]
 
 
 def best_choice(curve: Sequence[TreeChoice]) -> TreeChoice:
-    """The highest tokens/s of a curve; ties go to the smaller budget."""
+    """The highest tokens/s of a curve; ties go to the smaller tree."""
     if not curve:
         raise ValueError("empty plan curve")
-    return max(curve, key=lambda c: (c.tokens_per_s, -c.budget))
+    return max(curve, key=lambda c: (c.tokens_per_s, -c.drafts))
 
 
 def _resolve(
@@ -176,7 +177,7 @@ def best_tree(
     batch: int = 1,
     context: int = 2048,
     acceptance: Acceptance | None = None,
-    max_budget: int = 128,
+    max_drafts: int = 128,
     max_depth: int = 16,
 ) -> TreeChoice:
     """Budget, depth, τ, tokens/s and speedup of the best tree.
@@ -193,7 +194,7 @@ def best_tree(
     target, spec, cost = _resolve(model, drafter, hardware)
     if acceptance is None:
         acceptance = DEFAULT_BETA[spec.kind]
-    return best_choice(plan_curve(cost, acceptance, batch, context, max_budget, max_depth))
+    return best_choice(plan_curve(cost, acceptance, batch, context, max_drafts, max_depth))
 
 
 # builder="auto" speculates only where the cost model predicts at least this speedup, on a
@@ -236,7 +237,7 @@ def auto_budget(
     calibration: Calibration,
     acceptance: Acceptance,
     drafter_kind: str,
-    max_budget: int = 64,
+    max_drafts: int = 64,
     max_depth: int = 16,
     batch: int = 1,
     min_gain: float | None = None,
@@ -247,14 +248,14 @@ def auto_budget(
     context, using the measured target curve and the measured pass time of ``drafter_kind``
     (``Calibration.drafters``; "lookup" costs 0). A tree whose predicted speedup is below
     ``min_gain`` (default ``auto_min_gain(calibration)``: higher on a noisy machine) gives way
-    to plain decoding (budget 0).
+    to plain decoding (0 drafts, budget 1).
     """
     if min_gain is None:
         min_gain = auto_min_gain(calibration)
     if not min_gain >= 1.0:
         raise ValueError(f"min_gain must be >= 1 (1: speculate on any predicted gain), got {min_gain!r}")
     cost = CalibratedCost(calibration, drafter_kind)
-    curve = plan_curve(cost, acceptance, batch, calibration.context, max_budget, max_depth)
+    curve = plan_curve(cost, acceptance, batch, calibration.context, max_drafts, max_depth)
     choice = best_choice(curve)
     return choice if choice.speedup >= min_gain else curve[0]
 
@@ -266,9 +267,9 @@ class BatchLimits:
     Attributes:
         decode_compute_bound: smallest batch whose plain decoding pass is compute-bound.
         verify_compute_bound: smallest batch whose verification of the batch-1 best tree
-                              (budget + 1 tokens per sequence) is compute-bound.
+                              (budget = drafts + 1 tokens per sequence) is compute-bound.
         chain:                smallest batch whose best tree is a chain (or nothing).
-        no_speculation:       smallest batch whose best budget is 0.
+        no_speculation:       smallest batch whose best tree has no draft node.
     Compute-bound batches are roofline quantities: None for a calibrated machine.
     """
 
@@ -299,7 +300,7 @@ def batch_limits(
     context: int = 2048,
     acceptance: Acceptance | None = None,
     max_batch: int = 4096,
-    max_budget: int = 128,
+    max_drafts: int = 128,
     max_depth: int = 16,
 ) -> BatchLimits:
     """Where verification turns compute-bound and the best tree shrinks to a chain / nothing."""
@@ -308,15 +309,15 @@ def batch_limits(
         acceptance = DEFAULT_BETA[spec.kind]
 
     def choice(batch: int) -> TreeChoice:
-        return best_choice(plan_curve(cost, acceptance, batch, context, max_budget, max_depth))
+        return best_choice(plan_curve(cost, acceptance, batch, context, max_drafts, max_depth))
 
     decode_bound = verify_bound = None
     if isinstance(cost, RooflineCost):
         decode_bound = compute_bound_batch(target, cost.hardware, 1, context, max_batch)
-        verify_bound = compute_bound_batch(target, cost.hardware, choice(1).budget + 1, context, max_batch)
+        verify_bound = compute_bound_batch(target, cost.hardware, choice(1).budget, context, max_batch)
     return BatchLimits(
         decode_compute_bound=decode_bound,
         verify_compute_bound=verify_bound,
         chain=_first_batch(lambda b: choice(b).is_chain, max_batch),
-        no_speculation=_first_batch(lambda b: choice(b).budget == 0, max_batch),
+        no_speculation=_first_batch(lambda b: choice(b).drafts == 0, max_batch),
     )

@@ -33,7 +33,7 @@ def plot_curves(
             best = best_choice(curve)
             ax.plot([best.budget], [best.tokens_per_s], "o", color=line.get_color())
         ax.set_yscale("log")
-        ax.set_xlabel("tree budget (draft nodes)")
+        ax.set_xlabel("tree budget (nodes, root included)")
         ax.set_ylabel("predicted tokens/s (batch total)")
         ax.set_title(f"batch {batch}")
         ax.grid(True, which="both", alpha=0.3)

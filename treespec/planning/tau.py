@@ -9,19 +9,25 @@ Glossary:
                         reached), the same at every node. The events are disjoint, so
                         Σ p[i] <= 1. Usually non-increasing (the drafter's best candidates are
                         tried first), though measured vectors may have noisy tails.
-    budget              draft nodes of a tree, root excluded; verification runs on
-                        n = budget + 1 tokens. Budget 0 is plain decoding (τ = 1).
+    budget              tree nodes, the root included: the tokens of one verify pass (the
+                        word means this everywhere in treespec). Budget 1 is plain decoding.
+    drafts              draft nodes, the root excluded: budget − 1.
     value of a node     P(node accepted) = product of p[rank] over the path from the root.
                         τ = 1 + Σ values (each accepted node is a token, plus the new token).
 
 Optimal tree: with a non-increasing p every child is worth at most its parent and every later
-sibling at most the earlier one, so the ``budget`` most valuable nodes of the infinite
-depth-limited tree form a valid tree, and no tree of that size is worth more. Best-first
-growth (a heap on value) therefore yields Sequoia's DP optimum for *every* budget at once,
-in O(budget · log budget). For a vector that increases somewhere, best-first growth still
-gives valid trees but only a lower bound of the optimum; ``treespec.builders.sequoia.optimal_tree``
-(the DP, with the builders' convention budget = nodes *including* the root) is exact for any
-vector. The tests cross-check both.
+sibling at most the earlier one, so the d most valuable nodes of the infinite depth-limited
+tree form a valid tree, and no tree of that size is worth more. Best-first growth (a heap on
+value) therefore yields Sequoia's DP optimum for *every* size at once, in O(d · log d)
+(``optimal_trees``). For a vector that increases somewhere, best-first growth still
+gives valid trees but only a lower bound of the optimum; ``optimal_tree`` is exact for any vector,
+one size at a time, with Sequoia's dynamic programme over (nodes, depth):
+    T(n, d) = best τ of a tree with at most n nodes (root incl.) and depth <= d;
+    T(1, d) = 1,  T(n, 0) = 1,  T(n, d) = 1 + G_d(0, n - 1)
+    G_d(i, m) = best value of at most m nodes placed below children of rank >= i
+              = max(0, max_{1<=s<=m} a[i]·T(s, d - 1) + G_d(i + 1, m - s)).
+A child of rank i exists only if ranks < i exist (children are tried in order), which the
+recursion over i encodes. The tests cross-check the two.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 
@@ -47,6 +55,7 @@ __all__ = [
     "expected_tree_tokens",
     "optimal_tree",
     "optimal_trees",
+    "validate_acceptance",
 ]
 
 
@@ -170,10 +179,11 @@ def expected_tokens_positional(parents: Sequence[int], acceptance: float | Seque
 
 @dataclass(frozen=True)
 class OptimalTree:
-    """The best tree of one budget under a positional acceptance vector.
+    """The best tree of one size under a positional acceptance vector.
 
     Attributes:
-        parents:     parent index per node (N = budget + 1, root first, topological).
+        parents:     parent index per node (N = drafts + 1 = budget, root first, topological;
+                     siblings in rank order, the first-tried child first).
         tau:         expected tokens per step, 1 + Σ node values.
         level_sizes: nodes per depth, depth 0 (the root) first; ``len - 1`` is the depth.
     """
@@ -183,8 +193,25 @@ class OptimalTree:
     level_sizes: tuple[int, ...]
 
     @property
-    def budget(self) -> int:
+    def drafts(self) -> int:
+        """Draft nodes, the root excluded (0 = plain decoding)."""
         return len(self.parents) - 1
+
+    @property
+    def budget(self) -> int:
+        """Tree nodes, the root included: the ``budget`` of every builder, and the tokens of
+        one verify pass."""
+        return len(self.parents)
+
+    @property
+    def choices(self) -> tuple[tuple[int, ...], ...]:
+        """The shape as rank paths from the root (root excluded), ``StaticTreeBuilder``'s form."""
+        paths: list[tuple[int, ...]] = [()]
+        children = [0] * len(self.parents)
+        for parent in self.parents[1:]:
+            paths.append(paths[parent] + (children[parent],))
+            children[parent] += 1
+        return tuple(paths[1:])
 
     @property
     def depth(self) -> int:
@@ -196,23 +223,24 @@ class OptimalTree:
         return self.level_sizes[:-1]
 
 
-def optimal_trees(acceptance: float | Sequence[float], max_budget: int, max_depth: int) -> list[OptimalTree]:
-    """Optimal trees for budgets 0, 1, … (up to ``max_budget``) with depth <= ``max_depth``.
+def optimal_trees(acceptance: float | Sequence[float], max_drafts: int, max_depth: int) -> list[OptimalTree]:
+    """The best tree of every size at once: entry d has d draft nodes (d = 0 … ``max_drafts``)
+    and depth <= ``max_depth``.
 
     Best-first growth (see the module docstring): exact for a non-increasing vector, a lower
-    bound otherwise. The list is shorter than max_budget + 1 when
-    larger trees gain nothing (all remaining nodes are worth 0 or the depth/sibling limit is
-    reached).
+    bound otherwise (``optimal_tree`` is exact for any vector, one size at a time). The list is
+    shorter than max_drafts + 1 when larger trees gain nothing (all remaining nodes are worth 0
+    or the depth/sibling limit is reached).
     """
-    if not isinstance(max_budget, int) or max_budget < 0:
-        raise ValueError(f"max_budget must be an int >= 0, got {max_budget!r}")
+    if not isinstance(max_drafts, int) or max_drafts < 0:
+        raise ValueError(f"max_drafts must be an int >= 0, got {max_drafts!r}")
     if not isinstance(max_depth, int) or max_depth < 0:
         raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
-    return list(_optimal_trees(acceptance_vector(acceptance), max_budget, max_depth))
+    return list(_optimal_trees(acceptance_vector(acceptance), max_drafts, max_depth))
 
 
 @functools.lru_cache(maxsize=256)
-def _optimal_trees(p: tuple[float, ...], max_budget: int, max_depth: int) -> tuple[OptimalTree, ...]:
+def _optimal_trees(p: tuple[float, ...], max_drafts: int, max_depth: int) -> tuple[OptimalTree, ...]:
     parents, values, depths = [-1], [1.0], [0]
     level_sizes = [1]
     trees = [OptimalTree((-1,), 1.0, (1,))]
@@ -222,7 +250,7 @@ def _optimal_trees(p: tuple[float, ...], max_budget: int, max_depth: int) -> tup
     if max_depth >= 1:
         heap.append((-p[0], 1, counter, 0, 0))
     tau = 1.0
-    while heap and len(parents) <= max_budget:
+    while heap and len(parents) <= max_drafts:
         neg_value, depth, _, parent, rank = heapq.heappop(heap)
         if neg_value == 0.0:
             break
@@ -244,13 +272,88 @@ def _optimal_trees(p: tuple[float, ...], max_budget: int, max_depth: int) -> tup
     return tuple(trees)
 
 
-def optimal_tree(acceptance: float | Sequence[float], budget: int, depth: int) -> OptimalTree:
-    """The optimal tree of exactly ``budget`` draft nodes and depth <= ``depth``.
+_SUM_ATOL = 1e-6
 
-    Error when no such tree adds value (e.g. budget > depth for a chain-only vector (β,)).
-    """
-    trees = optimal_trees(acceptance, budget, depth)
-    if len(trees) <= budget:
-        raise ValueError(f"no tree of budget {budget} and depth <= {depth} gains over budget "
-                         f"{len(trees) - 1} under acceptance {acceptance}")
-    return trees[budget]
+
+def validate_acceptance(acceptance: Sequence[float] | torch.Tensor) -> tuple[float, ...]:
+    """A positional acceptance vector as a tuple; errors say what is wrong with it."""
+    if isinstance(acceptance, torch.Tensor):
+        acceptance = acceptance.detach().flatten().tolist()
+    if isinstance(acceptance, (str, bytes)) or not isinstance(acceptance, Sequence):
+        raise TypeError(f"acceptance must be a sequence of probabilities, got "
+                        f"{type(acceptance).__name__}")
+    a = tuple(float(x) for x in acceptance)
+    if not a:
+        raise ValueError("acceptance vector must not be empty")
+    for i, x in enumerate(a):
+        if not math.isfinite(x) or not 0.0 <= x <= 1.0:
+            raise ValueError(f"acceptance vector entries must be probabilities in [0, 1]; "
+                             f"a[{i}] = {x}")
+    if math.fsum(a) > 1.0 + _SUM_ATOL:
+        raise ValueError(f"acceptance vector sums to {math.fsum(a):.6g} > 1, so it is not a "
+                         "distribution: a[i] is the probability that child i is THE accepted "
+                         "one, and those events are disjoint")
+    return a
+
+
+def optimal_tree(acceptance: float | Sequence[float] | torch.Tensor, budget: int, depth: int) -> OptimalTree:
+    """The best tree of at most ``budget`` nodes (root included, as every builder counts) and
+    depth <= ``depth`` under a positional acceptance vector (or a β, read as
+    ``acceptance_vector(β)``): Sequoia's dynamic programme, exact for any vector, monotone or
+    not. It may use fewer nodes than ``budget`` when more are worth nothing."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget (tree nodes, root included) must be an int >= 1, got {budget!r}")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise ValueError(f"depth must be an int >= 0, got {depth!r}")
+    a = acceptance_vector(acceptance) if isinstance(acceptance, (int, float)) else validate_acceptance(acceptance)
+    return _optimal_tree(a, budget, depth)
+
+
+@functools.lru_cache(maxsize=256)
+def _optimal_tree(a: tuple[float, ...], budget: int, depth: int) -> OptimalTree:
+    n_max = budget
+    k = min(len(a), n_max - 1)
+    # T[d][n], n = 0..n_max (n = 0 unused); split[d][i][m] = nodes given to rank i's subtree
+    T = np.ones((depth + 1, n_max + 1))
+    split = np.zeros((depth + 1, max(k, 1), n_max), dtype=np.int64)
+    for d in range(1, depth + 1):
+        g_next = np.zeros(n_max)  # G_d(k, m) = 0
+        for i in range(k - 1, -1, -1):
+            g = np.zeros(n_max)
+            for m in range(1, n_max):
+                s = np.arange(1, m + 1)
+                cand = a[i] * T[d - 1][s] + g_next[m - s]
+                best = int(np.argmax(cand))  # first maximum: the smallest subtree
+                if cand[best] > g[m - 1] and cand[best] > 0:
+                    g[m], split[d][i][m] = cand[best], best + 1
+                else:  # one node fewer does as well: keep it unused
+                    g[m], split[d][i][m] = g[m - 1], -1
+            g_next = g
+        T[d][1:] = 1.0 + g_next[np.arange(n_max)]
+    shape: list[tuple[int, ...]] = []
+
+    def place(prefix: tuple[int, ...], n: int, d: int) -> None:
+        """Emit the optimal subtree of <= n nodes and depth <= d rooted at ``prefix``."""
+        m, i = n - 1, 0
+        while d > 0 and i < k and m > 0:
+            s = int(split[d][i][m])
+            if s == -1:
+                m -= 1
+                continue
+            if s == 0:
+                break
+            child = prefix + (i,)
+            shape.append(child)
+            place(child, s, d - 1)
+            m, i = m - s, i + 1
+
+    place((), n_max, depth)
+    shape.sort(key=lambda c: (len(c), c))                 # parents first, siblings in rank order
+    index = {(): 0}
+    parents, level_sizes = [-1], [1]
+    for c in shape:
+        index[c] = len(parents)
+        parents.append(index[c[:-1]])
+        level_sizes += [0] * (len(c) + 1 - len(level_sizes))
+        level_sizes[len(c)] += 1
+    return OptimalTree(tuple(parents), float(T[depth][n_max]), tuple(level_sizes))

@@ -158,7 +158,7 @@ def target_calibration(target: Target):
 
 
 def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=None,
-                 max_budget: int = 64, batch: int = 1, temperature: float = 0.0) -> TreeBuilder:
+                 max_budget: int = 65, batch: int = 1, temperature: float = 0.0) -> TreeBuilder:
     """The tree the cost model predicts fastest on this machine (``builder="auto"``).
 
     Uses the local calibration (``treespec calibrate``). When the calibration measured this
@@ -166,12 +166,15 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     pass times and its positional acceptance vector measured at the temperature nearest to
     ``temperature`` are used (acceptance falls as T rises); otherwise the generic
     pass of its cost kind and the kind's default β. ``acceptance`` (β or a positional vector)
-    overrides the acceptance. Budget 0 gives a root-only tree: plain decoding, one token per
+    overrides the acceptance. ``max_budget``: the largest tree it may pick (nodes incl. the
+    root); when no tree pays, a budget-1 (root-only) tree: plain decoding, one token per
     target forward. ``batch``: the number of requests verified together (``SpeculativeServer``
     asks with its current batch size; the tree shrinks as the verify pass turns compute-bound).
     """
     from treespec.planning import DEFAULT_BETA, auto_budget
 
+    if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 1:
+        raise ValueError(f"max_budget (tree nodes, root included) must be an int >= 1, got {max_budget!r}")
     dtype = next(target.model.parameters()).dtype
     dtype_name = str(dtype).removeprefix("torch.")
     if calibration is None:
@@ -189,13 +192,13 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
         kind = "early_exit" if "early_exit" in calibration.drafters else next(iter(calibration.drafters))
     if acceptance is None:
         acceptance = calibration.acceptance_for(name, temperature) or DEFAULT_BETA.get(generic, 0.6)
-    choice = auto_budget(calibration, acceptance, kind, max_budget=max_budget, batch=batch)
-    if choice.budget == 0:
+    choice = auto_budget(calibration, acceptance, kind, max_drafts=max_budget - 1, batch=batch)
+    if choice.drafts == 0:
         return DynamicTreeBuilder(budget=1, depth=1, top_k=1)
     if choice.is_chain:
-        return ChainBuilder(choice.budget)
+        return ChainBuilder(choice.drafts)
     width = max(choice.level_sizes)
-    return DynamicTreeBuilder(budget=choice.n_nodes, depth=choice.depth, top_k=max(2, min(8, width)))
+    return DynamicTreeBuilder(budget=choice.budget, depth=choice.depth, top_k=max(2, min(8, width)))
 
 
 class CalibrationMismatchWarning(UserWarning):
@@ -338,23 +341,24 @@ class SpeculativeGenerator:
         return ids.cpu()
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128, *,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  seed: int | None = None, chat: bool = True,
                  on_step: StepHook | None = None) -> GenerationResult:
         """Generate up to ``max_new_tokens``; see ``stream`` for the arguments."""
-        stream = self.stream(prompt, max_new_tokens, temperature, top_p, top_k, min_p, seed, chat,
-                             on_step)
+        stream = self.stream(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             min_p=min_p, seed=seed, chat=chat, on_step=on_step)
         for _ in stream:
             pass
         assert stream.result is not None
         return stream.result
 
-    def stream(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
-               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+    def stream(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128, *,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                seed: int | None = None, chat: bool = True,
                on_step: StepHook | None = None) -> GenerationStream:
-        """A GenerationStream of token-id chunks; temperature 0 = greedy. Seeded runs repeat.
+        """A GenerationStream of token-id chunks. The sampling settings and their defaults are
+        ``SamplingConfig``'s (greedy); ``seed`` None draws a fresh seed, a given seed repeats.
 
         ``prompt``: text (through the chat template when ``chat`` and the tokenizer has one) or
         token ids. ``on_step(built, acceptance, step)`` is called after every verification.

@@ -51,7 +51,7 @@ from treespec.builders.dynamic import DynamicTreeBuilder
 from treespec.core.acceptance import VERIFY_RULES, VerifyRule
 from treespec.runtime.batch_verifier import BatchVerifier
 
-AUTO_MAX_BUDGET = 64          # the largest tree budget="auto" may pick (context is reserved for it)
+AUTO_MAX_BUDGET = 65          # the largest tree (nodes, root incl.) budget="auto" may pick; context is reserved for it
 
 
 @dataclass(frozen=True)
@@ -152,14 +152,14 @@ class SpeculativeServer:
         ``builder`` overrides the server's tree for this request (its own budget, or "auto").
         """
         ids = _prompt_ids(prompt_ids, self.target.vocab_size)
-        sampling = SamplingConfig(0.0) if sampling is None else sampling
+        sampling = SamplingConfig() if sampling is None else sampling
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be an int > 0, got {max_new_tokens!r}")
         seed = check_seed(seed)
         chosen = self.builder if builder is None else self._check_builder(builder)
-        budget = AUTO_MAX_BUDGET + 1 if chosen == "auto" else chosen.budget
+        budget = AUTO_MAX_BUDGET if chosen == "auto" else chosen.budget
         limit = self.target.max_context
         if ids.numel() + max_new_tokens + budget > limit:
             raise ValueError(f"the request does not fit the context window ({limit}: "
@@ -367,14 +367,14 @@ def generate_batch(
 
     ``drafters``: one Drafter or BatchDrafter for every request (its batched form: one
     drafter forward per round for all of them), or a list with request b's own single-request
-    drafter at b (each driven alone, ``LoopBatchDrafter``). ``configs`` default to greedy;
+    drafter at b (each driven alone, ``LoopBatchDrafter``). ``configs`` default to ``SamplingConfig()``;
     ``seeds[b]`` seeds request b's generator (None: a fresh random seed). Runs a
     ``SpeculativeServer`` with every request joining at the first step.
     """
 
     b_ = len(prompts) if isinstance(prompts, (list, tuple)) else 0
-    configs = [SamplingConfig(0.0)] * b_ if configs is None else configs
-    seeds = [0] * b_ if seeds is None else seeds
+    configs = [SamplingConfig()] * b_ if configs is None else configs
+    seeds = [None] * b_ if seeds is None else seeds
     if not isinstance(target, Target):
         raise TypeError(f"target must be a treespec.Target, got {type(target).__name__}")
     check_builder(builder)

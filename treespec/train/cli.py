@@ -3,14 +3,14 @@
 Three data paths:
     online (default)           every step runs the target over its own ShareGPT exchanges and trains
                                on the features at once; nothing per token is stored. A ``--tokens``,
-                               ``--minutes`` or ``--steps`` budget, ``--curve`` points; resumable
+                               ``--minutes`` or ``--steps`` limit, ``--curve`` points; resumable
                                from ``--out`` (exactly), or from the small portable state
                                ``<kind>.resume.*`` alone on another machine (fresh optimizer).
     in-memory cache (``--cache``)  ``--sequences`` ShareGPT exchanges, chunked under
-                               ``$TREESPEC_CACHE/train``; a ``--minutes`` or ``--steps`` budget.
+                               ``$TREESPEC_CACHE/train``; a ``--minutes`` or ``--steps`` limit.
     feature shards (``--shards DIR``)  extraction streams ShareGPT into fixed-size shards until
                                they hold ``--extract-tokens`` (default ``--tokens``), resumable
-                               from DIR/manifest.json; training streams them under a token budget
+                               from DIR/manifest.json; training streams them under a token limit
                                (``--tokens 3M``) and exports learning-curve checkpoints at
                                ``--curve`` points into ``--out``/curve/.
 ``--procs N`` (or ``torchrun --nproc-per-node N -m treespec.train ...``) trains on N processes:
@@ -208,7 +208,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("kind", choices=KINDS, help="which drafter")
     p.add_argument("--out", required=True, help="output directory (checkpoint, card, resumable state, curve/)")
     p.add_argument("--minutes", type=float, default=None,
-                   help="wall-clock budget of this run (default 15; none with --tokens or --steps)")
+                   help="wall-clock limit of this run (default 15; none with --tokens or --steps)")
     p.add_argument("--steps", type=int, default=0, help="fixed number of steps instead of --minutes")
     p.add_argument("--model", default="smollm2-135m", help="target name")
     p.add_argument("--cache", action="store_true",
@@ -227,13 +227,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="warm start from a checkpoint of the same kind (new optimizer and schedule)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (per process)")
-    g = p.add_argument_group("online data, feature shards, token budgets and distributed training")
+    g = p.add_argument_group("online data, feature shards, token limits and distributed training")
     g.add_argument("--online", action="store_true",
                    help="the target's features computed per step, never stored (the default without --shards / --cache)")
     g.add_argument("--procs", type=int, default=1,
                    help="training processes on this machine (DDP, gloo on CPU); --threads is per process")
     g.add_argument("--shards", default=None, metavar="DIR", help="feature-shard directory (extracted there if needed)")
-    g.add_argument("--tokens", default=None, help="token budget of the whole run (all resumptions), e.g. 10M")
+    g.add_argument("--tokens", default=None, help="token limit of the whole run (all resumptions), e.g. 10M")
     g.add_argument("--extract-tokens", default=None,
                    help="extract shards until they hold this many tokens (default: --tokens)")
     g.add_argument("--shard-tokens", type=int, default=1 << 16, help="tokens per shard")

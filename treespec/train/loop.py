@@ -1,12 +1,12 @@
-"""The training loop: seeded, time-budgeted, resumable; writes an fp16 checkpoint and a JSON card.
+"""The training loop: seeded, time-limited, resumable; writes an fp16 checkpoint and a JSON card.
 
 ``train_drafter(kind, target, out_dir, minutes)``:
     1. builds (or reuses) the feature caches: ``DataConfig(split="train")`` and a held-out split;
     2. counts the target's top-1 ids over the training positions (EAGLE-3's draft vocabulary
        and the always-present ids of the KD candidate set);
-    3. trains with AdamW, linear warm-up then cosine decay over ``total_steps``; with a time budget
+    3. trains with AdamW, linear warm-up then cosine decay over ``total_steps``; with a time limit
        ``total_steps`` is fixed after timing the first steps (and stored, so a resumed run keeps
-       the same schedule); the run also stops when the budget is spent;
+       the same schedule); the run also stops when the limit is reached;
     4. every ``save_every_s`` seconds and at the end writes ``<out>/<kind>.train.safetensors``
        (model, optimizer, RNG state as tensors; step, schedule, loss log as JSON; no pickle):
        re-running the same command resumes from it;
@@ -44,7 +44,7 @@ HELDOUT_CARD_SEQS = 8       # held-out sequences behind the card's headline acce
 class TrainConfig:
     """Optimisation settings (stored in the card)."""
 
-    minutes: float = 15.0        # wall-clock budget of this run (resumed runs add their own)
+    minutes: float = 15.0        # wall-clock limit of this run (resumed runs add their own)
     steps: int = 0               # fixed step count instead of a time-derived one (0 = from minutes)
     batch_size: int = 4          # sequences per step
     max_len: int = 256           # tokens per sequence
@@ -56,7 +56,7 @@ class TrainConfig:
     threads: int = 1             # torch intra-op threads
     save_every_s: float = 120.0
     init_from: str = ""          # warm start: a checkpoint of the same kind (fresh optimizer/schedule)
-    tokens: int = 0              # token budget: stop once the global batches held this many sequence
+    tokens: int = 0              # token limit: stop once the global batches held this many sequence
                                  # tokens (0 = by steps / minutes); needs feature shards
     curve: tuple[int, ...] = ()  # token counts at which to export learning-curve checkpoints (<out>/curve/)
     grad_accum: int = 1          # parts per process per step; global batch = processes x grad_accum x batch_size
@@ -225,7 +225,7 @@ class _Data:
     parts: object                  # Callable[[int], list[Batch]]
     frequency: torch.Tensor        # LongTensor[V] target top-1 counts (EAGLE-3 vocabulary, KD set)
     card: dict                     # what the card records about the data
-    mean_length: float = 0.0       # tokens per sequence (token-budget schedules)
+    mean_length: float = 0.0       # tokens per sequence (token-limit schedules)
     shards: int = 0                # shard files streamed (0: the in-memory cache)
     cpu_per_token: float = 0.0     # extraction CPU seconds per token (learning-curve cost)
     stream: object = None          # OnlineStream of an online run: its cursor is saved with the weights
@@ -371,7 +371,7 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
     Three data paths: the in-memory cache of ``data`` (default); ``shards``, a feature-shard
     directory (``treespec.train.shards``) to stream from; ``online``, a
     :class:`treespec.train.online.OnlineData` whose sequences the target runs over at every step
-    (nothing stored). A token budget (``cfg.tokens``), ``cfg.grad_accum > 1`` and ``torchrun``
+    (nothing stored). A token limit (``cfg.tokens``), ``cfg.grad_accum > 1`` and ``torchrun``
     need shards or online data (each rank reads its own parts).
 
     Resuming: ``<out>/<kind>.train.safetensors`` (weights, optimizer, RNG, data cursor) continues
@@ -393,12 +393,12 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
     if not isinstance(cfg.grad_accum, int) or cfg.grad_accum < 1:
         raise ValueError(f"grad_accum must be an int >= 1, got {cfg.grad_accum!r}")
     if not (cfg.tokens or cfg.steps or cfg.minutes > 0):
-        raise ValueError("TrainConfig needs a budget: minutes > 0, steps or tokens")
+        raise ValueError("TrainConfig needs a limit: minutes > 0, steps or tokens")
     world = Dist.current()
     if shards is not None and online is not None:
         raise ValueError("train from feature shards or online, not both: drop --shards or --online")
     if shards is None and online is None and (world.active or cfg.tokens or cfg.grad_accum != 1 or cfg.curve):
-        raise ValueError("a token budget, learning-curve points, --grad-accum and torchrun read feature shards or "
+        raise ValueError("a token limit, learning-curve points, --grad-accum and torchrun read feature shards or "
                          "online data: pass --online, or --shards DIR (extracted with --extract-tokens)")
     if world.active and not (cfg.tokens or cfg.steps):
         raise ValueError("under torchrun give --tokens or --steps (a schedule timed on one rank would differ "
@@ -497,9 +497,9 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
             source.stream.cursor = dict(st["cursor"])
     if cfg.tokens and not cfg.steps and not total:
         total = max(1, math.ceil(cfg.tokens / (parts * cfg.batch_size * source.mean_length)))
-    budget = elapsed + cfg.minutes * 60 if cfg.minutes and not cfg.steps else math.inf
+    deadline = elapsed + cfg.minutes * 60 if cfg.minutes and not cfg.steps else math.inf
     if cfg.tokens and not cfg.minutes:
-        budget = math.inf
+        deadline = math.inf
     wrapped = LossModule(recipe, model)
     if world.active:
         from torch.nn.parallel import DistributedDataParallel
@@ -554,7 +554,7 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
             return tokens_seen < cfg.tokens
         return not total or step < total
 
-    while more() and elapsed < budget:
+    while more() and elapsed < deadline:
         if interrupt_after is not None and this_run >= interrupt_after:
             break
         this_run += 1
@@ -582,14 +582,14 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         local_tokens = sum(int(b.valid.sum()) for b in batches)
         want_save = world.main and time.perf_counter() - last_save > cfg.save_every_s
         tok, cpu, late, save_now, loss_all = world.sum(
-            [local_tokens, time.process_time() - c0, float(elapsed >= budget), float(want_save), loss_sum],
+            [local_tokens, time.process_time() - c0, float(elapsed >= deadline), float(want_save), loss_sum],
             device)
         before, tokens_seen, cpu_seconds = tokens_seen, tokens_seen + int(tok), cpu_seconds + cpu
         by_machine[machine] = by_machine.get(machine, 0.0) + cpu
         if late:
-            budget = elapsed             # a rank ran out of time: every rank stops after this step
+            deadline = elapsed           # a rank ran out of time: every rank stops after this step
         if not total and len(timing) == 6:     # fix the schedule from the measured step time
-            total = max(step + 1, int(step + (budget - elapsed) / (sum(timing[1:]) / 5)))
+            total = max(step + 1, int(step + (deadline - elapsed) / (sum(timing[1:]) / 5)))
             bar.total = total
         mean_loss = loss_all / parts
         log.append({"step": step, "loss": round(mean_loss, 4), **{k: round(v, 4) for k, v in logs.items()},
@@ -605,7 +605,7 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
             last_save = time.perf_counter()
     bar.close()
     save()
-    if interrupt_after is not None and this_run >= interrupt_after and more() and elapsed < budget:
+    if interrupt_after is not None and this_run >= interrupt_after and more() and elapsed < deadline:
         return None
     if not world.main:
         return None

@@ -138,7 +138,7 @@ class OnlineStream:
         return counts
 
     def mean_length(self, max_len: int | None = None) -> float:
-        """Mean example length over the first window (a token budget's steps are planned with it)."""
+        """Mean example length over the first window (a token limit's steps are planned with it)."""
         rows = self._read(0)
         lengths = [min(len(ex.ids), max_len) if max_len else len(ex.ids) for ex in rows]
         return sum(lengths) / max(len(lengths), 1)

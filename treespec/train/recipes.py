@@ -12,7 +12,7 @@ Loss choices (recorded in each card's ``loss`` field):
     mtp     DeepSeek-V3 MTP: top-k KD at each of 3 sequential depths (weights 1, 0.8, 0.64),
             no regression, each depth causal over the previous depth's outputs.
     Both unrolls follow a curriculum (``unroll_ramp``): 1 depth, then 2, then 3 over the first
-    half of the steps. On a CPU budget a depth-1 step costs a third of a depth-3 step, so the head
+    half of the steps. On a CPU a depth-1 step costs a third of a depth-3 step, so the head
     first learns the shallow prediction cheaply, then adapts to its own features.
     medusa  Medusa-2 self-distillation: top-k KD of head k against p_{t+k}, weights 0.8^(k-1).
     small   top-k KD of the small model's next-token law against the target's, every position.

@@ -114,14 +114,14 @@ def parse_tokens(text: str | int, name: str = "--tokens") -> int:
     return value
 
 
-def log_points(budget: int, count: int, first_share: float = 0.01) -> tuple[int, ...]:
-    """``count`` token counts log-spaced from ``first_share * budget`` to ``budget`` (learning curve)."""
+def log_points(total: int, count: int, first_share: float = 0.01) -> tuple[int, ...]:
+    """``count`` token counts log-spaced from ``first_share * total`` to ``total`` (learning curve)."""
     if count < 1:
         raise ValueError(f"--curve must be >= 1 point, got {count}")
     if count == 1:
-        return (budget,)
-    lo = math.log(first_share * budget)
-    step = (math.log(budget) - lo) / (count - 1)
+        return (total,)
+    lo = math.log(first_share * total)
+    step = (math.log(total) - lo) / (count - 1)
     return tuple(sorted({int(round(math.exp(lo + i * step))) for i in range(count)}))
 
 
