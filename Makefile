@@ -77,6 +77,7 @@ bench: test-slow
 	$(VPY) benchmarks/drafters.py
 	$(VPY) benchmarks/linear_rows.py
 	$(VPY) benchmarks/batch.py --threads 1
+	$(VPY) benchmarks/one_runtime.py --threads 1
 	$(VPY) benchmarks/hybrid.py
 	$(VPY) benchmarks/train_throughput.py --procs 1,2
 
