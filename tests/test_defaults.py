@@ -64,3 +64,29 @@ def test_budget_counts_the_root_in_builders_planner_and_optimal_tree():
     assert len(tree.parents) == tree.budget == 4 and tree.drafts == 3
     choice = best_tree("llama-3-8b", "eagle", "h100", batch=1, context=128)
     assert choice.budget == sum(choice.level_sizes) == choice.drafts + 1
+
+
+def test_optional_drafter_capabilities_are_read_in_one_place():
+    """``capabilities`` gives the declared defaults for a bare protocol drafter and the
+    drafter's own members where it has them; the runtime reads nothing else."""
+    import pathlib
+
+    from _engine_helpers import NGramDrafter
+    from treespec.drafters.base import capabilities
+
+    bare = capabilities(NGramDrafter(8))
+    assert (bare.cost_kind, bare.registry_name, bare.expand_compact, bare.batched) == ("early_exit", None, None, None)
+
+    class Rich(NGramDrafter):
+        cost_kind, registry_name = "lookup", "mine"
+
+        def batched(self):
+            return "batched form"
+
+    rich = capabilities(Rich(8))
+    assert (rich.cost_kind, rich.registry_name, rich.batched()) == ("lookup", "mine", "batched form")
+    root = pathlib.Path(__file__).parents[1] / "treespec"
+    probes = [str(p.relative_to(root)) for p in root.rglob("*.py")
+              for name in ("cost_kind", "registry_name", "expand_compact", '"batched"')
+              if f'getattr(drafter, "{name.strip(chr(34))}"' in p.read_text() or f'getattr(d, "{name.strip(chr(34))}"' in p.read_text()]
+    assert sorted(set(probes)) == ["drafters/base.py"]

@@ -32,7 +32,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from treespec.drafters.base import Drafter, PartialTree
+from treespec.drafters.base import Drafter, PartialTree, capabilities
 from treespec.core.sampling import SamplingConfig, process
 from treespec.core.tree import DraftTree
 
@@ -347,7 +347,7 @@ def drafter_logits(drafter: Drafter, tree: PartialTree,
                    nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logits [F, Vd], target ids [Vd] or None = all V): the drafter's ``expand_compact`` when
     it has one, else its ``expand``."""
-    compact = getattr(drafter, "expand_compact", None)
+    compact = capabilities(drafter).expand_compact
     if compact is not None:
         return compact(tree, nodes)
     return drafter.expand(tree, nodes), None

@@ -148,6 +148,17 @@ class Drafter(Protocol):
         vocab_size:          V of the logits ``expand`` returns (must equal the target's).
         path_independent:    q at a node depends only on its depth, not on the path
                              (Medusa-style heads); builders may share one call per depth.
+
+    Optional capabilities: a drafter may also define any of the members below. They are read
+    in one place, ``capabilities(drafter)``, never probed elsewhere.
+        cost_kind:       the cost model's name of its per-level pass ("eagle", "early_exit",
+                         "lookup", ...); default "eagle" if it reads target features, else
+                         "early_exit".
+        registry_name:   the name it was loaded under (set by ``load_drafter``); calibration
+                         entries of ``treespec calibrate --drafter NAME`` are keyed by it.
+        expand_compact:  ``expand`` restricted to a reduced draft vocabulary (see ``expand``).
+        batched:         ``batched() -> BatchDrafter``, its own batched form for the server
+                         (default: one copy of the drafter per request, ``LoopBatchDrafter``).
     """
 
     needs_target_hidden: bool
@@ -171,6 +182,28 @@ class Drafter(Protocol):
         """Accept ``path`` (LongTensor[A], node ids of the accepted drafts in the last tree).
         tokens: LongTensor[A + 1], this step's new text: the A accepted draft tokens, then the
         target's own next token (the next tree's root)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a drafter offers beyond the required protocol (see ``Drafter``)."""
+
+    cost_kind: str
+    registry_name: str | None
+    # (tree, nodes) -> (logits [F, Vd], target ids [Vd] | None)
+    expand_compact: Callable[[PartialTree, list[int]], tuple[torch.Tensor, torch.Tensor | None]] | None
+    batched: Callable[[], object] | None          # () -> BatchDrafter
+
+
+def capabilities(drafter: object) -> Capabilities:
+    """The optional members of ``drafter`` (``Drafter``'s docstring lists them), with their
+    defaults. The one place they are read."""
+    kind = getattr(drafter, "cost_kind", None)
+    if kind is None:
+        kind = "eagle" if getattr(drafter, "needs_target_hidden", False) else "early_exit"
+    compact, batched = getattr(drafter, "expand_compact", None), getattr(drafter, "batched", None)
+    return Capabilities(kind, getattr(drafter, "registry_name", None), compact if callable(compact) else None,
+                        batched if callable(batched) else None)
 
 
 # ---------------------------------------------------------------- registry

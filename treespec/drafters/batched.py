@@ -40,7 +40,7 @@ from typing import Callable, Hashable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from treespec.drafters.base import Drafter, PartialTree, TargetFeatures
+from treespec.drafters.base import Drafter, PartialTree, TargetFeatures, capabilities
 
 Key = Hashable
 DraftCall = tuple[Key, PartialTree, list[int]]
@@ -52,6 +52,7 @@ class BatchDrafter(Protocol):
     """Drafting state of many requests under one object (see the module docstring).
 
     Capability flags as ``Drafter``'s (``target_layers``: the union every request needs).
+    Optional: ``calls``, the drafter forwards run so far (the server's stats count them).
     """
 
     needs_target_hidden: bool
@@ -192,7 +193,7 @@ class LoopBatchDrafter:
         out = []
         for key, tree, nodes in calls:
             d = self.drafters[key]
-            compact = getattr(d, "expand_compact", None)
+            compact = capabilities(d).expand_compact
             out.append(compact(tree, nodes) if compact is not None else (d.expand(tree, nodes), None))
         return out
 
@@ -242,9 +243,9 @@ def as_batch_drafter(drafter: "BatchDrafter | Drafter") -> BatchDrafter:
         return drafter
     if not isinstance(drafter, Drafter):
         raise TypeError(f"drafter must be a Drafter or a BatchDrafter, got {type(drafter).__name__}")
-    make = getattr(drafter, "batched", None)
-    out = make() if callable(make) else LoopBatchDrafter.of(drafter)
-    name = getattr(drafter, "registry_name", None)
+    caps = capabilities(drafter)
+    out = caps.batched() if caps.batched is not None else LoopBatchDrafter.of(drafter)
+    name = caps.registry_name
     if name is not None:
         out.registry_name = name
     return out

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from treespec.drafters.base import capabilities
 from treespec.export.outdir import check_out, resolve_dtype, write_export
 
 __all__ = ["SGLANG_MISMATCH", "eagle3_config", "eagle3_tensors", "export_eagle3"]
@@ -57,7 +58,7 @@ def _eagle3_head(drafter):
     head = getattr(drafter, "head", None)
     cfg = getattr(head, "cfg", None)
     if getattr(cfg, "kind", None) != "eagle3" or not hasattr(head, "feature_norms"):
-        kind = getattr(cfg, "kind", None) or getattr(drafter, "registry_name", None) or type(drafter).__name__
+        kind = getattr(cfg, "kind", None) or capabilities(drafter).registry_name or type(drafter).__name__
         raise TypeError(f"drafter must be an eagle3 drafter (load_drafter('eagle3', target)), got {kind!r}; "
                         f"only EAGLE-3 heads have the LlamaForCausalLMEagle3 layout")
     return head

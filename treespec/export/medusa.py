@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from treespec.drafters.base import capabilities
 from treespec.export.outdir import check_out, resolve_dtype, write_export
 
 __all__ = ["export_medusa", "medusa_config", "medusa_tensors"]
@@ -25,7 +26,7 @@ __all__ = ["export_medusa", "medusa_config", "medusa_tensors"]
 def _medusa_heads(drafter):
     heads = getattr(drafter, "heads", None)
     if heads is None or not hasattr(heads, "proj"):
-        kind = getattr(drafter, "registry_name", None) or type(drafter).__name__
+        kind = capabilities(drafter).registry_name or type(drafter).__name__
         raise TypeError(f"drafter must be a medusa drafter (load_drafter('medusa', target)), got {kind!r}")
     return heads
 

@@ -27,7 +27,7 @@ import torch
 
 from treespec.fastpath.device import synchronize
 from treespec.drafters import load_drafter
-from treespec.drafters.base import Drafter, PartialTree, TargetFeatures
+from treespec.drafters.base import Drafter, PartialTree, TargetFeatures, capabilities
 from treespec.targets.loader import Target
 from treespec.core.sampling import SamplingConfig
 from treespec.builders.base import BuiltTree, TreeBuilder, finish
@@ -127,10 +127,7 @@ class GenerationStream:
 
 def drafter_cost_kind(drafter: Drafter) -> str:
     """The cost model's name for a drafter's per-level pass ("eagle", "early_exit", "lookup"...)."""
-    kind = getattr(drafter, "cost_kind", None)
-    if kind is not None:
-        return kind
-    return "eagle" if drafter.needs_target_hidden else "early_exit"
+    return capabilities(drafter).cost_kind
 
 
 def target_calibration(target: Target):
@@ -182,7 +179,7 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     if calibration.shape.bytes_per_weight != dtype.itemsize:
         raise ValueError(f"the calibration measured {calibration.shape.bytes_per_weight:g}-byte weights but the "
                          f"target runs {dtype_name} ({dtype.itemsize} bytes); calibrate with --dtype {dtype_name}")
-    name = getattr(drafter, "registry_name", None)   # calibrate --drafter keys its entries by it
+    name = capabilities(drafter).registry_name   # calibrate --drafter keys its entries by it
     generic = drafter_cost_kind(drafter)
     if name in calibration.drafters:
         kind = name
