@@ -4,7 +4,7 @@ Goal: after calibration, the predicted target verify time is within ±20 % of a 
 measurement for every n = 1 … 64 tree tokens.
 
 Steps
-    1. Calibration run: ``treespec.planning.calibrate`` on SmolLM2-135M (fp32, the real weights from
+    1. Calibration run: ``treespec.calibrate.calibrate`` on SmolLM2-135M (fp32, the real weights from
        ``treespec.targets.loader.load_target``) at n = 1 … 128 (``DEFAULT_NS``) with a cached prefix of
        ``--context`` tokens; the fitted JSON is kept as ``results/cost_model_calibration.json``.
     2. Fresh run: the same verify pass measured again at every n = 1 … 64 (timed round-robin in
