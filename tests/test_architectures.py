@@ -240,6 +240,28 @@ def test_sliding_window_caps_the_context_and_longer_requests_are_refused() -> No
     assert inside[:8] == past[:8] and inside != past
 
 
+def test_a_drafter_model_with_a_shorter_window_caps_the_request_too() -> None:
+    """An independent drafter with sliding-window attention drafts correctly only inside its
+    window (its tree passes carry no window either): the generator, the server and
+    generate_batch refuse a request that would pass it, naming the drafter."""
+    from treespec.runtime.server import SpeculativeServer, generate_batch
+
+    target = target_of(tiny("llama", V_GREEDY, eos=V_GREEDY - 1), "llama")
+    windowed = tiny("mistral", V_GREEDY, eos=V_GREEDY - 1, sliding_window=12)
+    drafter = ModelDrafter(windowed, V_GREEDY)
+    assert drafter.max_context == 11 and "drafter model" in drafter.max_context_reason
+    ids = torch.tensor([3, 9, 2])
+    gen = SpeculativeGenerator(target, drafter, ChainBuilder(k=2))
+    assert gen.generate(ids, 5, temperature=0.0).token_ids.tolist() == \
+        hf_greedy(target.model, ids, target.eos_token_ids, 5)
+    with pytest.raises(ValueError, match="drafter model's sliding-window attention over 12 tokens"):
+        gen.generate(ids, 6, temperature=0.0)
+    with pytest.raises(ValueError, match="drafter model's sliding-window"):
+        SpeculativeServer(target, drafter, ChainBuilder(k=2)).add_request(ids, max_new_tokens=6)
+    with pytest.raises(ValueError, match="request 0 .*drafter model's sliding-window"):
+        generate_batch(target, drafter, ChainBuilder(k=2), [ids], [6])
+
+
 def test_attention_softcapping_needs_eager() -> None:
     with pytest.raises(ValueError, match="attn_logit_softcapping=50.0.*attn_implementation='eager'"):
         target_of(tiny("gemma3", V_GREEDY, attn_logit_softcapping=50.0), "gemma3")

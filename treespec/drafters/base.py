@@ -159,6 +159,10 @@ class Drafter(Protocol):
         expand_compact:  ``expand`` restricted to a reduced draft vocabulary (see ``expand``).
         batched:         ``batched() -> BatchDrafter``, its own batched form for the server
                          (default: one copy of the drafter per request, ``LoopBatchDrafter``).
+        max_context, max_context_reason:
+                         the longest context the drafter drafts from correctly, and why (a
+                         drafter model with sliding-window attention: its window − 1); default
+                         no limit. Requests that would pass it are refused up front.
     """
 
     needs_target_hidden: bool
@@ -193,6 +197,8 @@ class Capabilities:
     # (tree, nodes) -> (logits [F, Vd], target ids [Vd] | None)
     expand_compact: Callable[[PartialTree, list[int]], tuple[torch.Tensor, torch.Tensor | None]] | None
     batched: Callable[[], object] | None          # () -> BatchDrafter
+    max_context: int | None                       # None: no limit of its own
+    max_context_reason: str
 
 
 def capabilities(drafter: object) -> Capabilities:
@@ -203,7 +209,8 @@ def capabilities(drafter: object) -> Capabilities:
         kind = "eagle" if getattr(drafter, "needs_target_hidden", False) else "early_exit"
     compact, batched = getattr(drafter, "expand_compact", None), getattr(drafter, "batched", None)
     return Capabilities(kind, getattr(drafter, "registry_name", None), compact if callable(compact) else None,
-                        batched if callable(batched) else None)
+                        batched if callable(batched) else None, getattr(drafter, "max_context", None),
+                        getattr(drafter, "max_context_reason", ""))
 
 
 # ---------------------------------------------------------------- registry

@@ -27,6 +27,7 @@ from treespec.drafters.batched import (
     move_columns, settle_moves,
 )
 from treespec.core.masks import attn_implementation_of, to_hf_mask
+from treespec.targets.loader import context_limit
 
 
 @dataclass
@@ -51,6 +52,8 @@ class BatchModelDrafter(RowCheckpoints):
         self.model = model.eval()
         self.vocab_size = int(vocab_size)
         self.cost_kind = cost_kind
+        limit, why = context_limit(model)
+        self.max_context, self.max_context_reason = limit, f"the drafter model's {why}"
         self.attn_impl = attn_implementation_of(model)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype

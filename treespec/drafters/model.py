@@ -39,9 +39,11 @@ class ModelDrafter:
 
     def __init__(self, model: torch.nn.Module, target_vocab_size: int | None = None,
                  cost_kind: str = "early_exit"):
-        from treespec.targets.loader import check_architecture
+        from treespec.targets.loader import check_architecture, context_limit
 
         check_architecture(model)   # its own tree passes need what the target's do
+        limit, why = context_limit(model)
+        self.max_context, self.max_context_reason = limit, f"the drafter model's {why}"
         self.model = model.eval()
         self.cost_kind = cost_kind    # the cost model's name for one pass of this drafter
         self.vocab_size = output_vocab_size(model)
@@ -107,7 +109,7 @@ class ModelDrafter:
         for every request of a step, weights shared."""
         from treespec.drafters.batch_model import BatchModelDrafter
 
-        return BatchModelDrafter(self.model, self.vocab_size, self.cost_kind)
+        return BatchModelDrafter(self.model, self.vocab_size, self.cost_kind)  # sets the same max_context
 
     # ------------------------------------------------------------------ internals
     def _expand_root(self, root_token: int) -> torch.Tensor:

@@ -223,6 +223,15 @@ def verify_memory_bytes(model, nodes: int, prefix: int) -> int:
     return nodes * vocab * (item + 12) + nodes * keys * (item + 4 * heads)
 
 
+def context_window(target: Target, drafter: object) -> tuple[int, str]:
+    """(longest context a request may reach, why): the target's limit, or the drafter's where
+    it is shorter (``capabilities(drafter).max_context``)."""
+    own = capabilities(drafter)
+    if own.max_context is not None and own.max_context < target.max_context:
+        return own.max_context, own.max_context_reason
+    return target.max_context, target.max_context_reason
+
+
 def check_builder(builder: object) -> None:
     """A clear error for something passed as a builder that cannot build trees."""
     if not callable(getattr(builder, "build", None)) or not hasattr(builder, "budget"):
@@ -369,21 +378,21 @@ class SpeculativeGenerator:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be an int > 0, got {max_new_tokens!r}")
         ids = self.encode(prompt, chat)
-        limit = self.target.max_context
+        limit, why = context_window(self.target, self.drafter)
         if ids.numel() >= limit:
             raise ValueError(f"prompt has {ids.numel()} tokens but the context window is {limit} "
-                             f"({self.target.max_context_reason}); shorten the prompt")
+                             f"({why}); shorten the prompt")
         builder = self._builder_for(sampling.temperature)
         budget = getattr(builder, "budget", 1)
         room = limit - ids.numel() - budget
         if max_new_tokens > room and max_new_tokens <= limit - ids.numel() - 1:
             raise ValueError(f"the tree budget {budget} does not fit the context window ({limit} tokens: "
-                             f"{self.target.max_context_reason}; prompt {ids.numel()}, max_new_tokens "
+                             f"{why}; prompt {ids.numel()}, max_new_tokens "
                              f"{max_new_tokens}); use a budget of at "
                              f"most {limit - ids.numel() - max_new_tokens}")
         if max_new_tokens > room:
             raise ValueError(f"max_new_tokens={max_new_tokens} does not fit the context window "
-                             f"({limit} tokens: {self.target.max_context_reason}; prompt {ids.numel()}, "
+                             f"({limit} tokens: {why}; prompt {ids.numel()}, "
                              f"tree budget included); "
                              f"use at most {max(room, 0)}")
         seed = check_seed(seed)

@@ -42,7 +42,7 @@ from treespec.fastpath.device import synchronize
 from treespec.drafters import load_drafter
 from treespec.drafters.base import Drafter, TargetFeatures
 from treespec.drafters.batched import BatchDrafter, LoopBatchDrafter, as_batch_drafter
-from treespec.runtime.generator import auto_builder, check_builder, check_seed, target_calibration
+from treespec.runtime.generator import auto_builder, check_builder, check_seed, context_window, target_calibration
 from treespec.targets.loader import Target
 from treespec.core.sampling import SamplingConfig
 from treespec.builders.base import TreeBuilder
@@ -160,10 +160,10 @@ class SpeculativeServer:
         seed = check_seed(seed)
         chosen = self.builder if builder is None else self._check_builder(builder)
         budget = AUTO_MAX_BUDGET if chosen == "auto" else chosen.budget
-        limit = self.target.max_context
+        limit, why = context_window(self.target, self.drafter)
         if ids.numel() + max_new_tokens + budget > limit:
             raise ValueError(f"the request does not fit the context window ({limit}: "
-                             f"{self.target.max_context_reason}; prompt {ids.numel()}, "
+                             f"{why}; prompt {ids.numel()}, "
                              f"max_new_tokens {max_new_tokens}, tree budget {budget}); shorten it")
         gen = torch.Generator(device=self.target.device)
         gen.manual_seed(seed) if seed is not None else gen.seed()
@@ -385,9 +385,10 @@ def generate_batch(
                     configs, seeds, per_request)
     budget = getattr(builder, "budget", 1)
     for b, (p, m) in enumerate(zip(prompts, max_new_tokens)):
-        if p.numel() + m + budget > target.max_context:
-            raise ValueError(f"request {b} does not fit the context window ({target.max_context}: "
-                             f"{target.max_context_reason}; prompt "
+        limit, why = context_window(target, drafters[b] if per_request else drafters)
+        if p.numel() + m + budget > limit:
+            raise ValueError(f"request {b} does not fit the context window ({limit}: "
+                             f"{why}; prompt "
                              f"{p.numel()}, max_new_tokens {m}, tree budget {budget}); shorten it")
     if per_request:
         layers = tuple(sorted({i for d in drafters if d.needs_target_hidden for i in d.target_layers}))
