@@ -146,7 +146,7 @@ def test_planning_errors():
         best_tree("llama-3-8b", "eagle", "h100", acceptance=1.5)
     with pytest.raises(ValueError, match=r"sums to 1.2 > 1"):
         acceptance_vector((0.7, 0.5))
-    with pytest.raises(ValueError, match=r"p\[1\] = -0.1"):
+    with pytest.raises(ValueError, match=r"a\[1\] = -0.1"):
         acceptance_vector((0.7, -0.1))
     with pytest.raises(ValueError, match="must not be empty"):
         acceptance_vector(())

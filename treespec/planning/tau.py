@@ -135,7 +135,7 @@ def acceptance_vector(acceptance: float | Sequence[float], siblings: int = DEFAU
     each further candidate is accepted with probability β given the earlier ones were rejected
     (i.i.d. candidates). Measured vectors decay faster (the target's token is usually among the
     drafter's first few candidates or not at all); pass one when you have it.
-    Errors: an empty vector, entries outside [0, 1], a sum above 1.
+    A vector is checked by ``validate_acceptance`` (empty, entries outside [0, 1], sum above 1).
     """
     if isinstance(acceptance, (int, float)):
         beta = float(acceptance)
@@ -144,16 +144,7 @@ def acceptance_vector(acceptance: float | Sequence[float], siblings: int = DEFAU
         if not isinstance(siblings, int) or siblings < 1:
             raise ValueError(f"siblings must be a positive int, got {siblings!r}")
         return tuple(beta * (1.0 - beta) ** i for i in range(siblings))
-    p = tuple(float(x) for x in acceptance)
-    if not p:
-        raise ValueError("acceptance vector must not be empty")
-    for i, x in enumerate(p):
-        if not 0.0 <= x <= 1.0 or math.isnan(x):
-            raise ValueError(f"acceptance vector entries must be probabilities in [0, 1]; p[{i}] = {x}")
-    if math.fsum(p) > 1.0 + 1e-9:
-        raise ValueError(f"acceptance vector sums to {math.fsum(p):.4g} > 1: p[i] is the probability "
-                         "that child i is the accepted one, and those events are disjoint")
-    return p
+    return validate_acceptance(acceptance)
 
 
 def expected_tokens_positional(parents: Sequence[int], acceptance: float | Sequence[float]) -> float:

@@ -30,7 +30,7 @@ from treespec.drafters import load_drafter
 from treespec.drafters.base import Drafter, PartialTree, TargetFeatures, capabilities
 from treespec.targets.loader import Target
 from treespec.core.sampling import SamplingConfig
-from treespec.builders.base import BuiltTree, TreeBuilder, finish
+from treespec.builders.base import BuiltTree, TreeBuilder, check_int, finish
 from treespec.builders.chain import ChainBuilder
 from treespec.builders.dynamic import DynamicTreeBuilder
 from treespec.core.rejection import VERIFY_RULES, Acceptance, VerifyRule, accept
@@ -170,8 +170,7 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     """
     from treespec.planning import DEFAULT_BETA, auto_budget
 
-    if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 1:
-        raise ValueError(f"max_budget (tree nodes, root included) must be an int >= 1, got {max_budget!r}")
+    check_int("max_budget", max_budget)   # tree nodes, the root included
     dtype = next(target.model.parameters()).dtype
     dtype_name = str(dtype).removeprefix("torch.")
     if calibration is None:
