@@ -106,3 +106,33 @@ def test_smollm2_greedy_is_deterministic_and_cache_is_exact(smollm2_loads) -> No
     assert tokens == _greedy(first, ids, 8) == _greedy(second, ids, 8)
     assert "Paris" in first.tokenizer.decode(tokens)
     assert model_fingerprint(first.model) == model_fingerprint(second.model)
+
+
+def _fake_conversion(path, files) -> None:
+    path.mkdir()
+    for name in files:
+        (path / name).write_text("{}")
+
+
+def test_an_incomplete_conversion_is_never_published(tmp_path) -> None:
+    # Under a process group transformers' save_pretrained writes weights and config on rank 0 only:
+    # another rank's conversion holds just the tokenizer, and must not become the cache.
+    tmp, out = tmp_path / ".conv", tmp_path / "smollm2-135m-abc"
+    _fake_conversion(tmp, ["tokenizer.json", "tokenizer_config.json"])
+    with pytest.raises(RuntimeError, match=r"config.json, \*.safetensors.*rank 0"):
+        models._publish(tmp, out)
+    assert not out.exists()
+
+
+def test_an_incomplete_cache_is_replaced_and_a_complete_one_kept(tmp_path) -> None:
+    complete = ["config.json", "tokenizer.json", "model.safetensors"]
+    out = tmp_path / "smollm2-135m-abc"
+    _fake_conversion(out, ["tokenizer.json"])                   # left by a broken multi-process run
+    assert models._cache_missing(out) == ["config.json", "*.safetensors"]
+    _fake_conversion(tmp_path / ".conv1", complete)
+    models._publish(tmp_path / ".conv1", out)
+    assert models._cache_missing(out) == [] and not (tmp_path / ".conv1").exists()
+    (out / "marker").write_text("first")
+    _fake_conversion(tmp_path / ".conv2", complete)             # a lost race: the first one stays
+    models._publish(tmp_path / ".conv2", out)
+    assert (out / "marker").read_text() == "first"

@@ -10,8 +10,9 @@ Glossary
   (``from_pretrained(dir, gguf_file=...)``), i.e. the target *is* the Q4_1 model, dequantized.
 - **conversion cache** — the dequantized model + tokenizer saved with ``save_pretrained``
   (safetensors) under ``<root>/<name>-<gguf fingerprint>``; ``root`` is ``cache_dir``, else
-  ``$TREESPEC_CACHE``, else ``~/.cache/treespec``. Written to a temp dir then renamed, so a
-  directory that exists is complete.
+  ``$TREESPEC_CACHE``, else ``~/.cache/treespec``. Written to a temp dir, checked for config,
+  weights and tokenizer, then renamed, so a directory that exists is complete (an incomplete
+  one left by older code is converted again).
 - **model fingerprint** — :func:`model_fingerprint`, a short hash of a model's shape and sampled
   weights; drafter checkpoints store it to refuse a target they were not trained for.
 
@@ -246,19 +247,46 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     try:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        _publish(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _cache_missing(path: Path) -> list[str]:
+    """What a conversion cache at ``path`` lacks: config, weights, tokenizer (empty: complete)."""
+    missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    return missing
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished conversion ``tmp`` to ``out_dir``; only a complete one is published.
+
+    transformers' ``save_pretrained`` writes weights and config on rank 0 alone when a process
+    group is up, so a conversion on another rank would publish a tokenizer without a model; it is
+    refused here instead. An incomplete ``out_dir`` left by older code is replaced.
+    """
+    missing = _cache_missing(tmp)
+    if missing:
+        raise RuntimeError(
+            f"the conversion of {out_dir.name} wrote no {', '.join(missing)}: under a process group "
+            "transformers saves on rank 0 only; load the target on rank 0 first, then on the others"
+        )
+    if out_dir.is_dir() and _cache_missing(out_dir):
+        shutil.rmtree(out_dir, ignore_errors=True)
+    try:
         os.rename(tmp, out_dir)
     except OSError:
         if not out_dir.is_dir():  # not a lost race with another process: a real failure
             raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_converted(gguf: Path, name: str, dtype: torch.dtype, device: str | torch.device,
                     root: Path) -> Target:
     """The conversion cache of ``gguf`` (written on first use), loaded as the target ``name``."""
     converted = root / f"{name}-{gguf_fingerprint(gguf)}"
-    if not converted.is_dir():
+    if not converted.is_dir() or _cache_missing(converted):
         _convert_gguf(gguf, converted)
     model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device)
     tokenizer = AutoTokenizer.from_pretrained(converted)

@@ -177,7 +177,11 @@ def cmd_train(args) -> int:
     minutes = args.minutes if args.minutes is not None else (0.0 if tokens or args.steps else 15.0)
     dist, device = init_from_env(args.device)
     torch.set_num_threads(args.threads)
+    if not dist.main:                # rank 0 converts the GGUF on first use (transformers saves
+        dist.barrier()               # on rank 0 only under a process group); the others wait
     target = load_target(args.model, device=device)
+    if dist.main:
+        dist.barrier()
     args.tokens = tokens
     online = None
     if args.shards:
