@@ -12,7 +12,7 @@ from treespec.drafters.base import (
 )
 from treespec.drafters.batched import BatchDrafter, LoopBatchDrafter, as_batch_drafter
 from treespec.drafters.lookup import LookupConfig, LookupDrafter
-from treespec.drafters.hybrid import HybridConfig, HybridDrafter  # "hybrid", "lookup+eagle3", "lookup+eagle"
+from treespec.drafters.hybrid import HybridConfig, HybridDrafter, SwitchDrafter  # "hybrid", "switch", "lookup+eagle3", ...
 from treespec.drafters.model import ModelDrafter, early_exit_model
 # Trained drafters (checkpoints under checkpoints/<target>/); importing registers their names.
 from treespec.drafters.eagle import EagleDrafter  # noqa: E402  "eagle", "eagle3"
@@ -21,6 +21,7 @@ from treespec.drafters import medusa, mtp, small  # noqa: E402,F401  "medusa", "
 __all__ = [
     "BatchDrafter", "LoopBatchDrafter", "as_batch_drafter",
     "Drafter", "EagleDrafter", "HybridConfig", "HybridDrafter", "LookupConfig", "LookupDrafter", "ModelDrafter",
+    "SwitchDrafter",
     "PartialTree", "TargetFeatures", "drafter_factory",
     "early_exit_model", "load_drafter", "register_drafter", "registered_drafters",
 ]

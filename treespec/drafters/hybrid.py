@@ -1,4 +1,7 @@
-"""Hybrid drafter: prompt-lookup (n-gram) candidates and a model head's candidates in ONE tree.
+"""Two ways to join prompt lookup and a model head: mixed in one tree (``HybridDrafter``), or
+one or the other per tree (``SwitchDrafter``).
+
+``HybridDrafter``: prompt-lookup (n-gram) candidates and a model head's candidates in ONE tree.
 
 Glossary:
     head        any model drafter (eagle3, eagle, small...): q_head(.|path), its own distribution.
@@ -34,8 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-from treespec.drafters.base import Drafter, PartialTree, TargetFeatures, register_drafter
-from treespec.drafters.lookup import LookupDrafter, SuffixIndex
+import numpy as np
+
+from treespec.drafters.base import Drafter, PartialTree, TargetFeatures, capabilities, register_drafter
+from treespec.drafters.lookup import LookupConfig, LookupDrafter, SuffixIndex
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,91 @@ class HybridDrafter:
             self.hits[n] += max(votes, key=votes.get) == token  # ties: the most recent follower
 
 
+class SwitchDrafter:
+    """Prompt lookup where the text repeats, the model head elsewhere: one of the two per tree.
+
+    At each tree's root the drafter looks at the committed text: if its last ``min_ngram`` or
+    more tokens occurred earlier (the lookup has votes), the lookup drafts the whole tree and the
+    head does not run at all; otherwise the head drafts it. The head catches up on the tokens it
+    skipped at its next root (its pending committed tokens, one pass). Where the text is being
+    restated this costs nothing per draft, which the mixture of ``HybridDrafter`` cannot offer:
+    it runs the head at every node.
+
+    Exact for the same reason as every drafter: each node's q is a function of the committed
+    text and the node's path alone (the choice of drafter is made from the committed text), and
+    the builders draw from the q they record. Nodes of a lookup tree where the match ends get the
+    lookup's uniform q; a chain with ``min_confidence`` stops there.
+
+    Attributes:
+        head, lookup:              the two drafters (``lookup`` a ``LookupDrafter`` over ``config``).
+        mode:                      "lookup" or "head" for the tree being built (None between trees).
+        lookup_trees, head_trees:  trees drafted by each, since construction.
+    """
+
+    path_independent = False
+
+    def __init__(self, head: Drafter, config: LookupConfig = LookupConfig(max_ngram=4, min_ngram=3)):
+        if not isinstance(head, Drafter):
+            raise TypeError(f"head must be a Drafter (begin / expand / commit and its capability flags), "
+                            f"got {type(head).__name__}; pass e.g. load_drafter('eagle3', target)")
+        if isinstance(head, (HybridDrafter, LookupDrafter, SwitchDrafter)):
+            raise ValueError(f"head must be a model drafter, got a {type(head).__name__}: the lookup is "
+                             f"already the switch's other part")
+        if not isinstance(config, LookupConfig):
+            raise TypeError(f"config must be a LookupConfig, got {type(config).__name__}")
+        self.head, self.lookup = head, LookupDrafter(head.vocab_size, config)
+        self.needs_target_hidden = head.needs_target_hidden
+        self.target_layers = head.target_layers
+        self.vocab_size = head.vocab_size
+        self.cost_kind = capabilities(head).cost_kind     # the cost model prices the head's pass
+        self.device = getattr(head, "device", None)
+        limit = capabilities(head).max_context
+        if limit is not None:
+            self.max_context, self.max_context_reason = limit, capabilities(head).max_context_reason
+        self.mode: str | None = None
+        self.lookup_trees = self.head_trees = 0
+
+    def __repr__(self) -> str:
+        return f"SwitchDrafter(head={type(self.head).__name__}, config={self.lookup.config})"
+
+    def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
+        self.head.begin(prompt_ids, features)
+        self.lookup.begin(prompt_ids, features)
+        self.mode = None
+
+    def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
+        """FloatTensor[F, V]: the logits of this tree's drafter (chosen at the root)."""
+        self._choose(tree, nodes)
+        return (self.lookup if self.mode == "lookup" else self.head).expand(tree, nodes)
+
+    def expand_compact(self, tree: PartialTree, nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``expand`` on the head's compact columns in a head tree (lookup trees: all columns)."""
+        self._choose(tree, nodes)
+        compact = capabilities(self.head).expand_compact
+        if self.mode == "lookup" or compact is None:
+            return self.expand(tree, nodes), None
+        return compact(tree, nodes)
+
+    def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
+        self.head.commit(path, tokens, features)
+        self.lookup.commit(path, tokens, features)
+        self.mode = None
+
+    def _choose(self, tree: PartialTree, nodes: list[int]) -> None:
+        if 0 not in nodes:
+            if self.mode is None:
+                raise ValueError("expand the root first: the switch chooses its drafter there")
+            return
+        history = self.lookup.history
+        if not history or tree.tokens[0] != history[-1]:
+            raise ValueError("the tree's root is not the last committed token: call begin() before "
+                             "expand(), and commit() after every verified tree")
+        if self.lookup._votes(np.asarray(history, dtype=np.int64)):
+            self.mode, self.lookup_trees = "lookup", self.lookup_trees + 1
+        else:
+            self.mode, self.head_trees = "head", self.head_trees + 1
+
+
 @register_drafter("hybrid")
 def _hybrid_factory(target, head: "str | Drafter" = "eagle3", checkpoint: str | None = None,
                     weight: float = 0.5, min_ngram: int = 2, max_ngram: int = 4,
@@ -244,6 +334,24 @@ def _hybrid_factory(target, head: "str | Drafter" = "eagle3", checkpoint: str | 
                          "with that checkpoint instead")
     return HybridDrafter(head, HybridConfig(min_ngram=min_ngram, max_ngram=max_ngram, weight=weight,
                                             adapt=adapt))
+
+
+@register_drafter("switch")
+def _switch_factory(target, head: "str | Drafter" = "eagle3", checkpoint: str | None = None,
+                    min_ngram: int = 3, max_ngram: int = 4, max_matches: int = 8) -> SwitchDrafter:
+    """Prompt lookup where the text repeats (a suffix of >= ``min_ngram`` tokens recurs), else the
+    head (a registered name, default the shipped eagle3, or a Drafter); one of the two per tree."""
+    if isinstance(head, str):
+        if head in ("hybrid", "switch") or head.startswith("lookup"):
+            raise ValueError(f"head={head!r}: the head must be a model drafter (e.g. 'eagle3', "
+                             f"'qwen2.5-coder-0.5b'); the lookup is already the switch's other part")
+        from treespec.drafters import load_drafter
+
+        head = load_drafter(head, target, **({} if checkpoint is None else {"checkpoint": checkpoint}))
+    elif checkpoint is not None:
+        raise ValueError("checkpoint is only used with a head given by name; load the head yourself "
+                         "with that checkpoint instead")
+    return SwitchDrafter(head, LookupConfig(max_ngram=max_ngram, min_ngram=min_ngram, max_matches=max_matches))
 
 
 @register_drafter("lookup+eagle3")
