@@ -67,6 +67,20 @@ def test_min_ngram_sets_how_long_a_repeat_must_be() -> None:
     assert long.mode == "head"
 
 
+def test_head_depth_gives_deeper_nodes_a_uniform_q_without_running_the_head() -> None:
+    head = TableDrafter(10, seed=0, scale=1.0)
+    switch = SwitchDrafter(head, LookupConfig(max_ngram=3, min_ngram=2), head_depth=2)
+    switch.begin(torch.tensor([4, 7, 2, 9, 3, 8]), EMPTY)
+    tree = PartialTree(tokens=[8, 1, 2, 5], parents=[-1, 0, 1, 1], depth=[0, 1, 2, 2])
+    switch.expand(tree, [0])
+    q = switch.expand(tree, [1])
+    assert switch.mode == "head" and head.calls == 2 and torch.equal(q, head.logits((8, 1))[None])
+    deep = switch.expand(tree, [2, 3])
+    assert head.calls == 2 and torch.equal(deep, torch.zeros(2, 10))
+    with pytest.raises(ValueError, match="head_depth"):
+        SwitchDrafter(head, head_depth=0)
+
+
 def test_expanding_a_child_first_or_on_a_stale_root_is_an_error() -> None:
     switch, _ = switch_of([4, 7, 2, 9, 4, 7])
     tree = PartialTree(tokens=[7, 2], parents=[-1, 0], depth=[0, 1])
@@ -95,7 +109,7 @@ def test_bad_heads_and_registry() -> None:
 # ---------------------------------------------------------------- sampling exactness, end to end
 BUILDERS = {
     "chain": lambda mode: ChainBuilder(k=3, mode=mode),
-    "chain_conf": lambda mode: ChainBuilder(k=3, mode=mode, min_confidence=0.4),
+    "chain_conf": lambda mode: ChainBuilder(k=5, mode=mode, min_confidence=0.4),
     "dynamic": lambda mode: DynamicTreeBuilder(budget=10, depth=3, top_k=3, mode=mode),
     "best_first": lambda mode: BestFirstBuilder(budget=10, max_width=3, max_rounds=3, mode=mode),
 }
@@ -112,7 +126,7 @@ def check_law(builder: str, mode: str, sampling_name: str, rule: str, samples: i
     target = peaky_target(8, seed=1, std=0.3)
     sampling = SAMPLINGS[sampling_name]
     switch = SwitchDrafter(NoisyTargetDrafter(target.model, noise=0.5, seed=1),
-                           LookupConfig(max_ngram=3, min_ngram=2))
+                           LookupConfig(max_ngram=3, min_ngram=2), head_depth=2 if builder == "chain_conf" else None)
     gen = SpeculativeGenerator(target, switch, BUILDERS[builder](mode), verify=rule)
     law = exact_law(target.model, PROMPT, sampling)
     counts, steps, attempts, accepts = sample_counts(gen, PROMPT, sampling, samples, seed0)
@@ -146,7 +160,7 @@ def test_greedy_equals_hf_generate_with_a_model_head(builder) -> None:
     ref = hf_greedy(target.model, prompt, (EOS,), GREEDY_NEW)
     assert EOS not in ref, "the target has no EOS: the reference must not stop early"
     head = ModelDrafter(tiny_llama(vocab_size=32, seed=3), target.vocab_size)
-    switch = SwitchDrafter(head, LookupConfig(max_ngram=3, min_ngram=2))
+    switch = SwitchDrafter(head, LookupConfig(max_ngram=3, min_ngram=2), head_depth=2 if builder == "chain_conf" else None)
     gen = SpeculativeGenerator(target, switch, BUILDERS[builder]("deterministic"))
     out = gen.generate(prompt, max_new_tokens=GREEDY_NEW, temperature=0.0)
     assert out.token_ids.tolist() == ref, f"{builder}: the switch differs from HF greedy"

@@ -242,6 +242,10 @@ class SwitchDrafter:
     restated this costs nothing per draft, which the mixture of ``HybridDrafter`` cannot offer:
     it runs the head at every node.
 
+    ``head_depth`` caps how deep the head drafts: in a head tree, nodes at that depth or deeper
+    get a uniform q without running the head. Paired with a chain's ``min_confidence`` this lets
+    one builder draft long lookup chains (free) and short head chains (one head pass per level).
+
     Exact for the same reason as every drafter: each node's q is a function of the committed
     text and the node's path alone (the choice of drafter is made from the committed text), and
     the builders draw from the q they record. Nodes of a lookup tree where the match ends get the
@@ -255,7 +259,8 @@ class SwitchDrafter:
 
     path_independent = False
 
-    def __init__(self, head: Drafter, config: LookupConfig = LookupConfig(max_ngram=4, min_ngram=3)):
+    def __init__(self, head: Drafter, config: LookupConfig = LookupConfig(max_ngram=4, min_ngram=3),
+                 head_depth: int | None = None):
         if not isinstance(head, Drafter):
             raise TypeError(f"head must be a Drafter (begin / expand / commit and its capability flags), "
                             f"got {type(head).__name__}; pass e.g. load_drafter('eagle3', target)")
@@ -264,6 +269,10 @@ class SwitchDrafter:
                              f"already the switch's other part")
         if not isinstance(config, LookupConfig):
             raise TypeError(f"config must be a LookupConfig, got {type(config).__name__}")
+        if head_depth is not None and (isinstance(head_depth, bool) or not isinstance(head_depth, int)
+                                       or head_depth < 1):
+            raise ValueError(f"head_depth must be None (no cap) or an int >= 1, got {head_depth!r}")
+        self.head_depth = head_depth
         self.head, self.lookup = head, LookupDrafter(head.vocab_size, config)
         self.needs_target_hidden = head.needs_target_hidden
         self.target_layers = head.target_layers
@@ -287,7 +296,9 @@ class SwitchDrafter:
     def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
         """FloatTensor[F, V]: the logits of this tree's drafter (chosen at the root)."""
         self._choose(tree, nodes)
-        return (self.lookup if self.mode == "lookup" else self.head).expand(tree, nodes)
+        if self.mode == "lookup":
+            return self.lookup.expand(tree, nodes)
+        return self._capped(tree, nodes, lambda shallow: (self.head.expand(tree, shallow), None))[0]
 
     def expand_compact(self, tree: PartialTree, nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``expand`` on the head's compact columns in a head tree (lookup trees: all columns)."""
@@ -295,7 +306,22 @@ class SwitchDrafter:
         compact = capabilities(self.head).expand_compact
         if self.mode == "lookup" or compact is None:
             return self.expand(tree, nodes), None
-        return compact(tree, nodes)
+        return self._capped(tree, nodes, lambda shallow: compact(tree, shallow))
+
+    def _capped(self, tree: PartialTree, nodes: list[int], run) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``run(shallow nodes) -> (logits, ids)`` for the nodes above ``head_depth``; rows of the
+        deeper ones are uniform over the same columns (the head does not run for them)."""
+        cap = self.head_depth
+        shallow = [n for n in nodes if cap is None or tree.depth[n] < cap]
+        if len(shallow) == len(nodes):
+            return run(nodes)
+        if not shallow:       # every node is too deep: uniform over the whole vocabulary
+            return torch.zeros(len(nodes), self.vocab_size), None
+        logits, ids = run(shallow)
+        out = logits.new_zeros(len(nodes), logits.shape[1])
+        rows = torch.tensor([i for i, n in enumerate(nodes) if n in set(shallow)], device=logits.device)
+        out[rows] = logits
+        return out, ids
 
     def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
         self.head.commit(path, tokens, features)
@@ -338,7 +364,8 @@ def _hybrid_factory(target, head: "str | Drafter" = "eagle3", checkpoint: str | 
 
 @register_drafter("switch")
 def _switch_factory(target, head: "str | Drafter" = "eagle3", checkpoint: str | None = None,
-                    min_ngram: int = 3, max_ngram: int = 4, max_matches: int = 8) -> SwitchDrafter:
+                    min_ngram: int = 3, max_ngram: int = 4, max_matches: int = 8,
+                    head_depth: int | None = None) -> SwitchDrafter:
     """Prompt lookup where the text repeats (a suffix of >= ``min_ngram`` tokens recurs), else the
     head (a registered name, default the shipped eagle3, or a Drafter); one of the two per tree."""
     if isinstance(head, str):
@@ -351,7 +378,8 @@ def _switch_factory(target, head: "str | Drafter" = "eagle3", checkpoint: str | 
     elif checkpoint is not None:
         raise ValueError("checkpoint is only used with a head given by name; load the head yourself "
                          "with that checkpoint instead")
-    return SwitchDrafter(head, LookupConfig(max_ngram=max_ngram, min_ngram=min_ngram, max_matches=max_matches))
+    return SwitchDrafter(head, LookupConfig(max_ngram=max_ngram, min_ngram=min_ngram, max_matches=max_matches),
+                         head_depth)
 
 
 @register_drafter("lookup+eagle3")
