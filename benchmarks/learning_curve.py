@@ -77,7 +77,7 @@ def measure(path: Path, target, args, prompts) -> dict:
             "extraction_cpu_seconds": train["extraction_cpu_seconds"], "processes": train["processes"],
             "global_batch": train["global_batch"], "autocast": train["autocast"],
             "heldout": held, "tau_t0": tau[0.0], "tau_t1": tau[1.0],
-            "eval_minutes": round((time.perf_counter() - t0) / 60, 2)}
+            "eval_minutes": round((time.perf_counter() - t0) / 60, 2), "eval_machine": machine_line(machine_info())}
 
 
 def markdown(result: dict) -> str:
@@ -85,8 +85,9 @@ def markdown(result: dict) -> str:
     trees = c["trees"]
     lines = [f"# Learning curve ({c['prompts']} MT-bench prompts x {c['max_new_tokens']} tokens, T = 0 and T = 1; "
              f"held-out: {c['heldout_sequences']} ShareGPT sequences)", "",
-             machine_line(result["machine"]) + " (the evaluation's machine; the CPU-hours column names the "
-             "machines each run trained on)", "",
+             machine_line(result["machine"]) + " (the last evaluation's machine; each point in the JSON names "
+             "its own as `eval_machine`, and the CPU-hours column names the machines each run trained on; "
+             "top1 and τ are properties of the fp32 target and the head, not of the machine)", "",
              "CPU-hours = training CPU of every process (online runs: the target's pass included) + the "
              "extraction CPU of the tokens seen (shard runs). top1 = held-out greedy acceptance of one draft at "
              "depth 1..4 given a correct prefix; τ = tokens per target forward on MT-bench first turns.", "",
