@@ -9,22 +9,33 @@ all methods alike):
 - ``hf-packed``    HF ``generate`` on treespec's packed layers (``pack_linears``: the same target);
 - ``hf-assisted``  HF assisted generation with the 0.5B as assistant model;
 - ``hf-lookup``    HF prompt lookup decoding (``prompt_lookup_num_tokens``);
-- treespec on the packed path: the 0.5B on a chain and on a dynamic tree, ``lookup`` (chain),
-  ``hybrid`` (lookup + the 0.5B, best-first tree) and ``builder="auto"`` with the 0.5B where
+- treespec on the packed path: the 0.5B on a chain (4, and up to 8 stopped by the drafter's
+  confidence as HF assisted does) and on a dynamic tree, ``lookup`` (chains of 8 and 16),
+  ``hybrid`` (lookup + the 0.5B mixed in a best-first tree), ``switch`` (a lookup chain of up to
+  16 where the text repeats, a 0.5B chain of up to 4 elsewhere) and ``builder="auto"`` with the 0.5B where
   the machine has a calibration of this target (else the row says why it is missing).
 
-Reported per (method, T): tokens/s (new tokens / (prefill + decode) seconds, pooled), τ, the
-draft / verify time split, speedup over ``hf`` at the same T, and at T = 0 whether every
-output equals plain greedy decoding token for token. The machine (CPU model, flags, threads) is
+Reported per (method, T), over all prompts and per prompt kind: tokens/s (new tokens / (prefill +
+decode) seconds, pooled), τ, the draft / verify time split, speedup over ``hf`` and over
+``hf-packed`` (plain decoding on the same path) at the same T, and at T = 0 whether every output
+equals plain greedy decoding token for token. The machine (CPU model, flags, threads) is
 recorded from ``treespec.fastpath.packing.machine_info()``.
 
     python benchmarks/qwen.py                                           # full: all prompts x 128 tokens
+    python benchmarks/qwen.py --per-kind 3 --max-new-tokens 64          # 3 of each kind (REDUCED)
+    python benchmarks/qwen.py --resume                                  # continue a cut-short run
     python benchmarks/qwen.py --prompts 1 --max-new-tokens 8 --out /tmp/qwen   # smoke (REDUCED)
+
+``--dtype auto`` (the default) runs bf16 where the CPU has native bf16 units and fp32 elsewhere,
+for every row alike. A bf16 target's packed GEMMs round differently from the stock layers, so at
+T = 0 the greedy columns compare each method with both ``hf`` and ``hf-packed``; treespec's
+lossless claim is against plain decoding on its own path (``hf-packed``).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -33,12 +44,12 @@ from pathlib import Path
 import torch
 
 import treespec
-from treespec.data import mtbench_questions
-from treespec.drafters import HybridDrafter, ModelDrafter
+from treespec.data import chat_prompt, mtbench_questions
+from treespec.drafters import HybridDrafter, ModelDrafter, SwitchDrafter
 from treespec.fastpath.packing import PackedLinear, machine_info, machine_line
 
 sys.path.insert(0, str(Path(__file__).parent))
-from drafters import Pool, vanilla  # noqa: E402  (the harness's pooled counters and HF baseline)
+from harness import Pool  # noqa: E402  (pooled counters of one method)
 
 RESULTS = Path(__file__).parent / "results"
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -81,10 +92,26 @@ _EDIT_CODE = [
 EDIT_PROMPTS = [f"{task}. Reply with the whole changed code.\n\n```python\n{code}```" for task, code in _EDIT_CODE]
 
 
-def prompts(limit: int | None) -> list[tuple[str, str]]:
-    """(kind, text): MT-bench coding and reasoning first turns, then the code-editing prompts."""
-    mt = [(q.category, q.turns[0]) for q in mtbench_questions() if q.category in ("coding", "reasoning")]
-    out = mt + [("code-edit", p) for p in EDIT_PROMPTS]
+KINDS = ("coding", "reasoning", "code-edit")
+ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "0.5b chain4", "0.5b chain8 conf0.4", "0.5b tree16",
+               "lookup chain8", "lookup chain16", "hybrid best16", "switch chain16 head4", "0.5b auto")
+
+
+def prompts(limit: int | None, per_kind: int | None = None) -> list[tuple[str, str]]:
+    """(kind, text): MT-bench coding and reasoning first turns, then the code-editing prompts.
+
+    ``per_kind``: the first N of each kind, interleaved (coding, reasoning, code-edit, coding, ...),
+    so a run cut short still holds every kind; ``limit`` then keeps the first N of the result.
+    """
+    by_kind = {k: [] for k in KINDS}
+    for q in mtbench_questions():
+        if q.category in ("coding", "reasoning"):
+            by_kind[q.category].append(q.turns[0])
+    by_kind["code-edit"] = list(EDIT_PROMPTS)
+    if per_kind is None:
+        out = [(k, t) for k in KINDS for t in by_kind[k]]
+    else:
+        out = [(k, by_kind[k][j]) for j in range(per_kind) for k in KINDS if j < len(by_kind[k])]
     return out[:limit] if limit else out
 
 
@@ -126,86 +153,162 @@ def hf_timed(model, ids: torch.Tensor, eos: list[int], max_new: int, temperature
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=None, help="first N prompts (default: all)")
+    ap.add_argument("--per-kind", type=int, default=None, help="the first N prompts of each kind, interleaved")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="the target's and the drafter's dtype (auto: bf16 where the CPU has native bf16)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "qwen"))
+    ap.add_argument("--methods", default=None,
+                    help=f"comma-separated rows to run (default: all of {', '.join(ALL_METHODS)})")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run saved at --out: same options, and --per-kind / --prompts may grow")
     ap.add_argument("--note", default="shared 2-core CPU", help="the machine's state, for the table")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"[{machine_line(machine_info())}]", file=sys.stderr, flush=True)
     temps = [float(t) for t in args.temperatures.split(",")]
-    items = prompts(args.prompts)
-    reduced = args.prompts is not None or args.max_new_tokens < 128
+    items = prompts(args.prompts, args.per_kind)
+    reduced = args.prompts is not None or args.per_kind is not None or args.max_new_tokens < 128
 
-    target = treespec.load_target(TARGET, dtype=torch.float32)       # packed where the CPU gains
-    small = treespec.load_drafter(DRAFT, target)                      # ModelDrafter, packed like the target
+    target = treespec.load_target(TARGET, dtype=args.dtype)           # packed where the CPU gains
+    small = treespec.load_drafter(DRAFT, target)                      # ModelDrafter, in the target's dtype
     eos = list(target.eos_token_ids)
+    chosen = ALL_METHODS if args.methods is None else [m.strip() for m in args.methods.split(",")]
+    unknown = sorted(set(chosen) - set(ALL_METHODS))
+    if unknown or "hf" not in chosen:
+        raise SystemExit(f"--methods: {unknown or 'hf is missing'}; choose from {', '.join(ALL_METHODS)} "
+                         "(hf, the baseline, always)")
     methods: dict[str, object] = {
         "0.5b chain4": treespec.SpeculativeGenerator(target, small, treespec.ChainBuilder(4)),
         "0.5b tree16": treespec.SpeculativeGenerator(
             target, ModelDrafter(small.model, target.vocab_size), treespec.DynamicTreeBuilder(16, 5, 4)),
+        # a chain that stops where the 0.5B's own probability of its draft falls under 0.4 (what HF
+        # assisted generation's assistant_confidence_threshold does), up to 8 drafts
+        "0.5b chain8 conf0.4": treespec.SpeculativeGenerator(
+            target, ModelDrafter(small.model, target.vocab_size), treespec.ChainBuilder(8, min_confidence=0.4)),
         "lookup chain8": treespec.SpeculativeGenerator(target, "lookup", treespec.ChainBuilder(8)),
+        "lookup chain16": treespec.SpeculativeGenerator(target, "lookup", treespec.ChainBuilder(16)),
         "hybrid best16": treespec.SpeculativeGenerator(
             target, HybridDrafter(ModelDrafter(small.model, target.vocab_size)),
             treespec.BestFirstBuilder(budget=16, max_width=4, max_rounds=7)),
+        # a lookup chain of up to 16 where the text repeats (a 3-gram recurs), a 0.5B chain of up
+        # to 4 elsewhere; both stop where q's confidence in the draft falls under 0.4
+        "switch chain16 head4": treespec.SpeculativeGenerator(
+            target, SwitchDrafter(ModelDrafter(small.model, target.vocab_size), head_depth=4),
+            treespec.ChainBuilder(16, min_confidence=0.4)),
     }
     missing: dict[str, str] = {}
-    try:
-        methods["0.5b auto"] = treespec.SpeculativeGenerator(target, ModelDrafter(small.model, target.vocab_size),
-                                                              "auto")
-    except (ValueError, FileNotFoundError) as e:
-        missing["0.5b auto"] = str(e)
+    if "0.5b auto" in chosen:
+        auto_drafter = ModelDrafter(small.model, target.vocab_size)
+        auto_drafter.registry_name = DRAFT          # its calibration is keyed by the registered name
+        try:
+            methods["0.5b auto"] = treespec.SpeculativeGenerator(target, auto_drafter, "auto")
+        except (ValueError, FileNotFoundError) as e:
+            missing["0.5b auto"] = str(e)
+    methods = {name: gen for name, gen in methods.items() if name in chosen}
+    peers = [(name, extra) for name, extra in (("hf-packed", {}), ("hf-assisted", {"assistant_model": small.model}),
+                                                ("hf-lookup", {"prompt_lookup_num_tokens": 10})) if name in chosen]
 
-    pools: dict[tuple[str, float], Pool] = {}
-    greedy_equal: dict[str, list[bool]] = {}
-    start = time.time()
+    out = Path(args.out)
+    pools: dict[tuple[str, float, str], Pool] = {}
+    greedy: dict[tuple[str, str], list[bool]] = {}       # (method, reference) -> per-prompt equality
+    done, spent = 0, 0.0
+    if args.resume:
+        state = json.loads(out.with_suffix(".json").read_text())["state"]
+        if state["options"] != options(args):
+            raise ValueError(f"--resume: {out}.json was run with {state['options']}, not {options(args)}")
+        done, spent = state["done"], state["seconds"]
+        if state["prompt_keys"] != [prompt_key(item) for item in items[:done]]:
+            raise ValueError(f"--resume: the first {done} prompts differ from those {out}.json measured; "
+                             "keep the selection (--per-kind and --prompts may only grow)")
+        pools = {(m, float(t), k): Pool.from_state(p) for (m, t, k), p in state["pools"]}
+        greedy = {(m, r): v for (m, r), v in state["greedy"]}
+        print(f"resuming after {done} of {len(items)} prompts", file=sys.stderr, flush=True)
+    start = time.time() - spent
+
+    def add(name: str, temp: float, kind: str, tokens: int = 0, seconds: float = 0.0, stats=None) -> None:
+        for k in ("all", kind):
+            pool = pools.setdefault((name, temp, k), Pool())
+            if stats is not None:
+                pool.add_stats(stats)
+            else:
+                pool.tokens, pool.seconds = pool.tokens + tokens, pool.seconds + seconds
+
     for i, (kind, text) in enumerate(items):
-        ids = methods["lookup chain8"].encode(text)
+        if i < done:
+            continue
+        ids = torch.tensor(chat_prompt(target.tokenizer, text))
         for temp in temps:
             seed = args.seed * 1000 + i
             with StockLayers(target.model):
                 ref, dt = hf_timed(target.model, ids, eos, args.max_new_tokens, temp, seed)
-            base = pools.setdefault(("hf", temp), Pool())
-            base.tokens, base.seconds = base.tokens + len(ref), base.seconds + dt
-            for name, extra in (("hf-packed", {}), ("hf-assisted", {"assistant_model": small.model}),
-                                ("hf-lookup", {"prompt_lookup_num_tokens": 10})):
-                out, dt = hf_timed(target.model, ids, eos, args.max_new_tokens, temp, seed, **extra)
-                pool = pools.setdefault((name, temp), Pool())
-                pool.tokens, pool.seconds = pool.tokens + len(out), pool.seconds + dt
+            add("hf", temp, kind, len(ref), dt)
+            refs = {"hf": ref}
+            for name, extra in peers:
+                toks, dt = hf_timed(target.model, ids, eos, args.max_new_tokens, temp, seed, **extra)
+                add(name, temp, kind, len(toks), dt)
+                refs.setdefault("hf-packed", toks)
                 if temp == 0:
-                    greedy_equal.setdefault(name, []).append(out == ref)
+                    for r in ("hf", "hf-packed"):
+                        if r != name and r in refs:
+                            greedy.setdefault((name, r), []).append(toks == refs[r])
             for name, gen in methods.items():
                 res = gen.generate(ids, args.max_new_tokens, temperature=temp, seed=seed)
-                pools.setdefault((name, temp), Pool()).add_stats(res.stats)
+                add(name, temp, kind, stats=res.stats)
                 if temp == 0:
-                    greedy_equal.setdefault(name, []).append(res.token_ids.tolist() == ref)
+                    for r in ("hf", "hf-packed"):
+                        if r in refs:
+                            greedy.setdefault((name, r), []).append(res.token_ids.tolist() == refs[r])
         print(f"[{i + 1}/{len(items)} {kind}] {time.time() - start:.0f} s", file=sys.stderr, flush=True)
-        save(Path(args.out), report(args, temps, items[: i + 1], reduced, pools, greedy_equal, missing,
-                                    target.speed_path, time.time() - start))
+        save(out, report(args, temps, items[: i + 1], reduced, pools, greedy, missing,
+                         target.speed_path, time.time() - start))
 
 
-def report(args, temps, items, reduced, pools, greedy_equal, missing, speed_path, seconds) -> dict:
+def options(args) -> dict:
+    """The options a resumed run must share with the run it continues."""
+    return {k: getattr(args, k) for k in ("max_new_tokens", "temperatures", "dtype", "threads", "seed", "methods")}
+
+
+def prompt_key(item: tuple[str, str]) -> str:
+    return hashlib.sha256("\0".join(item).encode()).hexdigest()[:16]
+
+
+def report(args, temps, items, reduced, pools, greedy, missing, speed_path, seconds) -> dict:
     rows = []
+    kinds = [k for k in KINDS if any(kk == k for kk, _ in items)]
     for temp in temps:
-        base = pools[("hf", temp)]
-        base_tps = base.tokens / base.seconds if base.seconds else None
-        for (name, t), pool in pools.items():
-            if t == temp:
-                equal = greedy_equal.get(name) if temp == 0 else None
-                rows.append({"method": name, "temperature": temp, **pool.row(None if name == "hf" else base_tps),
-                             "greedy_equal": None if equal is None else f"{sum(equal)}/{len(equal)}"})
-    kinds = sorted({k for k, _ in items})
+        for kind in ["all", *kinds]:
+            base, packed = pools[("hf", temp, kind)], pools.get(("hf-packed", temp, kind))
+            base_tps = base.tokens / base.seconds if base.seconds else None
+            packed_tps = packed.tokens / packed.seconds if packed and packed.seconds else None
+            for (name, t, k), pool in pools.items():
+                if t != temp or k != kind:
+                    continue
+                row = {"method": name, "temperature": temp, "kind": kind,
+                       **pool.row(None if name == "hf" else base_tps)}
+                if name not in ("hf", "hf-packed") and packed_tps:
+                    row["speedup_vs_packed"] = round(row["tokens_per_s"] / packed_tps, 3)
+                if temp == 0 and kind == "all":
+                    for r in ("hf", "hf-packed"):
+                        eq = greedy.get((name, r))
+                        row[f"greedy_equal_{r}"] = None if eq is None else f"{sum(eq)}/{len(eq)}"
+                rows.append(row)
     return {
         "config": {"target": TARGET, "drafter": DRAFT, "prompts": len(items),
                    "prompt_kinds": {k: sum(1 for kk, _ in items if kk == k) for k in kinds},
                    "max_new_tokens": args.max_new_tokens, "temperatures": temps, "threads": args.threads,
-                   "seed": args.seed, "reduced": reduced, "speed_path": speed_path},
+                   "dtype": args.dtype, "seed": args.seed, "reduced": reduced, "speed_path": speed_path},
         "machine": {"note": args.note, **machine_info(), "torch_threads": args.threads},
         "wall_minutes": round(seconds / 60, 1),
         "missing": missing,
         "rows": rows,
+        "state": {"options": options(args), "done": len(items), "seconds": seconds,
+                  "prompt_keys": [prompt_key(item) for item in items],
+                  "pools": [[list(key), p.state()] for key, p in pools.items()],
+                  "greedy": [[list(key), v] for key, v in greedy.items()]},
     }
 
 
@@ -216,20 +319,30 @@ def save(out: Path, result: dict) -> None:
     lines = [f"# Qwen2.5-Coder-1.5B with its 0.5B sibling ({'REDUCED' if c['reduced'] else 'full'} configuration)",
              "",
              f"{c['prompts']} prompts ({', '.join(f'{n} {k}' for k, n in c['prompt_kinds'].items())}) x "
-             f"{c['max_new_tokens']} new tokens, T in {c['temperatures']}, fp32, {result['machine']['note']}; "
-             f"wall {result['wall_minutes']} min. Target path: {c['speed_path']}.",
+             f"{c['max_new_tokens']} new tokens, T in {c['temperatures']}, dtype {c['dtype']}, "
+             f"{result['machine']['note']}; wall {result['wall_minutes']} min. Target path: {c['speed_path']}.",
              machine_line(result["machine"]),
-             "speedup is tokens/s over `hf` (stock HF generate) at the same T; greedy = outputs equal to "
-             "`hf` token for token at T = 0.",
              "",
-             "| T | method | τ | draft / verify ms per step | tokens/s | speedup | greedy |",
-             "|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        cost = f"{r['draft_ms_per_step']:.0f} / {r['verify_ms_per_step']:.0f}" if "steps" in r else "-"
-        lines.append(f"| {r['temperature']:g} | {r['method']} | {r.get('tau', 1.0):.2f} | {cost} | "
-                     f"{r['tokens_per_s']:.2f} | {r.get('speedup', 1.0):.2f} | {r['greedy_equal'] or '-'} |")
+             "speedup: tokens/s over `hf` (stock HF generate); vs packed: over `hf-packed` (plain decoding on "
+             "the same packed path), both at the same T and on the same prompts. greedy: outputs equal to "
+             "`hf` / `hf-packed` token for token at T = 0.",
+             ""]
+    for kind in ["all", *c["prompt_kinds"]]:
+        lines += [f"## {kind}", "",
+                  "| T | method | τ | draft / verify ms per step | tokens/s | speedup | vs packed | greedy hf / packed |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in result["rows"]:
+            if r["kind"] != kind:
+                continue
+            cost = f"{r['draft_ms_per_step']:.0f} / {r['verify_ms_per_step']:.0f}" if "steps" in r else "-"
+            eq = (f"{r.get('greedy_equal_hf') or '-'} / {r.get('greedy_equal_hf-packed') or '-'}"
+                  if r["temperature"] == 0 and kind == "all" else "-")
+            lines.append(f"| {r['temperature']:g} | {r['method']} | {r.get('tau', 1.0):.2f} | {cost} | "
+                         f"{r['tokens_per_s']:.2f} | {r.get('speedup', 1.0):.2f} | "
+                         f"{r.get('speedup_vs_packed', 1.0):.2f} | {eq} |")
+        lines.append("")
     for name, why in result["missing"].items():
-        lines.append(f"\n{name}: not run: {why}")
+        lines.append(f"{name}: not run: {why}")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
