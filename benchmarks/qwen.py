@@ -24,6 +24,7 @@ recorded from ``treespec.fastpath.packing.machine_info()``.
     python benchmarks/qwen.py                                           # full: all prompts x 128 tokens
     python benchmarks/qwen.py --per-kind 3 --max-new-tokens 64          # 3 of each kind (REDUCED)
     python benchmarks/qwen.py --resume                                  # continue a cut-short run
+    python benchmarks/qwen.py --render                                  # rewrite the .md from the .json
     python benchmarks/qwen.py --prompts 1 --max-new-tokens 8 --out /tmp/qwen   # smoke (REDUCED)
 
 ``--dtype auto`` (the default) runs bf16 where the CPU has native bf16 units and fp32 elsewhere,
@@ -166,7 +167,12 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true",
                     help="continue the run saved at --out: same options, and --per-kind / --prompts may grow")
     ap.add_argument("--note", default="shared 2-core CPU", help="the machine's state, for the table")
+    ap.add_argument("--render", action="store_true", help="rewrite the Markdown from the JSON; measure nothing")
     args = ap.parse_args()
+    if args.render:
+        out = Path(args.out)
+        save(out, json.loads(out.with_suffix(".json").read_text()))
+        return
     torch.set_num_threads(args.threads)
     print(f"[{machine_line(machine_info())}]", file=sys.stderr, flush=True)
     temps = [float(t) for t in args.temperatures.split(",")]
@@ -337,13 +343,52 @@ def save(out: Path, result: dict) -> None:
             cost = f"{r['draft_ms_per_step']:.0f} / {r['verify_ms_per_step']:.0f}" if "steps" in r else "-"
             eq = (f"{r.get('greedy_equal_hf') or '-'} / {r.get('greedy_equal_hf-packed') or '-'}"
                   if r["temperature"] == 0 and kind == "all" else "-")
-            lines.append(f"| {r['temperature']:g} | {r['method']} | {r.get('tau', 1.0):.2f} | {cost} | "
+            tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+            lines.append(f"| {r['temperature']:g} | {r['method']} | {tau} | {cost} | "
                          f"{r['tokens_per_s']:.2f} | {r.get('speedup', 1.0):.2f} | "
                          f"{r.get('speedup_vs_packed', 1.0):.2f} | {eq} |")
         lines.append("")
+    lines += goals(result["rows"])
     for name, why in result["missing"].items():
         lines.append(f"{name}: not run: {why}")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+# (label, T, prompt kind, reference method, ratio the best treespec row must reach (strictly above for 1.0))
+GOALS = [("T = 0, all prompts, over plain decoding on the same path", 0.0, "all", "hf-packed", 1.5),
+         ("T = 0, code-edit prompts, over plain decoding on the same path", 0.0, "code-edit", "hf-packed", 2.0),
+         ("T = 0, all prompts, over HF assisted generation with the 0.5B", 0.0, "all", "hf-assisted", 1.3),
+         ("T = 1, all prompts, over plain decoding on the same path", 1.0, "all", "hf-packed", 1.0)]
+
+
+def goals(rows: list[dict]) -> list[str]:
+    """The issue's goals, each checked on the best treespec row, with the step's time split.
+
+    A speculative step costs draft + verify milliseconds and emits τ tokens; plain decoding costs
+    ``1000 / tokens_per_s`` per token. The split says which term holds a missed goal back: the
+    speedup the same τ would give with free drafting, and what the draft costs per step.
+    """
+    lines = ["## Goals", "", "| goal | best treespec row | ratio | met | τ | draft / verify ms | reference ms/token "
+             "| ratio with free drafting |", "|---|---|---|---|---|---|---|---|"]
+    for label, temp, kind, ref_name, need in GOALS:
+        at = {r["method"]: r for r in rows if r["temperature"] == temp and r["kind"] == kind}
+        ours = [r for name, r in at.items() if not name.startswith("hf")]
+        ref = at.get(ref_name)
+        if not ours or ref is None:
+            lines.append(f"| {label} | not measured | - | - | - | - | - | - |")
+            continue
+        best = max(ours, key=lambda r: r["tokens_per_s"])
+        ratio = best["tokens_per_s"] / ref["tokens_per_s"]
+        met = ratio > need if need == 1.0 else ratio >= need
+        ref_ms = 1e3 / ref["tokens_per_s"]
+        free = best["tau"] * ref_ms / best["verify_ms_per_step"] if best.get("steps") else float("nan")
+        lines.append(f"| {label} >= {need:g}x | {best['method']} | {ratio:.2f}x | {'yes' if met else 'no'} | "
+                     f"{best['tau']:.2f} | {best['draft_ms_per_step']:.0f} / {best['verify_ms_per_step']:.0f} | "
+                     f"{ref_ms:.0f} ({ref_name}) | {free:.2f}x |")
+    lines += ["", "Ratios are tokens/s over tokens/s, prefill included; the free-drafting column is "
+              "τ x the reference's ms per token / verify ms per step, the bound a zero-cost drafter with the same τ "
+              "would reach.", ""]
+    return lines
 
 
 if __name__ == "__main__":
