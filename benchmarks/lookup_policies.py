@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from harness import RESULTS, machine_info, machine_line, md_table, write_results
+from treespec.planning import model_shape
 
 SETS = {
     # name: (target, prompt source)
@@ -166,7 +167,6 @@ def main() -> None:
     out = Path(args.out)
     cache_path = out.with_name(out.name + ".outputs.json")
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    vocabs = {"qwen2.5-coder-1.5b": 151936, "smollm2-135m": 49152}   # LM-head rows (Target.vocab_size)
     rows, lines = [], []
     for name in names:
         key = f"{name}/{args.max_new_tokens}"
@@ -177,7 +177,7 @@ def main() -> None:
         tokens = sum(len(s["output"]) for s in seqs)
         table = []
         for max_ngram in (3, 8):
-            check_against_drafter(seqs[0], vocabs[SETS[name][0]], max_ngram=max_ngram)
+            check_against_drafter(seqs[0], model_shape(SETS[name][0]).vocab, max_ngram=max_ngram)
         for policy, draft in policies().items():
             r = {"set": name, "policy": policy, **replay(seqs, draft)}
             rows.append(r)

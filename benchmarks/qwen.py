@@ -256,7 +256,8 @@ def main() -> None:
             for name, extra in peers:
                 toks, dt = hf_timed(target.model, ids, eos, args.max_new_tokens, temp, seed, **extra)
                 add(name, temp, kind, len(toks), dt)
-                refs.setdefault("hf-packed", toks)
+                if name == "hf-packed":
+                    refs[name] = toks
                 if temp == 0:
                     for r in ("hf", "hf-packed"):
                         if r != name and r in refs:
