@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -252,7 +253,9 @@ def markdown(data: dict) -> str:
              f"one request at a time, {data['threads']} thread(s) in both stacks. {data['vllm_versions']}.",
              f"Machine: {m['cpu_model']}, flags {', '.join(m['cpu_flags'])}, torch {m['torch']}.", "",
              f"treespec auto: {data['treespec']['auto']}. treespec lookup: {data['treespec']['lookup']}.",
-             "vLLM EAGLE-3 runs treespec's shipped eagle3 head, exported with `treespec export`.", ""]
+             "vLLM EAGLE-3 runs treespec's shipped eagle3 head, exported with `treespec export`. "
+             "tau: tokens per target pass for treespec; for vLLM 1 + accepted / drafts from its counters, "
+             "which count only the steps that drafted (n-gram drafts only where the text repeats).", ""]
     if data.get("note"):
         lines += [data["note"], ""]
     for temp, s in data["summary"].items():
@@ -318,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
             "threads": args.threads, "temperatures": setup["temperatures"], "note": args.note,
             "vllm_versions": next(iter(vl.values()))["versions"],
             "prompt_tokens": [len(ids) for ids in setup["prompts"]],
-            "command": "python benchmarks/vllm_speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": shlex.join(["python", "benchmarks/vllm_speed.py", *(sys.argv[1:] if argv is None else argv)]),
             "vllm": vl, "treespec": ts, "wall_s": round(time.time() - t0, 1)}
     data["summary"] = summarize(data)
     write_json(out.with_suffix(".json"), data)
