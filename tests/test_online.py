@@ -130,6 +130,25 @@ def test_online_training_resumes_exactly_and_books_cpu_time(target, held, tmp_pa
                       cache_root=held, heldout=heldout_config(), progress=False, shards=_shards(target, tmp_path))
 
 
+def test_a_larger_token_budget_stretches_a_resumed_schedule(target, held, tmp_path, capsys):
+    """Re-running a finished run with a larger --tokens continues it on a stretched schedule, not
+    at the floor lr the old schedule had reached."""
+    kw = dict(online=online_data(), cache_root=held, heldout=heldout_config(), progress=False)
+    out = tmp_path / "run"
+    first = train_drafter("eagle3", target, out, _cfg(tokens=200), **kw)
+    steps = first["train"]["steps_done"]
+    old_total = json.loads(portable_paths(out, "eagle3")[1].read_text())["total"]
+    card = train_drafter("eagle3", target, out, _cfg(tokens=600), **kw)
+    assert "the schedule is stretched" in capsys.readouterr().out
+    assert 600 <= card["train"]["tokens_seen"] < 600 + 2 * 32
+    total = json.loads(portable_paths(out, "eagle3")[1].read_text())["total"]
+    assert total >= 2.5 * old_total
+    cfg = _cfg(tokens=600)
+    assert lr_at(steps, total, cfg) > 2 * lr_at(steps, old_total, cfg)       # off the floor
+    again = train_drafter("eagle3", target, out, _cfg(tokens=600), **kw)     # done: nothing stretches
+    assert "stretched" not in capsys.readouterr().out and again["train"]["steps_done"] == card["train"]["steps_done"]
+
+
 def _shards(target, tmp_path):
     make_shards(target, tmp_path / "shards", shard_config(tokens=600))
     return tmp_path / "shards"

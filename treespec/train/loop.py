@@ -497,6 +497,17 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
             source.stream.cursor = dict(st["cursor"])
     if cfg.tokens and not cfg.steps and not total:
         total = max(1, math.ceil(cfg.tokens / (parts * cfg.batch_size * source.mean_length)))
+    elif cfg.tokens and not cfg.steps and step and tokens_seen < cfg.tokens:
+        # A resumed run given a larger --tokens than its schedule was sized for: left alone, every
+        # later step would train at the cosine's floor. Stretch the schedule to the new budget at the
+        # run's own tokens per step; the lr climbs back to the stretched cosine (re-warmed when the
+        # optimizer is fresh).
+        need = step + math.ceil((cfg.tokens - tokens_seen) * step / max(tokens_seen, 1))
+        if need > 1.1 * total:
+            if world.main:
+                print(f"--tokens {cfg.tokens:,} is past this run's schedule ({total:,} steps, {tokens_seen:,} tokens "
+                      f"seen at step {step:,}): the schedule is stretched to {need:,} steps", flush=True)
+            total = need
     deadline = elapsed + cfg.minutes * 60 if cfg.minutes and not cfg.steps else math.inf
     if cfg.tokens and not cfg.minutes:
         deadline = math.inf
