@@ -163,6 +163,7 @@ def run_treespec(args, setup) -> dict:
     import torch
 
     import treespec
+    from engine import run_row      # times a generator or a plain-decoding callable alike
     from harness import hf_generate
     from treespec.builders import BestFirstBuilder, ChainBuilder
     from treespec.cli.main import ensure_calibration
@@ -182,31 +183,21 @@ def run_treespec(args, setup) -> dict:
                                                                   ChainBuilder(args.ngram_k[0], min_confidence=0.5)),
     }
 
-    def plain(ids, temperature, seed):
-        out, dt = hf_generate(packed.model, ids, setup["max_new"], eos, temperature, seed)
-        return out.tolist(), dt, {}
-
-    def spec(gen):
-        def go(ids, temperature, seed):
-            t0 = time.perf_counter()
-            res = gen.generate(ids, max_new_tokens=setup["max_new"], temperature=temperature, seed=seed)
-            dt = time.perf_counter() - t0
-            return res.token_ids.tolist(), dt, {"tau": res.stats.tau, "steps": res.stats.steps}
-        return go
-
-    rows = {"treespec plain": plain, **{name: spec(g) for name, g in gens.items()}}
+    rows = {"treespec plain": lambda ids, t, seed: hf_generate(packed.model, ids, setup["max_new"], eos, t, seed),
+            **gens}
     warm = torch.tensor(setup["warmup"])
-    for fn in rows.values():
-        fn(warm, 0.0, 0)      # kernels, allocator, packed shapes
+    for runner in rows.values():
+        run_row(runner, warm, 0.0, 0, setup["max_new"])      # kernels, allocator, packed shapes
     runs = {t: {name: [] for name in rows} for t in setup["temperatures"]}
     for qi, ids in enumerate(setup["prompts"]):
         for temp in setup["temperatures"]:
-            for name, fn in rows.items():
-                out, dt, extra = fn(torch.tensor(ids), float(temp), 1000 + qi)
-                runs[temp][name].append({"tokens": len(out), "time": dt, "out": out, **extra})
-        print(f"prompt {qi + 1}/{len(setup['prompts'])}: " + ", ".join(
-            f"{n} {runs[setup['temperatures'][0]][n][-1]['tokens'] / runs[setup['temperatures'][0]][n][-1]['time']:.1f}"
-            for n in rows), flush=True)
+            for name, runner in rows.items():
+                out, dt, stats = run_row(runner, torch.tensor(ids), float(temp), 1000 + qi, setup["max_new"])
+                runs[temp][name].append({"tokens": len(out), "time": dt, "out": out.tolist(),
+                                         **{k: stats[k] for k in ("tau", "steps") if k in stats}})
+        first = runs[setup["temperatures"][0]]
+        print(f"prompt {qi + 1}/{len(setup['prompts'])}: "
+              + ", ".join(f"{n} {recs[-1]['tokens'] / recs[-1]['time']:.1f}" for n, recs in first.items()), flush=True)
     return {"auto": str(gens["treespec auto"].builder.config),
             "lookup": f"{lookup.config}, {gens['treespec lookup adaptive'].builder}", "runs": runs}
 
@@ -299,6 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.ngram_k = [int(k) for k in str(args.ngram_k).split(",") if k]
     args.eagle_k = [int(k) for k in str(args.eagle_k).split(",") if k]
+    if not args.ngram_k or min(args.ngram_k + args.eagle_k) < 1:
+        raise SystemExit("--ngram-k needs at least one draft length and every length must be >= 1 "
+                         "(its first also sets treespec's lookup chain), e.g. --ngram-k 4 --eagle-k 3,5")
     args.temperatures = [t.strip() for t in args.temperatures.split(",") if t.strip()]
     out = Path(args.out)
     if args.render:
