@@ -198,7 +198,7 @@ def run_treespec(args, setup) -> dict:
         first = runs[setup["temperatures"][0]]
         print(f"prompt {qi + 1}/{len(setup['prompts'])}: "
               + ", ".join(f"{n} {recs[-1]['tokens'] / recs[-1]['time']:.1f}" for n, recs in first.items()), flush=True)
-    return {"auto": str(gens["treespec auto"].builder.config),
+    return {"auto": str(gens["treespec auto"].builder.config), "path": packed.speed_path,
             "lookup": f"{lookup.config}, {gens['treespec lookup adaptive'].builder}", "runs": runs}
 
 
@@ -244,6 +244,7 @@ def markdown(data: dict) -> str:
              f"one request at a time, {data['threads']} thread(s) in both stacks. {data['vllm_versions']}.",
              f"Machine: {m['cpu_model']}, flags {', '.join(m['cpu_flags'])}, torch {m['torch']}.", "",
              f"treespec auto: {data['treespec']['auto']}. treespec lookup: {data['treespec']['lookup']}.",
+             *([f"treespec's target path: {data['treespec']['path']}."] if "path" in data["treespec"] else []),
              "vLLM EAGLE-3 runs treespec's shipped eagle3 head, exported with `treespec export`. "
              "tau: tokens per target pass for treespec; for vLLM 1 + accepted / drafts from its counters, "
              "which count only the steps that drafted (n-gram drafts only where the text repeats).", ""]
@@ -261,9 +262,10 @@ def markdown(data: dict) -> str:
         lines += ["", f"Best treespec row ({s['best_treespec']}) against the best vLLM row ({s['best_vllm']}): "
                       f"**{s['best_ratio']:.2f}x**. Plain decoding, treespec's path against vLLM's: "
                       f"{s['plain_ratio']:.2f}x."]
-        if s["plain_outputs_equal_across_stacks"] is not None:
-            lines += ["", f"Greedy plain outputs equal across the two stacks in {s['plain_outputs_equal_across_stacks']}"
-                          f"/{n} prompts (the kernels round differently; a near-tie flips)."]
+        same = s["plain_outputs_equal_across_stacks"]
+        if same is not None:
+            why = "" if same == n else " (the kernels round differently; a near-tie flips)"
+            lines += ["", f"Greedy plain outputs equal across the two stacks in {same}/{n} prompts{why}."]
         lines.append("")
     lines += ["Reproduce: `" + data["command"] + "`", ""]
     return "\n".join(lines)
