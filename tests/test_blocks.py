@@ -155,6 +155,26 @@ def test_block_layer_follows_in_place_weight_changes() -> None:
     torch.testing.assert_close(got, nn.functional.linear(x, linear.weight, linear.bias), rtol=0, atol=1e-5)
 
 
+@needs_panel
+@pytest.mark.parametrize("kernel", ["blocks", "panel"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_layer_takes_any_input_layout(kernel: str, bias: bool) -> None:
+    """Non-contiguous inputs (a transposed or strided view) and any leading shape give the same
+    bits as a contiguous copy, with and without a bias, N off the 16-wide panel grid."""
+    torch.manual_seed(3)
+    linear = nn.Linear(64, 40, bias=bias).requires_grad_(False)
+    linear.weight.copy_(gguf_q4_1(linear.weight))
+    layer = PackedLinear(linear, kernel=kernel)
+    base = torch.randn(2, 64, 5)
+    views = [base.transpose(1, 2), torch.randn(2, 5, 128)[..., ::2], torch.randn(64), torch.randn(1, 1, 64)]
+    with torch.no_grad():
+        for x in views:
+            got = layer(x)
+            assert got.shape == (*x.shape[:-1], 40)
+            assert torch.equal(got, layer(x.contiguous())), tuple(x.shape)
+            torch.testing.assert_close(got, nn.functional.linear(x, linear.weight, linear.bias), rtol=0, atol=1e-5)
+
+
 # ------------------------------------------------------------------ K-quants (Qwen2.5-Coder's Q4_K_M)
 def gguf_k_quant(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     """A [n, k] weight as transformers loads a GGUF tensor of type ``kind``: random raw blocks

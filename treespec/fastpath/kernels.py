@@ -137,12 +137,12 @@ def _linear(x: torch.Tensor, k: int, out_features: int, bias: torch.Tensor | Non
     """``run`` ([rows, K] contiguous -> [rows, 16 P]) on x [..., K]: the padded panel columns
     dropped, the bias added, the leading dimensions restored."""
     rows = x.numel() // k
-    y = run(x.reshape(rows, k).contiguous())
+    y = run(x.view(rows, k) if x.is_contiguous() else x.reshape(rows, k).contiguous())
     if y.shape[1] != out_features:         # zero-padded last panel
         y = y[:, :out_features]
     if bias is not None:
         y = y + bias.detach()
-    return y.reshape(*x.shape[:-1], out_features)
+    return y.view(*x.shape[:-1], out_features)     # splits the row dimension only: always a view
 
 
 # ---------------------------------------------------------------------------------------------

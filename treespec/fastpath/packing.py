@@ -161,9 +161,12 @@ def _fast_path_ok(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, row
     """Whether a packed kernel (weights in ``dtype``) may serve ``x``: ``min_rows``..``max_rows``
     rows, the packed dtype, the CPU, and no autograd through either side (a packed kernel has no
     backward: with a trainable weight the stock op must run, or its gradient would be lost)."""
+    # runs ~200 times per target pass: the cheapest tests first (``is_cpu`` is a flag read;
+    # ``device.type`` builds a device object)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
     return (min_rows <= rows and (max_rows is None or rows <= max_rows) and x.dtype == dtype
-            and weight.dtype == dtype and x.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+            and weight.dtype == dtype and x.is_cpu)
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, min_rows: int = 1,
@@ -240,14 +243,17 @@ class PackedLinear(nn.Module):
         return "onednn" if self.kernel == "onednn" else "fp32 panels"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Runs ~200 times per target pass: each parameter is read once (nn.Module's attribute
-        # lookup for parameters is the slow path).
-        weight, bias = self.weight, self.bias
+        # Runs ~200 times per target pass: the parameters are read from nn.Module's own dict
+        # (``self.weight`` goes through ``Module.__getattr__``, about 1 us a read; a bias of None
+        # is a plain attribute, not in the dict).
+        params = self._parameters
+        weight, bias = params["weight"], params.get("bias")
         if weight._version != self._version:
             self._pack()
         if self.kernel == "onednn":
             return packed_linear(x, weight, self._packed, self.min_rows, bias)
-        rows = x.numel() // max(x.shape[-1], 1)
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
         if _fast_path_ok(x, weight, torch.float32, rows, self.min_rows, self.max_rows):
             packed = self._packed
             if isinstance(packed, BlockPanels):
