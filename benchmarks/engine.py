@@ -56,7 +56,8 @@ def build(args):
     for d in dtypes:
         dtype = torch.float32 if d == "fp32" else torch.bfloat16
         stock = treespec.load_target("smollm2-135m", dtype=dtype, pack=False)
-        packed = treespec.load_target("smollm2-135m", dtype=dtype, pack=True)
+        packed = treespec.load_target("smollm2-135m", dtype=dtype,
+                                      pack=args.fp32_kernel if d == "fp32" and args.fp32_kernel != "auto" else True)
         paths[d] = {"stock": stock.speed_path, "packed": packed.speed_path}
         if d == "fp32":
             scorer = stock.model
@@ -258,6 +259,9 @@ def main() -> None:
     ap.add_argument("--min-confidence", type=float, default=0.5,
                     help="lookup adaptive: the chain stops where its draft confidence falls below this")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--fp32-kernel", default="auto", choices=("auto", "blocks", "panel", "onednn"),
+                    help="the fp32 packed rows' linear kernel (auto: the CPU decides; AVX-512 CPUs take "
+                         "the block kernel only when asked)")
     ap.add_argument("--hybrid", action="store_true",
                     help="add a best-first row with the hybrid drafter (prompt lookup + eagle3)")
     ap.add_argument("--all-peers", action="store_true",

@@ -18,6 +18,8 @@ between the phases shows as a change of the plain ratio.
 
     .venv/bin/python benchmarks/vllm_speed.py --prompts 20 --max-new-tokens 128
     .venv/bin/python benchmarks/vllm_speed.py --render        # rewrite the Markdown from the JSON
+    .venv/bin/python benchmarks/vllm_speed.py --dtype float32 --kernel blocks   # fp32 both stacks,
+                                              # treespec on the block kernel (AVX-512 CPUs ask for it)
 
 Writes ``--out``.{json,md}; the vLLM phase's per-row files under ``--work`` are reused by
 ``--resume`` (same prompts and settings).
@@ -125,6 +127,9 @@ def setup_run(args):
 
     if args.dtype == "auto":
         args.dtype = "bfloat16" if cpu_info().native_bf16 else "float32"
+    if args.kernel in ("blocks", "panel") and args.dtype != "float32":
+        raise SystemExit(f"--kernel {args.kernel} is a float32 kernel; this run is {args.dtype} "
+                         "(add --dtype float32, or use --kernel auto / onednn)")
     work = Path(args.work)
     ref = treespec.load_target("smollm2-135m", dtype=torch.float32, pack=False)
     export_eagle3(ref, treespec.load_drafter("eagle3", ref), work / "eagle3", force=True,
@@ -170,7 +175,7 @@ def run_treespec(args, setup) -> dict:
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, setup["dtype"])
-    packed = treespec.load_target("smollm2-135m", dtype=dtype, pack=True)
+    packed = treespec.load_target("smollm2-135m", dtype=dtype, pack=True if args.kernel == "auto" else args.kernel)
     eagle3 = treespec.load_drafter("eagle3", packed)
     ensure_calibration(packed, "eagle3")
     lookup = treespec.load_drafter("lookup", packed, max_ngram=3, min_ngram=3)
@@ -282,6 +287,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="auto: bfloat16 where the CPU has native bf16, else float32")
     p.add_argument("--ngram-k", default="4", help="vLLM n-gram draft lengths (comma-separated)")
     p.add_argument("--eagle-k", default="3,5", help="vLLM EAGLE-3 draft lengths (comma-separated)")
+    p.add_argument("--kernel", default="auto", choices=("auto", "blocks", "panel", "onednn"),
+                   help="treespec's linear kernel (auto: the CPU decides; blocks: the fp32 panel GEMM over "
+                        "exact integer blocks, which AVX-512 CPUs take only when asked)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="the vLLM venv's interpreter")
     p.add_argument("--work", default=".cache/vllm-speed", help="export, prompts and the vLLM rows' files")
