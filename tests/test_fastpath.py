@@ -370,6 +370,35 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
     assert Calibration.load(path).timing_noise is not None
 
 
+def test_a_cached_calibration_whose_pass_time_is_off_is_flagged(tmp_path, monkeypatch) -> None:
+    """A calibration measured under another load (its t(n) far from what a pass takes now) is
+    reused, but ensure_calibration says so and how to re-measure; passes too short to time
+    reliably are not checked."""
+    import io
+
+    from treespec.cli.main import STALE_CHECK_MIN_SECONDS, ensure_calibration
+    from treespec.targets.loader import tiny_llama
+
+    from _engine_helpers import word_tokenizer
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    words = [f"w{i}" for i in range(30)]
+    model = tiny_llama(vocab_size=len(words) + 2, max_position_embeddings=1024)
+    target = Target.from_hf(model, word_tokenizer(words), name="tiny-stale")
+    path = ensure_calibration(target, "lookup", out=io.StringIO())
+    data = json.loads(path.read_text())
+    assert data["target"]["seconds"][0] < STALE_CHECK_MIN_SECONDS   # a tiny pass: below the check
+    for scale, flagged in ((1000.0, True), (1e-3, False)):
+        changed = json.loads(json.dumps(data))
+        changed["target"]["seconds"] = [t * scale for t in data["target"]["seconds"]]
+        path.write_text(json.dumps(changed))
+        out = io.StringIO()
+        assert ensure_calibration(target, "lookup", out=out) == path
+        said = out.getvalue()
+        assert ("a 1-token pass takes" in said and "Delete the file" in said) is flagged, said
+        assert json.loads(path.read_text())["target"]["seconds"] == changed["target"]["seconds"]   # kept
+
+
 @needs_packing
 def test_demo_stock_baseline_restores_the_fast_path() -> None:
     """The demo also times plain decoding with stock linear layers: it unpacks the target for
