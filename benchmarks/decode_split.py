@@ -26,18 +26,19 @@ from transformers import DynamicCache
 
 import treespec
 from harness import RESULTS, interleaved, machine_info, machine_line, md_table, summarise, write_results
-from treespec.fastpath.packing import resolve_dtype
+from treespec.fastpath.packing import PackedLinear, resolve_dtype
 
 
-def cases_for(target, context: int, seed: int) -> dict[str, object]:
-    """Timed callables for one loaded target: its decode pass and its linear layers alone."""
+def cases_for(target, context: int, seed: int) -> tuple[dict[str, object], int]:
+    """Timed callables for one loaded target (its decode pass, its linear layers alone) and the
+    number of linear layers."""
     model = target.model
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(100, model.config.vocab_size - 100, (1, context), generator=gen)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         nxt = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "PackedLinear"]
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
     xs = [torch.randn(1, 1, m.in_features, generator=gen).to(model.dtype) for m in linears]
 
     def forward():
@@ -50,7 +51,7 @@ def cases_for(target, context: int, seed: int) -> dict[str, object]:
             for m, x in zip(linears, xs):
                 m(x)
 
-    return {"forward": forward, "linears": layers, "n_linears": len(linears)}
+    return {"forward": forward, "linears": layers}, len(linears)
 
 
 def profile_table(target, context: int, rows: int = 15) -> list[dict]:
@@ -89,8 +90,7 @@ def main() -> None:
                                               pack=True if args.kernel == "auto" else args.kernel)}
     cases, counts = {}, {}
     for name, target in targets.items():
-        c = cases_for(target, args.context, seed=0)
-        counts[name] = c.pop("n_linears")
+        c, counts[name] = cases_for(target, args.context, seed=0)
         cases.update({(name, part): fn for part, fn in c.items()})
     samples = interleaved(cases, args.reps, warmup=3)
     rows = {}

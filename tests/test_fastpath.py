@@ -376,7 +376,8 @@ def test_a_cached_calibration_whose_pass_time_is_off_is_flagged(tmp_path, monkey
     reliably are not checked."""
     import io
 
-    from treespec.cli.main import STALE_CHECK_MIN_SECONDS, ensure_calibration
+    from treespec.calibrate.passes import STALE_CHECK_MIN_SECONDS
+    from treespec.cli.main import ensure_calibration
     from treespec.targets.loader import tiny_llama
 
     from _engine_helpers import word_tokenizer

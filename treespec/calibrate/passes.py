@@ -165,6 +165,27 @@ def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) ->
     return [make(n) for n in ns]
 
 
+# A calibration's 1-token pass is checked against fresh ones only when it took at least this long
+# (shorter passes, e.g. tiny test models, time too noisily) ...
+STALE_CHECK_MIN_SECONDS = 0.005
+# ... and flagged when the two differ by more than this factor (timing spreads: 5-15 %).
+STALE_PASS_FACTOR = 1.5
+
+
+def pass_time_disagrees(calibration: Calibration, model: Any, reps: int = 5) -> str | None:
+    """Why ``calibration``'s 1-token pass time t(1) no longer describes this machine, or None:
+    the median of ``reps`` fresh passes (its own verify pass, :func:`verify_passes`) differs from
+    it by more than :data:`STALE_PASS_FACTOR`, as when the file was measured under another load."""
+    cached = calibration.target(1)
+    if cached < STALE_CHECK_MIN_SECONDS:
+        return None
+    fresh = measure(verify_passes(model, [1], context=calibration.context)[0], n_warmup=1, n_rep=reps)
+    if max(cached / fresh, fresh / cached) <= STALE_PASS_FACTOR:
+        return None
+    return (f"has t(1) = {cached * 1e3:.1f} ms, but a 1-token pass takes {fresh * 1e3:.1f} ms now "
+            f"({cached / fresh:.2f}x)")
+
+
 def _shuffled_curve(passes: Callable[[Sequence[int]], list[Callable[[], None]]], points: Sequence[int],
                     n_warmup: int, n_rep: int, clock: Callable[[], float], label: str,
                     say: Callable[[str], None]) -> Curve:

@@ -223,7 +223,7 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     from treespec.planning import Calibration, acceptance_key, machine_mismatch
     from treespec.calibrate.passes import calibrate
     from treespec.planning.calibration import model_calibration_path
-    from treespec.calibrate.passes import calibrate_batches
+    from treespec.calibrate.passes import calibrate_batches, pass_time_disagrees
     from treespec.data import mtbench_questions
     from treespec.calibrate.drafters import (
         ACCEPTANCE_TEMPERATURES, calibrate_acceptance, calibrate_drafter, calibrate_drafter_batches,
@@ -284,45 +284,12 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
             cal = calibrate_drafter_batches(cal, drafter_name, target, missing_d, progress=say)
         cal.save(path)
     if not measured_now:
-        stale = pass_time_disagrees(cal, target.model)
+        stale = pass_time_disagrees(cal, target.model)   # a file measured under another load
         if stale:
             print(f"[the calibration at {path} {stale}: it was probably measured while the machine "
                   "was busier or quieter than now, and builder='auto' sizes trees from it. Delete the "
                   "file to measure it again on a quiet machine]", file=out, flush=True)
     return path
-
-
-# A cached calibration's 1-token pass is checked against a fresh one when it took at least this
-# long (shorter passes, e.g. tiny test models, time too noisily) ...
-STALE_CHECK_MIN_SECONDS = 0.005
-# ... and flagged when the two differ by more than this factor (timing spreads here: 5-15 %).
-STALE_PASS_FACTOR = 1.5
-
-
-def pass_time_disagrees(cal, model, reps: int = 5) -> str | None:
-    """Why ``cal``'s 1-token pass time t(1) no longer describes this machine, or None: the median
-    of ``reps`` fresh passes (the calibration's own pass, after one warm-up) differs from it by
-    more than :data:`STALE_PASS_FACTOR`."""
-    import statistics
-    import time
-
-    from treespec.calibrate.passes import verify_passes
-
-    cached = cal.target(1)
-    if cached < STALE_CHECK_MIN_SECONDS:
-        return None
-    run = verify_passes(model, [1], context=cal.context)[0]
-    run()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    fresh = statistics.median(times)
-    if max(cached / fresh, fresh / cached) <= STALE_PASS_FACTOR:
-        return None
-    return (f"has t(1) = {cached * 1e3:.1f} ms, but a 1-token pass takes {fresh * 1e3:.1f} ms now "
-            f"({cached / fresh:.2f}x)")
 
 
 def cmd_demo(args) -> int:
