@@ -79,8 +79,9 @@ def build(args):
                                        min_ngram=args.lookup_min_ngram)
         gens["treespec lookup adaptive"] = treespec.SpeculativeGenerator(
             packed, lookup, make_builder("chain", args.chain_k + 1, 5, 4, min_confidence=args.min_confidence))
+        auto_cal = gens['treespec auto'].calibration
         paths[d]["auto"] = (f"{gens['treespec auto'].builder.config} (calibration {cal}; "
-                            f"{auto_threshold_text(gens['treespec auto'].calibration)})")
+                            f"{auto_threshold_text(auto_cal)}; {auto_cal.loop_text('eagle3')})")
         paths[d]["lookup adaptive"] = f"{lookup.config}, {gens['treespec lookup adaptive'].builder}"
         rows = {
             "HF generate": lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s),

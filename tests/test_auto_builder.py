@@ -210,3 +210,107 @@ def test_a_noisy_machine_keeps_auto_on_plain_decoding_for_a_small_predicted_gain
         "machine); no tree does: plain decoding")
     assert auto_threshold_line(flat, 3) == "speculates where the cost model predicts at least 1.05x"
     assert SpeculativeGenerator(target, LookupDrafter(16), ChainBuilder(2)).calibration is None
+
+
+def test_loop_costs_enter_the_plan_only_in_pairs_and_at_batch_one(tmp_path):
+    """The generator's own work per step: plain decoding's raises the baseline, the drafter's
+    (per step + per drafter call) raises every tree's step; one without the other is ignored."""
+    from treespec.planning import PLAIN_LOOP, CalibratedCost, LoopCost
+    from treespec.planning.planner import best_choice, plan_curve
+
+    ns = (1, 2, 4, 8, 16, 32, 64)
+    base = Calibration(**{**vars(_calibration(lambda n: 1.0, drafter_s=0.01)),
+                          "drafters": {"eagle3": Curve.fit(ns, [0.05] * len(ns))}})
+    loops = {PLAIN_LOOP: LoopCost(0.2), "eagle3": LoopCost(0.5, 0.1)}
+    cal = Calibration(**{**vars(base), "loop": loops})
+    assert Calibration.load(cal.save(tmp_path / "c.json")) == cal
+    cost = CalibratedCost(cal, "eagle3")
+    assert cost.loop_s((), 1) == pytest.approx(0.2)
+    assert cost.loop_s((1, 1, 1), 1) == pytest.approx(0.5 + 3 * 0.1)
+    assert cost.loop_s((1, 1, 1), 2) == 0.0                                  # the server's loop: not measured
+    for half in ({PLAIN_LOOP: LoopCost(0.2)}, {"eagle3": LoopCost(0.5, 0.1)}):
+        assert CalibratedCost(Calibration(**{**vars(base), "loop": half}), "eagle3").loop_s((1,), 1) == 0.0
+
+    # by hand, a one-wide acceptance vector: only chains, a chain of k has tau 2 - 0.5^k and a step of
+    # 1 (flat verify) + 0.05 k (drafts) + 0.5 + 0.1 k (loop), against 1.2 a token for plain decoding
+    curve = plan_curve(cost, (0.5,), max_drafts=4, max_depth=4)
+    assert curve[0].step_s == pytest.approx(1.2) and curve[0].loop_s == pytest.approx(0.2)
+    chain = curve[2]
+    assert chain.is_chain and chain.drafts == 2 and chain.tau == pytest.approx(1.75)
+    assert chain.step_s == pytest.approx(1.0 + 0.1 + 0.5 + 0.2)
+    assert chain.speedup == pytest.approx(1.75 / 1.8 * 1.2)
+    without = best_choice(plan_curve(CalibratedCost(base, "eagle3"), (0.5,), max_drafts=4, max_depth=4))
+    with_loop = best_choice(curve)
+    assert with_loop.speedup < without.speedup and with_loop.tokens_per_s < without.tokens_per_s
+    with pytest.raises(ValueError, match="LoopCost.call must be >= 0"):
+        LoopCost(0.1, -0.01)
+    with pytest.raises(ValueError, match="LoopCost.step must be finite"):
+        LoopCost(float("nan"))
+
+
+def test_an_expensive_loop_turns_auto_to_plain_decoding():
+    """A tree the passes alone make worth it gives way to plain decoding once the drafter's loop
+    work per step is counted."""
+    from treespec.drafters import load_drafter
+    from treespec.planning import PLAIN_LOOP, LoopCost
+
+    target = tiny_target(vocab_size=16)
+    drafter = load_drafter("early-exit", target)
+    ns = (1, 2, 4, 8, 16, 32, 64)
+    passes = Calibration(**{**vars(_calibration(lambda n: 1.0 + 0.02 * n, drafter_s=0.01)),
+                            "drafters": {"early-exit": Curve.fit(ns, [0.02] * len(ns))},
+                            "acceptance": {"early-exit": (0.3,)}})
+    assert auto_builder(target, drafter, passes).budget > 1
+    heavy = Calibration(**{**vars(passes), "loop": {PLAIN_LOOP: LoopCost(0.0), "early-exit": LoopCost(0.3, 0.05)}})
+    assert auto_builder(target, drafter, heavy).budget == 1
+
+
+def test_calibrate_loop_books_builder_and_commit_time_where_they_belong():
+    """A builder that sleeps around its drafter call shows up as per-call loop time; a drafter whose
+    commit sleeps shows up as per-step time; plain decoding pays neither."""
+    import time
+
+    from treespec.calibrate.passes import calibrate
+    from treespec.calibrate.drafters import calibrate_loop
+    from treespec.drafters import load_drafter
+    from treespec.planning import PLAIN_LOOP
+
+    target = tiny_target(vocab_size=16, seed=1)
+    cal = calibrate(target.model, "tiny", ns=(1, 2, 3, 4, 8), context=4, early_exit_layers=1, n_warmup=1, n_rep=3)
+
+    class SlowCommit:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def commit(self, *args):
+            time.sleep(0.02)
+            return self.inner.commit(*args)
+
+    class SlowChain(ChainBuilder):
+        def build(self, *args, **kwargs):
+            time.sleep(0.03)
+            return super().build(*args, **kwargs)
+
+    drafter = SlowCommit(load_drafter("target", target))
+    out = calibrate_loop(cal, drafter, "slow", target, [[1, 2, 3, 4, 5]], max_new_tokens=6,
+                         builders=(lambda: SlowChain(1),))
+    plain, slow = out.loop[PLAIN_LOOP], out.loop["slow"]
+    assert slow.call >= 0.03 * 0.9           # one drafter call per build: the sleep is the builder's
+    assert slow.step >= 0.02 * 0.9           # the commit: after acceptance, in the step
+    assert plain.step < 0.01 and plain.call == 0.0
+    assert "slow" not in cal.loop            # a new Calibration
+    with pytest.raises(ValueError, match="at least one prompt"):
+        calibrate_loop(cal, drafter, "slow", target, [])
+
+
+def test_loop_text_says_what_was_measured():
+    from treespec.planning import PLAIN_LOOP, LoopCost
+
+    cal = _calibration(lambda n: 1.0, drafter_s=0.01)
+    assert "not measured" in cal.loop_text("eagle3")
+    cal = Calibration(**{**vars(cal), "loop": {PLAIN_LOOP: LoopCost(0.001), "eagle3": LoopCost(0.002, 0.0005)}})
+    assert cal.loop_text("eagle3") == ("the generator's own work: 1.00 ms a step decoding plainly, "
+                                       "2.00 ms a step + 0.50 ms a drafter call with eagle3")

@@ -6,10 +6,12 @@ engine imports it:
 
 - ``measure_acceptance_vector``: Sequoia's positional acceptance vector a[0..w-1] of a drafter,
   estimated from generations with one-level trees (``treespec.builders.SequoiaBuilder`` uses it).
-- ``calibrate_drafter``: a registered drafter's pass times by width and its acceptance vectors
-  (greedy and T = 1), added to a ``treespec.planning.Calibration`` (``treespec calibrate --drafter
-  NAME``); ``calibrate_acceptance`` adds the vectors alone; ``calibrate_drafter_batches`` adds
-  its batched drafting call (B requests in one ``expand_batch``) for the server's planner.
+- ``calibrate_drafter``: a registered drafter's pass times by width, the generator's own work
+  around them and its acceptance vectors (greedy and T = 1), added to a
+  ``treespec.planning.Calibration`` (``treespec calibrate --drafter NAME``);
+  ``calibrate_acceptance`` adds the vectors alone, ``calibrate_loop`` the loop costs alone;
+  ``calibrate_drafter_batches`` adds its batched drafting call (B requests in one
+  ``expand_batch``) for the server's planner.
 
 Both were defined in ``treespec.builders.sequoia`` and ``treespec.planning.calibration``; those
 paths still resolve to these functions.
@@ -22,15 +24,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from treespec.planning.calibration import Calibration, Curve, acceptance_key
+from treespec.planning.calibration import PLAIN_LOOP, Calibration, Curve, LoopCost, acceptance_key
 from treespec.calibrate.passes import DRAFT_WIDTHS, _shuffled_curve
 from treespec.drafters import load_drafter
 from treespec.drafters.base import Drafter, TargetFeatures, TimedDrafter
 from treespec.runtime.generator import SpeculativeGenerator
-from treespec.builders.base import DraftMode, check_int
+from treespec.builders.base import DraftMode, TreeBuilder, check_int
+from treespec.builders.chain import ChainBuilder
+from treespec.builders.dynamic import DynamicTreeBuilder
 from treespec.builders.static import StaticTreeBuilder
 
-__all__ = ["calibrate_acceptance", "calibrate_drafter", "calibrate_drafter_batches", "measure_acceptance_vector"]
+__all__ = ["calibrate_acceptance", "calibrate_drafter", "calibrate_drafter_batches", "calibrate_loop",
+           "measure_acceptance_vector"]
 
 # Temperatures a drafter's acceptance is measured at by default: greedy, and T = 1 (acceptance
 # of the same drafts is lower when the target samples, so T > 0 requests need their own plan).
@@ -92,7 +97,8 @@ def calibrate_drafter(
     Pass times: greedy generations on ``prompts[0]`` with a static tree of ``w`` root children,
     each with one child, so every step makes one expand call over 1 node (the root, including
     the drafter's commit work) and one over ``w`` nodes; the median call time per width gives
-    ``drafters[name]``. Acceptance: ``calibrate_acceptance`` at every T in ``temperatures``.
+    ``drafters[name]``. The generator's work around the passes: ``calibrate_loop``.
+    Acceptance: ``calibrate_acceptance`` at every T in ``temperatures``.
     Held-out prompts, please: the numbers are meant for other text. Run it with the threads the
     engine will use.
     """
@@ -115,8 +121,74 @@ def calibrate_drafter(
     curve = Curve.from_timings(ns, [samples[n] for n in ns])
     say(f"{name}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(curve.ns, curve.seconds)))
     calibration = dataclasses.replace(calibration, drafters={**calibration.drafters, name: curve})
+    calibration = calibrate_loop(calibration, drafter.inner, name, target, prompts, max_new_tokens, progress)
     return calibrate_acceptance(calibration, drafter.inner, name, target, prompts, temperatures,
                                 acceptance_width, max_new_tokens, progress)
+
+
+# The trees ``calibrate_loop`` times the generator with: the two shapes builder="auto" builds
+# (a chain, and a dynamic tree, whose builder ranks and grows each level in Python).
+LOOP_BUILDERS: tuple[Callable[[], TreeBuilder], ...] = (
+    lambda: ChainBuilder(2),
+    lambda: DynamicTreeBuilder(budget=8, depth=3, top_k=4),
+)
+
+
+def calibrate_loop(
+    calibration: Calibration,
+    drafter: Drafter | str,
+    name: str,
+    target: Any,
+    prompts: Sequence[str | Sequence[int]],
+    max_new_tokens: int = 32,
+    progress: Callable[[str], None] | None = None,
+    builders: Sequence[Callable[[], TreeBuilder]] = LOOP_BUILDERS,
+) -> Calibration:
+    """``calibration`` plus the generator's own seconds per step, besides the calibrated passes,
+    for plain decoding (``PLAIN_LOOP``) and with ``drafter`` (stored under ``name``): a
+    ``treespec.planning.LoopCost`` each, which the planner adds to the step it predicts.
+
+    Greedy generations of ``max_new_tokens`` on ``prompts[0]`` (after a short warm-up each): a
+    budget-1 tree (auto's plain decoding), then the trees of ``builders`` (default
+    ``LOOP_BUILDERS``) with ``drafter`` timed per call. ``step`` = (the step's time - the calibrated target pass over its nodes -
+    the drafter's calls) per step; for the drafter, ``call`` = the builder's time outside the
+    drafter's calls per call, and ``step`` the rest. Both reuse ``calibration.target``: measure it
+    first, with the same threads.
+    """
+    if not prompts:
+        raise ValueError("calibrate_loop needs at least one prompt (held-out text)")
+    check_int("max_new_tokens", max_new_tokens)
+    say = progress or (lambda message: None)
+    if isinstance(drafter, str):
+        drafter = load_drafter(drafter, target)
+    timed = TimedDrafter(drafter.inner if isinstance(drafter, TimedDrafter) else drafter, time.perf_counter)
+
+    def run(builder: TreeBuilder) -> tuple[float, float, int, int]:
+        """(seconds outside the passes and calls, seconds around the calls, steps, calls)."""
+        gen = SpeculativeGenerator(target, timed, builder)
+        gen.generate(prompts[0], max_new_tokens=4)  # warm-up
+        passes = 0.0
+
+        def count(built, acceptance, step) -> None:
+            nonlocal passes
+            passes += calibration.target(built.tree.num_nodes)
+
+        timed.reset()
+        stats = gen.generate(prompts[0], max_new_tokens=max_new_tokens, on_step=count).stats
+        around = stats.draft_time - timed.expand_time
+        return stats.verify_time - passes + stats.accept_time + stats.other_time, around, stats.steps, len(timed.calls)
+
+    rest, around, steps, calls = run(DynamicTreeBuilder(budget=1, depth=1, top_k=1))
+    plain = LoopCost((rest + around) / steps)
+    rest = around = 0.0
+    steps = calls = 0
+    for make in builders:
+        r, a, s, c = run(make())
+        rest, around, steps, calls = rest + r, around + a, steps + s, calls + c
+    drafting = LoopCost(rest / steps, max(0.0, around / calls))
+    say(f"{name} loop: {drafting.step * 1e3:.2f} ms a step + {drafting.call * 1e3:.2f} ms a drafter call "
+        f"(plain decoding: {plain.step * 1e3:.2f} ms a step)")
+    return dataclasses.replace(calibration, loop={**calibration.loop, PLAIN_LOOP: plain, name: drafting})
 
 
 def calibrate_acceptance(

@@ -216,8 +216,8 @@ def plain_decode_speed(target, ids: torch.Tensor, max_new_tokens: int, temperatu
 def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Sequence[int] = ()):
     """The target's calibration for ``builder="auto"``, measured now (with a progress bar) and
     cached if this machine has none for this model, dtype and linear path. Parts a cached
-    calibration lacks are added: the drafter's acceptance at T = 1, batched passes at
-    ``batches`` (the server's auto at B > 1). Returns its path."""
+    calibration lacks are added: the drafter's acceptance at T = 1, the generator's loop costs,
+    batched passes at ``batches`` (the server's auto at B > 1). Returns its path."""
     from tqdm.auto import tqdm
 
     from treespec.planning import Calibration, acceptance_key, machine_mismatch
@@ -227,6 +227,7 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     from treespec.data import mtbench_questions
     from treespec.calibrate.drafters import (
         ACCEPTANCE_TEMPERATURES, calibrate_acceptance, calibrate_drafter, calibrate_drafter_batches,
+        calibrate_loop,
     )
 
     path = model_calibration_path(target.name, target.model)
@@ -246,8 +247,8 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
             why = f"the cached calibration of {target.name} predates timing spreads"
     if cal is None:
         print(f"[{why}: measuring it once, about a minute; cached at {path}]", file=out, flush=True)
-        # target curve, two generic drafter curves, the drafter's pass times, its acceptances
-        bar = tqdm(total=4 + len(ACCEPTANCE_TEMPERATURES), desc="calibrating", unit="stage", file=out)
+        # target curve, two generic drafter curves, the drafter's pass times, the loop, its acceptances
+        bar = tqdm(total=5 + len(ACCEPTANCE_TEMPERATURES), desc="calibrating", unit="stage", file=out)
 
         def step(message: str) -> None:
             bar.set_postfix_str(message.split(":")[0])
@@ -267,10 +268,12 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     missing_b = sorted(set(batches) - set(cal.batch_target))
     missing_d = (sorted(set(batches) - set(cal.batch_drafters.get(drafter_name, {})))
                  if drafter_name in cal.drafters else [])
-    if missing_t or missing_b or missing_d:
+    missing_loop = drafter_name in cal.drafters and drafter_name not in cal.loop
+    if missing_t or missing_b or missing_d or missing_loop:
         print(f"[adding to the calibration at {path}: "
               + "; ".join(([f"{drafter_name} acceptance at T = {', '.join(f'{t:g}' for t in missing_t)}"]
                            if missing_t else [])
+                          + ([f"the generator's loop costs with {drafter_name}"] if missing_loop else [])
                           + ([f"batched passes at B = {', '.join(map(str, missing_b))}"] if missing_b else [])
                           + ([f"batched {drafter_name} calls at B = {', '.join(map(str, missing_d))}"]
                              if missing_d else []))
@@ -278,6 +281,8 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
         say = lambda m: print(f"  {m}", file=out, flush=True)  # noqa: E731
         if missing_t:
             cal = calibrate_acceptance(cal, drafter_name, drafter_name, target, held_out, missing_t)
+        if missing_loop:
+            cal = calibrate_loop(cal, drafter_name, drafter_name, target, held_out, progress=say)
         if missing_b:
             cal = calibrate_batches(cal, target.model, missing_b, progress=say)
         if missing_d:

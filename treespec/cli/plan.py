@@ -156,7 +156,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"target {target.name} ({target.total_params / 1e9:.3g} B params, {target.bytes_per_weight:g} B/weight), "
           f"drafter {spec.kind}, acceptance {acceptance}, context {args.context}")
     header = f"{'hardware':<9} {'batch':>5} {'budget':>6} {'depth':>5} {'tau':>6} {'tokens/s':>10} " \
-             f"{'speedup':>7} {'verify ms':>9} {'draft ms':>8}"
+             f"{'speedup':>7} {'verify ms':>9} {'draft ms':>8} {'loop ms':>7}"
     print(header)
     print("-" * len(header))
     curves: dict[int, dict[str, list[TreeChoice]]] = {}
@@ -166,7 +166,7 @@ def _plan(args: argparse.Namespace) -> int:
             curves.setdefault(batch, {})[name] = curve
             c = best_choice(curve)
             print(f"{name:<9} {batch:>5} {c.budget:>6} {c.depth:>5} {c.tau:>6.2f} {c.tokens_per_s:>10.1f} "
-                  f"{c.speedup:>7.2f} {c.verify_s * 1e3:>9.3f} {c.draft_s * 1e3:>8.3f}")
+                  f"{c.speedup:>7.2f} {c.verify_s * 1e3:>9.3f} {c.draft_s * 1e3:>8.3f} {c.loop_s * 1e3:>7.3f}")
     if args.limits:
         print("\nbatch where: decode compute-bound | verify of the batch-1 tree compute-bound | "
               "best is a chain | best is no speculation")

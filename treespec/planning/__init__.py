@@ -23,7 +23,8 @@ from treespec.planning.tau import (
     validate_acceptance,
 )
 from treespec.planning.calibration import (
-    CalibratedCost, Calibration, Curve, acceptance_key, default_calibration_path, machine_mismatch, model_calibration_path,
+    PLAIN_LOOP, CalibratedCost, Calibration, Curve, LoopCost, acceptance_key, default_calibration_path,
+    machine_mismatch, model_calibration_path,
 )
 from treespec.planning.hardware import HARDWARE_PRESETS, Hardware, get_hardware
 from treespec.planning.planner import (
@@ -57,10 +58,12 @@ __all__ = [
     "DRAFTER_KINDS",
     "HARDWARE_PRESETS",
     "MODEL_PRESETS",
+    "PLAIN_LOOP",
     "BatchLimits",
     "CalibratedCost",
     "Calibration",
     "Curve",
+    "LoopCost",
     "DrafterSpec",
     "Hardware",
     "ModelShape",

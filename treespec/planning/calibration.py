@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
@@ -41,6 +42,8 @@ __all__ = [
     "CalibratedCost",
     "Calibration",
     "Curve",
+    "LoopCost",
+    "PLAIN_LOOP",
     "acceptance_key",
     "default_calibration_path",
     "machine_mismatch",
@@ -139,6 +142,43 @@ class Curve:
         return cls.fit(data["ns"], data["seconds"], data.get("spread"))
 
 
+# ``Calibration.loop`` key of the generator's plain-decoding loop (a budget-1 tree: one token a
+# step, no drafter); no registered drafter is named with a space.
+PLAIN_LOOP = "plain decoding"
+
+
+@dataclass(frozen=True)
+class LoopCost:
+    """Seconds a generation step spends besides the calibrated target pass and drafter calls, as
+    the generator (``treespec.runtime.generator``, batch 1) pays them.
+
+    The passes alone undercount a speculative step: measured on an AVX2 EPYC, a 2-node chain's
+    step spent 1.6 ms accepting, compacting and committing and 1 ms of builder work around its
+    draft calls, against a 31 ms pass, so a tree predicted to gain 14 % lost 3 %.
+
+    Attributes:
+        step: per step: acceptance, KV compaction, the drafter's commit, the loop itself, and
+              what the generator's verify pass costs over the calibrated one (captured features,
+              the sampling transform). Can be negative by a little (the generation's context is
+              shorter than the calibration's).
+        call: per drafter call: the builder's own work around it (ranking, growing the tree).
+    """
+
+    step: float
+    call: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("step", "call"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"LoopCost.{name} must be finite seconds, got {getattr(self, name)!r}")
+        if self.call < 0:
+            raise ValueError(f"LoopCost.call must be >= 0 seconds, got {self.call!r}")
+
+    def seconds(self, calls: int) -> float:
+        """Loop seconds of one step with ``calls`` drafter calls."""
+        return self.step + self.call * calls
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Measured pass times of one model on this machine.
@@ -160,6 +200,9 @@ class Calibration:
         batch_drafters: drafter name -> B -> seconds of ONE batched drafting call
                   (``BatchDrafter.expand_batch``) expanding w nodes for each of B requests,
                   against w (``treespec.calibrate.drafters.calibrate_drafter_batches``); empty if not measured.
+        loop:     ``PLAIN_LOOP`` and drafter names -> the generator's ``LoopCost`` with that
+                  drafter (``treespec.calibrate.drafters.calibrate_loop``); the planner reads a
+                  drafter's only together with plain decoding's, at batch 1.
         device:   machine description (CPU model, threads, torch version).
         threads:  torch intra-op threads during the measurement (run the engine with the same).
         clock:    the timer's name: "perf_counter" (wall clock) or "thread_time" (CPU time).
@@ -175,6 +218,7 @@ class Calibration:
     acceptance: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     batch_target: Mapping[int, Curve] = field(default_factory=dict)
     batch_drafters: Mapping[str, Mapping[int, Curve]] = field(default_factory=dict)
+    loop: Mapping[str, LoopCost] = field(default_factory=dict)
     device: str = ""
     threads: int = 0
     clock: str = "perf_counter"
@@ -196,6 +240,7 @@ class Calibration:
             "batch_target": {str(b): curve.to_json() for b, curve in sorted(self.batch_target.items())},
             "batch_drafters": {name: {str(b): curve.to_json() for b, curve in sorted(by_b.items())}
                                for name, by_b in self.batch_drafters.items()},
+            "loop": {name: dataclasses.asdict(cost) for name, cost in self.loop.items()},
             "device": self.device,
             "threads": self.threads,
             "clock": self.clock,
@@ -228,6 +273,7 @@ class Calibration:
             batch_target={int(b): Curve.from_json(c) for b, c in data.get("batch_target", {}).items()},
             batch_drafters={name: {int(b): Curve.from_json(c) for b, c in by_b.items()}
                             for name, by_b in data.get("batch_drafters", {}).items()},
+            loop={name: LoopCost(**cost) for name, cost in data.get("loop", {}).items()},
             device=data.get("device", ""),
             threads=int(data.get("threads", 0)),
             clock=data.get("clock", "perf_counter"),
@@ -253,6 +299,14 @@ class Calibration:
             return None
         nearest = min(measured, key=lambda t: (abs(t - temperature), t))
         return self.acceptance[measured[nearest]]
+
+    def loop_text(self, name: str) -> str:
+        """The generator's loop costs for drafter ``name`` in words (benchmark headers)."""
+        plain, drafting = self.loop.get(PLAIN_LOOP), self.loop.get(name)
+        if plain is None or drafting is None:
+            return f"the generator's loop costs with {name} not measured (the plan counts the passes alone)"
+        return (f"the generator's own work: {plain.step * 1e3:.2f} ms a step decoding plainly, "
+                f"{drafting.step * 1e3:.2f} ms a step + {drafting.call * 1e3:.2f} ms a drafter call with {name}")
 
     def target_batch_s(self, n_tokens: float, batch: int) -> float | None:
         """Measured seconds of one batched verify pass of ``batch`` requests with ``n_tokens``
@@ -394,6 +448,16 @@ class CalibratedCost:
             return self.scale * sum(cal.drafter_batch_s(self.drafter_kind, w, batch) for w in widths)
         curve = cal.drafters[self.drafter_kind]
         return self.scale * sum(curve(w * batch) for w in widths)
+
+    def loop_s(self, widths: Sequence[int], batch: int) -> float:
+        """The generator's loop seconds of a step drafting ``widths`` (() for plain decoding):
+        ``Calibration.loop``, at batch 1 and only when both plain decoding's and this drafter's
+        were measured (one without the other would tilt the comparison); else 0. Not scaled:
+        it is mostly Python, not weights."""
+        plain, drafting = self.calibration.loop.get(PLAIN_LOOP), self.calibration.loop.get(self.drafter_kind)
+        if batch != 1 or plain is None or drafting is None:
+            return 0.0
+        return drafting.seconds(len(widths)) if widths else plain.seconds(0)
 
 
 BATCH_NS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)

@@ -53,6 +53,11 @@ class StepCost(Protocol):
         """Drafting passes, ``widths[l]`` nodes expanded at level l."""
         ...
 
+    def loop_s(self, widths: Sequence[int], batch: int) -> float:
+        """The engine's own work in a step drafting ``widths`` (() for plain decoding): accepting,
+        compacting, the builder around its drafter calls."""
+        ...
+
 
 @dataclass(frozen=True)
 class RooflineCost:
@@ -67,6 +72,9 @@ class RooflineCost:
 
     def draft_s(self, widths: Sequence[int], batch: int, context: int) -> float:
         return t_draft(self.target, self.drafter, self.hardware, widths, batch, context)
+
+    def loop_s(self, widths: Sequence[int], batch: int) -> float:
+        return 0.0   # a roofline counts bytes and FLOPs, not the host's bookkeeping
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,7 @@ class TreeChoice:
         verify_s:     seconds of the target pass over drafts + 1 tokens per sequence.
         draft_s:      seconds of drafting (all levels).
         level_sizes:  nodes per depth, the root's level first.
+        loop_s:       seconds of the engine's own work in the step (``StepCost.loop_s``).
     """
 
     drafts: int
@@ -93,6 +102,7 @@ class TreeChoice:
     verify_s: float
     draft_s: float
     level_sizes: tuple[int, ...]
+    loop_s: float = 0.0
 
     @property
     def budget(self) -> int:
@@ -101,7 +111,7 @@ class TreeChoice:
 
     @property
     def step_s(self) -> float:
-        return self.verify_s + self.draft_s
+        return self.verify_s + self.draft_s + self.loop_s
 
     @property
     def is_chain(self) -> bool:
@@ -136,18 +146,20 @@ def plan_curve(
             verify_cache[n_tokens] = cost.verify_s(n_tokens, batch, context)
         return verify_cache[n_tokens]
 
-    baseline = batch / verify_s(1)
-    best: dict[int, TreeChoice] = {0: TreeChoice(0, 0, 1.0, baseline, 1.0, verify_s(1), 0.0, (1,))}
+    plain_loop = cost.loop_s((), batch)
+    baseline = batch / (verify_s(1) + plain_loop)
+    best: dict[int, TreeChoice] = {0: TreeChoice(0, 0, 1.0, baseline, 1.0, verify_s(1), 0.0, (1,), plain_loop)}
     for depth in range(1, max_depth + 1):
         for tree in optimal_trees(acceptance, max_drafts, depth)[1:]:
             if tree.depth < depth:  # the same tree was scored at a smaller depth limit
                 continue
             verify = verify_s(tree.budget)
             draft = cost.draft_s(tree.draft_widths, batch, context)
-            rate = batch * tree.tau / (verify + draft)
+            loop = cost.loop_s(tree.draft_widths, batch)
+            rate = batch * tree.tau / (verify + draft + loop)
             if tree.drafts not in best or rate > best[tree.drafts].tokens_per_s:
                 best[tree.drafts] = TreeChoice(tree.drafts, tree.depth, tree.tau, rate, rate / baseline,
-                                               verify, draft, tree.level_sizes)
+                                               verify, draft, tree.level_sizes, loop)
     return [best[b] for b in sorted(best)]
 
 
