@@ -95,8 +95,10 @@ def test_calibrate_drafter_measures_pass_times_and_acceptance(tmp_path):
     assert out.drafters["target"].ns == (1, 2, 4)         # the root call, then each width
     assert all(t > 0 for t in out.drafters["target"].seconds)
     assert out.acceptance["target"] == (1.0, 0.0, 0.0)     # the target drafts its own greedy token
-    sampled = out.acceptance["target@T1"]                   # T = 1: its top tokens, accepted w.p. p(x)
-    assert len(sampled) == 3 and 0.0 < sampled[0] < 1.0 and sum(sampled) <= 1.0 + 1e-12
+    ranked = out.acceptance["target@T1"]                    # T = 1: its top tokens, accepted w.p. p(x)
+    assert len(ranked) == 3 and 0.0 < ranked[0] < 1.0 and sum(ranked) <= 1.0 + 1e-12
+    # drawn from q = p, the first draw is always accepted (min(p, q) sums to 1)
+    assert out.acceptance["target@T1/without_replacement"] == (1.0, 0.0, 0.0)
     assert "target" not in cal.drafters                    # a new Calibration; the input is kept
     assert Calibration.load(out.save(tmp_path / "c.json")) == out
     with pytest.raises(ValueError, match="at least one prompt"):
@@ -314,3 +316,27 @@ def test_loop_text_says_what_was_measured():
     cal = Calibration(**{**vars(cal), "loop": {PLAIN_LOOP: LoopCost(0.001), "eagle3": LoopCost(0.002, 0.0005)}})
     assert cal.loop_text("eagle3") == ("the generator's own work: 1.00 ms a step decoding plainly, "
                                        "2.00 ms a step + 0.50 ms a drafter call with eagle3")
+
+
+def test_auto_draws_its_drafts_above_t0_where_drawn_drafts_are_accepted_more():
+    """Above T = 0 auto plans ranked and drawn drafts from their own measured acceptance and
+    builds the faster; at T = 0 drafts are ranked whatever was measured."""
+    from treespec.drafters import load_drafter
+
+    target = tiny_target(vocab_size=16)
+    drafter = load_drafter("early-exit", target)
+    ns = (1, 2, 4, 8, 16, 32, 64)
+    base = Calibration(**{**vars(_calibration(lambda n: 1.0 + 0.01 * n, drafter_s=0.01)),
+                          "drafters": {"early-exit": Curve.fit(ns, [0.01] * len(ns))}})
+
+    def with_vectors(**vectors):
+        return Calibration(**{**vars(base), "acceptance": {"early-exit": (0.7, 0.1), **vectors}})
+
+    drawn_better = with_vectors(**{"early-exit@T1": (0.1,), "early-exit@T1/without_replacement": (0.5, 0.1)})
+    builder = auto_builder(target, drafter, drawn_better, temperature=1.0)
+    assert builder.budget > 1 and builder.config.mode == "without_replacement"
+    assert auto_builder(target, drafter, drawn_better, temperature=0.0).config.mode == "deterministic"
+    ranked_better = with_vectors(**{"early-exit@T1": (0.5, 0.1), "early-exit@T1/without_replacement": (0.1,)})
+    assert auto_builder(target, drafter, ranked_better, temperature=1.0).config.mode == "deterministic"
+    only_ranked = with_vectors(**{"early-exit@T1": (0.5, 0.1)})
+    assert auto_builder(target, drafter, only_ranked, temperature=1.0).config.mode == "deterministic"

@@ -282,8 +282,12 @@ def test_acceptance_is_read_at_the_nearest_measured_temperature(tmp_path):
 
     assert acceptance_key("eagle3", 0.0) == "eagle3" and acceptance_key("eagle3", 1.0) == "eagle3@T1"
     assert acceptance_key("eagle3", 0.7) == "eagle3@T0.7"
+    assert acceptance_key("eagle3", 1.0, "without_replacement") == "eagle3@T1/without_replacement"
+    assert acceptance_key("eagle3", 0.0, "without_replacement") == "eagle3"    # greedy: one mode
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         acceptance_key("eagle3", -1.0)
+    with pytest.raises(ValueError, match="mode must be 'deterministic'"):
+        acceptance_key("eagle3", 1.0, "sampled")
     cal = dataclasses.replace(_calibration(), acceptance={"eagle3": (0.6, 0.1), "eagle3@T1": (0.4, 0.1),
                                                           "eagle3x@T1": (0.9,), "eagle": (0.5,)},
                               batch_target={2: Curve.fit((1, 2), [1.5, 1.7])})
@@ -293,6 +297,12 @@ def test_acceptance_is_read_at_the_nearest_measured_temperature(tmp_path):
     assert cal.acceptance_for("eagle3", 2.0) == (0.4, 0.1)
     assert cal.acceptance_for("eagle", 1.0) == (0.5,)          # only greedy measured: that one
     assert cal.acceptance_for("medusa", 0.0) is None and cal.acceptance_for(None) is None
+    assert cal.acceptance_for("eagle3", 1.0, "without_replacement") is None   # drawn drafts: not measured
+    assert cal.acceptance_for("eagle3", 0.0, "without_replacement") == (0.6, 0.1)   # greedy: any mode
+    drawn = dataclasses.replace(cal, acceptance={**cal.acceptance, "eagle3@T1/without_replacement": (0.5, 0.2)})
+    assert drawn.acceptance_for("eagle3", 1.0, "without_replacement") == (0.5, 0.2)
+    assert drawn.acceptance_for("eagle3", 1.0) == (0.4, 0.1)                  # ranked drafts: their own
+    assert drawn.acceptance_for("eagle3", 0.2, "without_replacement") == (0.6, 0.1)   # nearest: greedy
     assert Calibration.load(cal.save(tmp_path / "c.json")) == cal   # temperatures and batch curves saved
 
 

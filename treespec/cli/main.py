@@ -220,14 +220,14 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     batched passes at ``batches`` (the server's auto at B > 1). Returns its path."""
     from tqdm.auto import tqdm
 
-    from treespec.planning import Calibration, acceptance_key, machine_mismatch
+    from treespec.planning import Calibration, machine_mismatch
     from treespec.calibrate.passes import calibrate
     from treespec.planning.calibration import model_calibration_path
     from treespec.calibrate.passes import calibrate_batches, pass_time_disagrees
     from treespec.data import mtbench_questions
     from treespec.calibrate.drafters import (
-        ACCEPTANCE_TEMPERATURES, calibrate_acceptance, calibrate_drafter, calibrate_drafter_batches,
-        calibrate_loop,
+        ACCEPTANCE_TEMPERATURES, acceptance_keys, calibrate_acceptance, calibrate_drafter,
+        calibrate_drafter_batches, calibrate_loop,
     )
 
     path = model_calibration_path(target.name, target.model)
@@ -248,7 +248,8 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     if cal is None:
         print(f"[{why}: measuring it once, about a minute; cached at {path}]", file=out, flush=True)
         # target curve, two generic drafter curves, the drafter's pass times, the loop, its acceptances
-        bar = tqdm(total=5 + len(ACCEPTANCE_TEMPERATURES), desc="calibrating", unit="stage", file=out)
+        stages = 5 + sum(len(acceptance_keys(drafter_name, t)) for t in ACCEPTANCE_TEMPERATURES)
+        bar = tqdm(total=stages, desc="calibrating", unit="stage", file=out)
 
         def step(message: str) -> None:
             bar.set_postfix_str(message.split(":")[0])
@@ -264,7 +265,8 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
             bar.close()
         cal.save(path)
         measured_now = True
-    missing_t = [t for t in ACCEPTANCE_TEMPERATURES if acceptance_key(drafter_name, t) not in cal.acceptance]
+    missing_t = [t for t in ACCEPTANCE_TEMPERATURES
+                 if any(key not in cal.acceptance for key in acceptance_keys(drafter_name, t))]
     missing_b = sorted(set(batches) - set(cal.batch_target))
     missing_d = (sorted(set(batches) - set(cal.batch_drafters.get(drafter_name, {})))
                  if drafter_name in cal.drafters else [])

@@ -280,10 +280,14 @@ class Calibration:
             created=data.get("created", ""),
         )
 
-    def acceptance_for(self, name: str | None, temperature: float = 0.0) -> tuple[float, ...] | None:
-        """The acceptance vector of drafter ``name`` measured at the temperature nearest to
-        ``temperature`` (None if ``name`` was never measured). Acceptance falls as T rises, so
-        a T > 0 request planned with the T = 0 vector gets too big a tree: measure both."""
+    def acceptance_for(self, name: str | None, temperature: float = 0.0,
+                       mode: str = "deterministic") -> tuple[float, ...] | None:
+        """The acceptance vector of drafter ``name`` drafting in ``mode`` (a ``DraftMode``),
+        measured at the temperature nearest to ``temperature``; None if ``name`` was never
+        measured. Acceptance falls as T rises, so a T > 0 request planned with the T = 0 vector
+        gets too big a tree: measure both. Greedy drafting is deterministic in every mode, so the
+        T = 0 vector serves every mode; a stochastic mode above T = 0 needs a vector of its own
+        (None without one: the greedy vector says nothing about sampled drafts)."""
         if name is None:
             return None
         measured = {}
@@ -291,10 +295,15 @@ class Calibration:
             if key == name:
                 measured[0.0] = key
             elif key.startswith(f"{name}@T"):
+                t, _, key_mode = key[len(name) + 2:].partition("/")
                 try:
-                    measured[float(key[len(name) + 2:])] = key
+                    t = float(t)
                 except ValueError:  # another drafter whose name extends this one's
-                    pass
+                    continue
+                if (key_mode or "deterministic") == mode:
+                    measured[t] = key
+        if mode != "deterministic" and temperature > 0 and not any(t > 0 for t in measured):
+            return None
         if not measured:
             return None
         nearest = min(measured, key=lambda t: (abs(t - temperature), t))
@@ -353,12 +362,18 @@ def _across_batches(curves: Mapping[int, Curve], n: float, batch: int) -> float 
     return max(t_lo, t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo))
 
 
-def acceptance_key(name: str, temperature: float) -> str:
-    """``Calibration.acceptance`` key of drafter ``name`` at ``temperature``: the bare name at
-    T = 0 (files written before temperatures were measured stay valid), ``name@T<t>`` above."""
+def acceptance_key(name: str, temperature: float, mode: str = "deterministic") -> str:
+    """``Calibration.acceptance`` key of drafter ``name`` at ``temperature`` drafting in ``mode``:
+    the bare name at T = 0 (greedy drafts are deterministic in every mode; files written before
+    temperatures were measured stay valid), ``name@T<t>`` above for deterministic drafts, and
+    ``name@T<t>/<mode>`` for sampled ones."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0.0 <= temperature < float("inf"):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    return name if temperature == 0.0 else f"{name}@T{temperature:g}"
+    if mode not in ("deterministic", "with_replacement", "without_replacement"):
+        raise ValueError(f"mode must be 'deterministic', 'with_replacement' or 'without_replacement', got {mode!r}")
+    if temperature == 0.0:
+        return name
+    return f"{name}@T{temperature:g}" + ("" if mode == "deterministic" else f"/{mode}")
 
 
 def default_calibration_path(model: str, dtype: str = "float32", packed: bool | str = False,

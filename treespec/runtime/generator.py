@@ -162,8 +162,10 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     very drafter (``treespec calibrate --drafter NAME``, keyed by its registered name), its
     pass times and its positional acceptance vector measured at the temperature nearest to
     ``temperature`` are used (acceptance falls as T rises); otherwise the generic
-    pass of its cost kind and the kind's default β. ``acceptance`` (β or a positional vector)
-    overrides the acceptance. ``max_budget``: the largest tree it may pick (nodes incl. the
+    pass of its cost kind and the kind's default β. Above T = 0 it also plans sampled drafts
+    (``mode="without_replacement"``) where the calibration measured their acceptance, and
+    builds whichever plan is faster. ``acceptance`` (β or a positional vector) overrides the
+    acceptance (of ranked drafts). ``max_budget``: the largest tree it may pick (nodes incl. the
     root); when no tree pays, a budget-1 (root-only) tree: plain decoding, one token per
     target forward. ``batch``: the number of requests verified together (``SpeculativeServer``
     asks with its current batch size; the tree shrinks as the verify pass turns compute-bound).
@@ -186,15 +188,22 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
         kind = generic
     else:
         kind = "early_exit" if "early_exit" in calibration.drafters else next(iter(calibration.drafters))
-    if acceptance is None:
-        acceptance = calibration.acceptance_for(name, temperature) or DEFAULT_BETA.get(generic, 0.6)
-    choice = auto_budget(calibration, acceptance, kind, max_drafts=max_budget - 1, batch=batch)
+    if acceptance is not None:
+        plans = [("deterministic", acceptance)]
+    else:
+        plans = [("deterministic", calibration.acceptance_for(name, temperature) or DEFAULT_BETA.get(generic, 0.6))]
+        if temperature > 0:   # sampled drafts, where the calibration measured them at T > 0
+            plans += [(mode, vector) for mode in ("without_replacement", "with_replacement")
+                      if (vector := calibration.acceptance_for(name, temperature, mode)) is not None]
+    choices = [(auto_budget(calibration, a, kind, max_drafts=max_budget - 1, batch=batch), mode)
+               for mode, a in plans]
+    choice, mode = max(choices, key=lambda c: c[0].tokens_per_s)   # a tie keeps the first: ranked drafts
     if choice.drafts == 0:
         return DynamicTreeBuilder(budget=1, depth=1, top_k=1)
     if choice.is_chain:
-        return ChainBuilder(choice.drafts)
+        return ChainBuilder(choice.drafts, mode=mode)
     width = max(choice.level_sizes)
-    return DynamicTreeBuilder(budget=choice.budget, depth=choice.depth, top_k=max(2, min(8, width)))
+    return DynamicTreeBuilder(budget=choice.budget, depth=choice.depth, top_k=max(2, min(8, width)), mode=mode)
 
 
 class CalibrationMismatchWarning(UserWarning):
