@@ -79,9 +79,9 @@ def build(args):
                                        min_ngram=args.lookup_min_ngram)
         gens["treespec lookup adaptive"] = treespec.SpeculativeGenerator(
             packed, lookup, make_builder("chain", args.chain_k + 1, 5, 4, min_confidence=args.min_confidence))
-        auto_cal = gens['treespec auto'].calibration
-        paths[d]["auto"] = (f"{gens['treespec auto'].builder.config} (calibration {cal}; "
-                            f"{auto_threshold_text(auto_cal)}; {auto_cal.loop_text('eagle3')})")
+        auto = gens['treespec auto']
+        paths[d]["auto"] = (f"T = 0: {auto.builder.config}, T = 1: {auto.builder_for(1.0).config} (calibration "
+                            f"{cal}; {auto_threshold_text(auto.calibration)}; {auto.calibration.loop_text('eagle3')})")
         paths[d]["lookup adaptive"] = f"{lookup.config}, {gens['treespec lookup adaptive'].builder}"
         rows = {
             "HF generate": lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s),

@@ -177,7 +177,7 @@ def test_auto_plans_with_the_acceptance_of_the_requested_temperature(tmp_path, m
     cal.save(default_calibration_path(target.name))
     with pytest.warns(CalibrationMismatchWarning):
         gen = SpeculativeGenerator(target, drafter, "auto")
-    assert gen.builder.budget > 16 and gen._builder_for(1.0).budget == 1
+    assert gen.builder.budget > 16 and gen.builder_for(1.0).budget == 1
     out = gen.generate([1, 2, 3], max_new_tokens=6, temperature=1.0, seed=0)
     assert out.stats.steps == out.token_ids.numel()           # no speculation: one token per step
 
@@ -341,3 +341,33 @@ def test_auto_draws_its_drafts_above_t0_where_drawn_drafts_are_accepted_more():
     assert auto_builder(target, drafter, ranked_better, temperature=1.0).config.mode == "deterministic"
     only_ranked = with_vectors(**{"early-exit@T1": (0.5, 0.1)})
     assert auto_builder(target, drafter, only_ranked, temperature=1.0).config.mode == "deterministic"
+
+
+def test_the_generator_says_which_tree_each_temperature_runs(tmp_path, monkeypatch):
+    """builder_for(T): the auto tree a request at T runs (planned once per T); a fixed builder
+    serves every T."""
+    import dataclasses
+
+    import torch
+
+    from treespec.drafters import load_drafter
+    from treespec.planning import default_calibration_path
+    from treespec.planning.calibration import _device_description
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    target = tiny_target(vocab_size=16)
+    ns = (1, 2, 4, 8, 16, 32, 64)
+    cal = dataclasses.replace(_calibration(lambda n: 1e-3 * (1.0 + 0.01 * n), drafter_s=1e-5),
+                              drafters={"early-exit": Curve.fit(ns, [1e-5] * len(ns))},
+                              acceptance={"early-exit": (0.7, 0.1), "early-exit@T1": (0.05,),
+                                          "early-exit@T1/without_replacement": (0.6, 0.1)},
+                              device=_device_description(), threads=torch.get_num_threads())
+    cal.save(default_calibration_path(target.name))
+    gen = SpeculativeGenerator(target, load_drafter("early-exit", target), "auto")
+    hot = gen.builder_for(1.0)
+    assert gen.builder_for(0.0) is gen.builder and gen.builder.config.mode == "deterministic"
+    assert hot.config.mode == "without_replacement" and gen.builder_for(1.0) is hot
+    fixed = SpeculativeGenerator(target, LookupDrafter(16), ChainBuilder(2))
+    assert fixed.builder_for(0.0) is fixed.builder_for(1.0) is fixed.builder
+    res = gen.generate([1, 2, 3], max_new_tokens=6, temperature=1.0, seed=0)
+    assert 0 < res.token_ids.numel() <= 6

@@ -407,7 +407,7 @@ class SpeculativeGenerator:
         if ids.numel() >= limit:
             raise ValueError(f"prompt has {ids.numel()} tokens but the context window is {limit} "
                              f"({why}); shorten the prompt")
-        builder = self._builder_for(sampling.temperature)
+        builder = self.builder_for(sampling.temperature)
         budget = getattr(builder, "budget", 1)
         room = limit - ids.numel() - budget
         if max_new_tokens > room and max_new_tokens <= limit - ids.numel() - 1:
@@ -437,9 +437,10 @@ class SpeculativeGenerator:
 
         return GenerationStream(chunks, finish)
 
-    def _builder_for(self, temperature: float) -> TreeBuilder:
-        """``self.builder``; with builder="auto", the tree planned for this temperature's
-        calibrated acceptance (T > 0 accepts less than greedy, so its best tree is smaller)."""
+    def builder_for(self, temperature: float) -> TreeBuilder:
+        """The builder a request at ``temperature`` runs: ``self.builder``; with builder="auto",
+        the tree planned for this temperature's calibrated acceptance (T > 0 accepts less than
+        greedy, so its best tree is smaller, and may draw its drafts), planned once per T."""
         if self._auto is None:
             return self.builder
         if temperature not in self._auto:
