@@ -4,7 +4,7 @@
 
 Steps (one run, side by side, same threads):
   1. calibrate this machine for the target (unless --calibration points at one);
-  2. calibrate the drafter itself on 4 held-out MT-bench prompts (``calibrate_drafter``: its
+  2. calibrate the drafter itself on the 8 last MT-bench prompts (``calibrate_drafter``: its
      expand time by width and its positional acceptance vector);
   3. build the auto tree (``auto_builder``: cost model + both calibrations) and a sweep of
      fixed EAGLE-2 budgets;
@@ -27,7 +27,7 @@ import treespec
 from harness import RESULTS, machine_info, machine_line, write_results
 from treespec.planning import Calibration
 from treespec.calibrate.passes import calibrate
-from treespec.calibrate.drafters import calibrate_drafter
+from treespec.calibrate.drafters import calibrate_drafter, calibration_prompts
 from treespec.planning.calibration import CalibratedCost
 from treespec.calibrate.passes import DEFAULT_NS
 from treespec.planning.planner import plan_curve
@@ -69,9 +69,9 @@ def main() -> None:
                         ns=tuple(n for n in DEFAULT_NS if n <= 64))
         print(f"calibrated the target in {time.perf_counter() - t0:.0f} s", flush=True)
     questions = mtbench_questions()
-    held_out, evaluation = questions[-4:], questions[: args.prompts]
+    evaluation = questions[: args.prompts]
     if args.drafter not in cal.drafters:
-        cal = calibrate_drafter(cal, args.drafter, target, [q.turns[0] for q in held_out],
+        cal = calibrate_drafter(cal, args.drafter, target, calibration_prompts(),
                                 progress=lambda m: print(m, flush=True))
     vector = cal.acceptance.get(args.drafter)
 

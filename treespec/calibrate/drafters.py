@@ -34,12 +34,27 @@ from treespec.builders.chain import ChainBuilder
 from treespec.builders.dynamic import DynamicTreeBuilder
 from treespec.builders.static import StaticTreeBuilder
 
-__all__ = ["ACCEPTANCE_MODES", "ACCEPTANCE_TEMPERATURES", "acceptance_keys", "calibrate_acceptance", "calibrate_drafter", "calibrate_drafter_batches", "calibrate_loop",
+__all__ = ["ACCEPTANCE_MODES", "ACCEPTANCE_TEMPERATURES", "CALIBRATION_PROMPTS", "acceptance_keys",
+           "calibration_prompts", "calibrate_acceptance", "calibrate_drafter", "calibrate_drafter_batches", "calibrate_loop",
            "measure_acceptance_vector"]
 
 # Temperatures a drafter's acceptance is measured at by default: greedy, and T = 1 (acceptance
 # of the same drafts is lower when the target samples, so T > 0 requests need their own plan).
 ACCEPTANCE_TEMPERATURES: tuple[float, ...] = (0.0, 1.0)
+
+# MT-bench questions the calibration measures acceptance on: the last ones (the demo and the
+# benchmarks start from the first). Eight first turns x 32 tokens is about 180 verify steps per
+# vector: a standard error near 0.035 on a depth-1 acceptance of 0.4 (four gave 0.05).
+CALIBRATION_PROMPTS = 8
+
+
+def calibration_prompts() -> list[str]:
+    """The held-out prompts of a calibration: the first turns of the last
+    ``CALIBRATION_PROMPTS`` MT-bench questions."""
+    from treespec.data import mtbench_questions
+
+    return [q.turns[0] for q in mtbench_questions()[-CALIBRATION_PROMPTS:]]
+
 
 # Drafting modes measured above T = 0, for builder="auto" to plan each and build the faster:
 # the drafter's ranked tokens, and draws from its distribution (a chain's one draw is the

@@ -224,14 +224,13 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     from treespec.calibrate.passes import calibrate
     from treespec.planning.calibration import model_calibration_path
     from treespec.calibrate.passes import calibrate_batches
-    from treespec.data import mtbench_questions
     from treespec.calibrate.drafters import (
         ACCEPTANCE_TEMPERATURES, acceptance_keys, calibrate_acceptance, calibrate_drafter,
-        calibrate_drafter_batches, calibrate_loop,
+        calibrate_drafter_batches, calibrate_loop, calibration_prompts,
     )
 
     path = model_calibration_path(target.name, target.model)
-    held_out = [q.turns[0] for q in mtbench_questions()[-4:]]   # the demo uses the first ones
+    held_out = calibration_prompts()   # the demo uses the first questions, these are the last
     why = (f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) with drafter "
            f"{drafter_name!r} on this machine")
     cal = None

@@ -99,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "robust on a shared machine (needs --threads 1)")
     cal.add_argument("--drafter", default=None,
                      help="comma-separated registered drafters to measure for real (pass times by width and "
-                          "positional acceptance on 4 held-out MT-bench prompts); implies --weights pretrained. "
+                          "positional acceptance on the 8 last MT-bench prompts); implies --weights pretrained. "
                           "builder='auto' then uses them")
     add_target_args(cal)
     cal.add_argument("--batch-sizes", type=_ints, default=[],
@@ -236,10 +236,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         finally:
             torch.set_num_threads(previous)
     if drafters:
-        from treespec.data import mtbench_questions
-        from treespec.calibrate.drafters import calibrate_drafter, calibrate_drafter_batches  # run the engine
+        from treespec.calibrate.drafters import (  # run the engine
+            calibrate_drafter, calibrate_drafter_batches, calibration_prompts,
+        )
 
-        held_out = [q.turns[0] for q in mtbench_questions()[-4:]]  # benchmarks use the first ones
+        held_out = calibration_prompts()  # benchmarks use the first questions, these are the last
         previous = torch.get_num_threads()
         if args.threads is not None:
             torch.set_num_threads(args.threads)

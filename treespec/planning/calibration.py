@@ -28,7 +28,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
