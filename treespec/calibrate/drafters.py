@@ -59,7 +59,8 @@ def calibration_prompts() -> list[str]:
 # Drafting modes measured above T = 0, for builder="auto" to plan each and build the faster:
 # the drafter's ranked tokens, and draws from its distribution (a chain's one draw is the
 # classic speculative sampling; a node's several children drawn without replacement). On
-# SmolLM2 with eagle3 at T = 1 a drawn draft is accepted about 0.44 of the time, a ranked one 0.24.
+# SmolLM2 with eagle3 at T = 1 a drawn 1-draft chain's draft is accepted 0.37 of the time, a
+# ranked one 0.19 (benchmarks/results/draw_modes.md).
 ACCEPTANCE_MODES: tuple[DraftMode, ...] = ("deterministic", "without_replacement")
 
 
@@ -179,10 +180,11 @@ def calibrate_loop(
 
     Greedy generations of ``max_new_tokens`` on ``prompts[0]`` (after a short warm-up each): a
     budget-1 tree (auto's plain decoding), then the trees of ``builders`` (default
-    ``LOOP_BUILDERS``) with ``drafter`` timed per call. ``step`` = (the step's time - the calibrated target pass over its nodes -
-    the drafter's calls) per step; for the drafter, ``call`` = the builder's time outside the
-    drafter's calls per call, and ``step`` the rest. Both reuse ``calibration.target``: measure it
-    first, with the same threads.
+    ``LOOP_BUILDERS``) with ``drafter`` timed per call. ``step`` = (the step's time - the
+    calibrated target pass over its nodes - the drafter's calls) per step; for the drafter,
+    ``call`` = the builder's time outside the drafter's calls per call, and ``step`` the rest.
+    Wall-clock seconds, as the generator books its steps. Both reuse ``calibration.target``:
+    measure it first, with the same threads.
     """
     if not prompts:
         raise ValueError("calibrate_loop needs at least one prompt (held-out text)")
@@ -214,7 +216,7 @@ def calibrate_loop(
     for make in builders:
         r, a, s, c = run(make())
         rest, around, steps, calls = rest + r, around + a, steps + s, calls + c
-    drafting = LoopCost(rest / steps, max(0.0, around / calls))
+    drafting = LoopCost(rest / steps, max(0.0, around / calls) if calls else 0.0)
     say(f"{name} loop: {drafting.step * 1e3:.2f} ms a step + {drafting.call * 1e3:.2f} ms a drafter call "
         f"(plain decoding: {plain.step * 1e3:.2f} ms a step)")
     return dataclasses.replace(calibration, loop={**calibration.loop, PLAIN_LOOP: plain, name: drafting})
