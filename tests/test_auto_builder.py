@@ -289,7 +289,7 @@ def test_calibrate_loop_books_builder_and_commit_time_where_they_belong():
             return getattr(self.inner, name)
 
         def commit(self, *args):
-            time.sleep(0.02)
+            time.sleep(0.04)
             return self.inner.commit(*args)
 
     class SlowChain(ChainBuilder):
@@ -302,8 +302,9 @@ def test_calibrate_loop_books_builder_and_commit_time_where_they_belong():
                          builders=(lambda: SlowChain(1),))
     plain, slow = out.loop[PLAIN_LOOP], out.loop["slow"]
     assert slow.call >= 0.03 * 0.9           # one drafter call per build: the sleep is the builder's
-    assert slow.step >= 0.02 * 0.9           # the commit: after acceptance, in the step
-    assert plain.step < 0.01 and plain.call == 0.0
+    assert slow.step >= 0.04 * 0.9           # the commit: after acceptance, in the step
+    # plain decoding pays neither (a load on the machine inflates both steps alike)
+    assert plain.step < slow.step - 0.02 and plain.call == 0.0
     assert "slow" not in cal.loop            # a new Calibration
     with pytest.raises(ValueError, match="at least one prompt"):
         calibrate_loop(cal, drafter, "slow", target, [])
