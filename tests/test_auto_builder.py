@@ -245,9 +245,9 @@ def test_loop_costs_enter_the_plan_only_in_pairs_and_at_batch_one(tmp_path):
     without = best_choice(plan_curve(CalibratedCost(base, "eagle3"), (0.5,), max_drafts=4, max_depth=4))
     with_loop = best_choice(curve)
     assert with_loop.speedup < without.speedup and with_loop.tokens_per_s < without.tokens_per_s
-    with pytest.raises(ValueError, match="LoopCost.call must be >= 0"):
+    with pytest.raises(ValueError, match="LoopCost.call must be finite seconds >= 0"):
         LoopCost(0.1, -0.01)
-    with pytest.raises(ValueError, match="LoopCost.step must be finite"):
+    with pytest.raises(ValueError, match="LoopCost.step must be finite seconds >= 0"):
         LoopCost(float("nan"))
 
 
