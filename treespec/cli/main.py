@@ -223,7 +223,7 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     from treespec.planning import Calibration, machine_mismatch
     from treespec.calibrate.passes import calibrate
     from treespec.planning.calibration import model_calibration_path
-    from treespec.calibrate.passes import calibrate_batches
+    from treespec.calibrate.passes import calibrate_batches, pass_time_disagrees
     from treespec.calibrate.drafters import (
         ACCEPTANCE_TEMPERATURES, acceptance_keys, calibrate_acceptance, calibrate_drafter,
         calibrate_drafter_batches, calibrate_loop, calibration_prompts,
@@ -234,6 +234,7 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     why = (f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) with drafter "
            f"{drafter_name!r} on this machine")
     cal = None
+    measured_now = False
     if path.exists():
         cached = Calibration.load(path)
         stale = machine_mismatch(cached, target.device)
@@ -262,6 +263,7 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
         finally:
             bar.close()
         cal.save(path)
+        measured_now = True
     missing_t = [t for t in ACCEPTANCE_TEMPERATURES
                  if any(key not in cal.acceptance for key in acceptance_keys(drafter_name, t))]
     missing_b = sorted(set(batches) - set(cal.batch_target))
@@ -287,7 +289,13 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
         if missing_d:
             cal = calibrate_drafter_batches(cal, drafter_name, target, missing_d, progress=say)
         cal.save(path)
-    return path   # builder="auto" itself checks the file's pass times (StaleCalibrationWarning)
+    if not measured_now:
+        stale = pass_time_disagrees(cal, target.model)   # a file measured under another load
+        if stale:
+            print(f"[the calibration at {path} {stale}: it was probably measured while the machine "
+                  "was busier or quieter than now, and builder='auto' sizes trees from it. Delete the "
+                  "file to measure it again on a quiet machine]", file=out, flush=True)
+    return path
 
 
 def cmd_demo(args) -> int:

@@ -131,10 +131,7 @@ def drafter_cost_kind(drafter: Drafter) -> str:
 
 
 def target_calibration(target: Target):
-    """The local calibration of ``target`` (its dtype, packed or not); a clear error without one,
-    a ``CalibrationMismatchWarning`` when it was measured on another machine, and a
-    ``StaleCalibrationWarning`` when a 1-token pass takes far more or less time now (about five
-    passes, timed here)."""
+    """The local calibration of ``target`` (its dtype, packed or not); a clear error without one."""
     from treespec.planning.calibration import Calibration, machine_mismatch, model_calibration_path
     from treespec.fastpath.packing import linear_kernel
 
@@ -154,14 +151,6 @@ def target_calibration(target: Target):
                       f"the tree it picks can be far from the best here. Recalibrate: `treespec "
                       f"calibrate --model {target.name} --weights pretrained --dtype {dtype_name}`",
                       CalibrationMismatchWarning, stacklevel=4)
-    else:
-        from treespec.calibrate.passes import pass_time_disagrees
-
-        stale = pass_time_disagrees(calibration, target.model)   # a file measured under another load
-        if stale is not None:
-            warnings.warn(f"builder='auto': the calibration at {path} {stale}: it was probably measured while "
-                          "the machine was busier or quieter than now, and auto sizes its trees from it. Delete "
-                          "the file and calibrate again on a quiet machine", StaleCalibrationWarning, stacklevel=4)
     return calibration
 
 
@@ -220,12 +209,6 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
 class CalibrationMismatchWarning(UserWarning):
     """builder="auto" was sized with a calibration measured on another machine, torch or
     thread count (``treespec.planning.machine_mismatch``)."""
-
-
-class StaleCalibrationWarning(CalibrationMismatchWarning):
-    """builder="auto" was sized with a calibration of this machine whose 1-token pass time is
-    far from what a pass takes now (``treespec.calibrate.passes.pass_time_disagrees``): it was
-    measured under another load."""
 
 
 HUGE_VERIFY_BYTES = 1 << 30   # warn above this (SpeculativeGenerator)
