@@ -68,8 +68,12 @@ def acceptance_keys(name: str, temperature: float) -> list[str]:
     """The ``Calibration.acceptance`` keys ``calibrate_acceptance`` writes for ``name`` at
     ``temperature``: one at T = 0 (greedy drafts are deterministic in every mode), one per
     ``ACCEPTANCE_MODES`` above."""
-    modes = ACCEPTANCE_MODES if temperature > 0 else ("deterministic",)
-    return [acceptance_key(name, temperature, mode) for mode in modes]
+    return [acceptance_key(name, temperature, mode) for mode in _modes_at(temperature)]
+
+
+def _modes_at(temperature: float) -> tuple[DraftMode, ...]:
+    """The drafting modes measured at ``temperature``: greedy drafts are ranked in every mode."""
+    return ACCEPTANCE_MODES if temperature > 0 else ("deterministic",)
 
 
 def measure_acceptance_vector(
@@ -240,7 +244,7 @@ def calibrate_acceptance(
         drafter = load_drafter(drafter, target)
     vectors = dict(calibration.acceptance)
     for temperature in temperatures:
-        for mode in ACCEPTANCE_MODES if temperature > 0 else ("deterministic",):
+        for mode in _modes_at(temperature):
             key = acceptance_key(name, temperature, mode)
             vector = measure_acceptance_vector(drafter, target, list(prompts), width=width,
                                                max_new_tokens=max_new_tokens, temperature=temperature,
