@@ -195,3 +195,67 @@ def test_the_padded_pass_used_on_cuda_gives_the_per_sequence_features(target):
             assert float((h - want).abs().max()) <= 2e-3 * float(want.abs().max())
         assert float((rec["top_p"].float() - ref["top_p"].float()).abs().max()) <= 1e-3
         assert torch.equal(rec["top_i"][:, 0], ref["top_i"][:, 0])
+
+
+# ---------------------------------------------------------------------------------- data files
+def test_example_files_round_trip_and_serve_records_from_a_start(tmp_path):
+    from treespec.train.online import file_source, read_examples, write_examples
+    from treespec.train.shards import Example
+
+    rows = [ex for ex, _ in zip(synthetic_source()(0), range(9))]
+    path = tmp_path / "data.jsonl"
+    write_examples(path, rows[5:])
+    write_examples(path, rows[:5])                                 # appended out of order
+    assert read_examples(path) == rows                             # served by record
+    assert list(file_source(path)(rows[4].record)) == rows[4:]
+    assert list(file_source(path)(rows[-1].record + 1)) == []
+    for bad, says in ((rows[:1], "twice"), ([Example(99, [1, 2, 3], 3)], "reply_start"),
+                      ([Example(98, [1, 2, 3], 0)], "reply_start")):
+        p = tmp_path / f"bad{len(says)}{bad[0].record}.jsonl"
+        write_examples(p, rows[:2])
+        write_examples(p, bad)
+        with pytest.raises(ValueError, match=says):
+            read_examples(p)
+    p = tmp_path / "notjson.jsonl"
+    p.write_text('{"record": 0, "ids": [1, 2], "reply_start": 1}\n{"record": 1, "ids": "ab"\n')
+    with pytest.raises(ValueError, match=r"notjson.jsonl:2 is not an example"):
+        read_examples(p)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="no examples"):
+        read_examples(tmp_path / "empty.jsonl")
+
+
+def test_training_on_a_file_of_examples_equals_training_on_their_source(target, held, tmp_path):
+    """``--data FILE``: the same examples read from a file train the same weights as read from the
+    source that made them (and other examples train other weights)."""
+    from treespec.train.online import file_source, write_examples
+
+    rows = [ex for ex, _ in zip(synthetic_source()(0), range(64))]
+    write_examples(tmp_path / "data.jsonl", rows)
+    kw = dict(cache_root=held, heldout=heldout_config(), progress=False)
+    cfg = _cfg(tokens=200)
+    train_drafter("eagle3", target, tmp_path / "a", cfg, online=online_data(records=rows[-1].record + 1), **kw)
+    from_file = OnlineData(source=file_source(tmp_path / "data.jsonl"), name="file", top_k=8, window=16,
+                           sort_groups=2)
+    train_drafter("eagle3", target, tmp_path / "b", cfg, online=from_file, **kw)
+    write_examples(tmp_path / "other.jsonl", [ex for ex, _ in zip(synthetic_source(seed=1)(0), range(64))])
+    other = OnlineData(source=file_source(tmp_path / "other.jsonl"), name="file", top_k=8, window=16, sort_groups=2)
+    train_drafter("eagle3", target, tmp_path / "c", cfg, online=other, **kw)
+    a, b, c = (_fp32_weights(tmp_path / d, "eagle3") for d in "abc")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_batched_regeneration_is_one_at_a_time_greedy_decoding(target):
+    """``regenerate_batch``: one left-padded generate over prompts of different lengths gives each
+    prompt the greedy reply ``regenerate`` gives it alone, capped at the original reply's length."""
+    from treespec.train.shards import Example, regenerate, regenerate_batch
+
+    rows = [Example(ex.record, ex.ids, 3 + i % 5) for i, (ex, _) in enumerate(zip(synthetic_source()(0), range(6)))]
+    assert len({ex.reply_start for ex in rows}) > 1 and len({len(ex.ids) for ex in rows}) > 1   # padding, caps
+    batched = regenerate_batch(target, rows, 0.0)
+    assert batched == [regenerate(target, ex, 0.0) for ex in rows]
+    assert all(len(b.ids) <= len(ex.ids) and b.ids[: ex.reply_start] == ex.ids[: ex.reply_start]
+               for b, ex in zip(batched, rows))
+    assert [b.ids for b in batched] != [ex.ids for ex in rows]        # the replies are the target's
+    assert regenerate_batch(target, [], 0.0) == []

@@ -250,7 +250,9 @@ def test_cli_refuses_bad_limits_before_loading_anything(tmp_path, capsys):
     assert "need online data or --shards DIR" in capsys.readouterr().err
     for bad, says in ((["--extract-tokens", "1M"], "add --shards DIR"), (["--sequences", "64"], "add --cache"),
                       (["--online", "--cache"], "drop --shards / --cache"), (["--procs", "0"], "--procs must be"),
-                      (["--regenerate", "0"], "add --shards DIR"), (["--cache", "--shards", "x"], "choose one")):
+                      (["--regenerate", "0"], "add --shards DIR"), (["--cache", "--shards", "x"], "choose one"),
+                      (["--data", str(tmp_path / "none.jsonl")], "none.jsonl: no such file"),
+                      (["--data", str(tmp_path), "--cache"], "drop --shards / --cache")):
         assert main(["eagle3", "--out", str(tmp_path), *bad]) == 2
         assert says in capsys.readouterr().err, bad
     assert main(["eagle3", "--out", str(tmp_path), "--shards", str(tmp_path), "--tokens", "3Q"]) == 2

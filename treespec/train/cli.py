@@ -1,11 +1,12 @@
 """`treespec train {eagle,eagle3,medusa,mtp,small} --out DIR ...` and `python -m treespec.train ...`.
 
 Three data paths:
-    online (default)           every step runs the target over its own ShareGPT exchanges and trains
-                               on the features at once; nothing per token is stored. A ``--tokens``,
-                               ``--minutes`` or ``--steps`` limit, ``--curve`` points; resumable
-                               from ``--out`` (exactly), or from the small portable state
-                               ``<kind>.resume.*`` alone on another machine (fresh optimizer).
+    online (default)           every step runs the target over its own ShareGPT exchanges (or the
+                               examples of ``--data FILE``) and trains on the features at once;
+                               nothing per token is stored. A ``--tokens``, ``--minutes`` or
+                               ``--steps`` limit, ``--curve`` points; resumable from ``--out``
+                               (exactly), or from the small portable state ``<kind>.resume.*``
+                               alone on another machine (fresh optimizer).
     in-memory cache (``--cache``)  ``--sequences`` ShareGPT exchanges, chunked under
                                ``$TREESPEC_CACHE/train``; a ``--minutes`` or ``--steps`` limit.
     feature shards (``--shards DIR``)  extraction streams ShareGPT into fixed-size shards until
@@ -81,12 +82,19 @@ def prepare_shards(target, args, dist) -> None:
 
 def online_data(target, args):
     """ShareGPT exchanges (``--exchanges``, ``--max-len``) for online training, without the held-out
-    conversations the cards are measured on."""
+    conversations the cards are measured on; or the examples of ``--data FILE``."""
+    from pathlib import Path
+
     from treespec.train.loop import HELDOUT
-    from treespec.train.online import OnlineData
+    from treespec.train.online import OnlineData, file_source
     from treespec.train.shards import ShardConfig, heldout_records, sharegpt_source
 
     cfg = ShardConfig(max_len=args.max_len, exchanges=args.exchanges)
+    if args.data:
+        return OnlineData(source=file_source(args.data), name=f"file:{Path(args.data).name}", top_k=cfg.top_k,
+                          note=f"the token-id examples of {Path(args.data).name} (treespec.train.online."
+                               f"write_examples), chat template applied when written; the target's features and "
+                               f"top-{cfg.top_k} distributions computed online, per step, never stored")
     exclude = heldout_records(target.tokenizer, HELDOUT, cfg.heldout_reserve)
     what = "every user -> assistant exchange" if args.exchanges == "all" else "first user turn + first reply"
     return OnlineData(source=sharegpt_source(target.tokenizer, cfg, exclude), name=f"sharegpt-{args.exchanges}",
@@ -109,6 +117,12 @@ def check_data_options(args) -> None:
         raise ValueError("--sequences sizes the in-memory cache: add --cache (online and shard runs take --tokens)")
     if args.regenerate is not None and not args.shards:
         raise ValueError("--regenerate rewrites replies during shard extraction: add --shards DIR")
+    if args.data is not None:
+        if args.shards or args.cache:
+            raise ValueError("--data FILE is read online; drop --shards / --cache")
+        if not os.path.isfile(args.data):
+            raise ValueError(f"--data {args.data}: no such file (a JSON-lines file of examples, "
+                             "treespec.train.online.write_examples)")
     if not isinstance(args.procs, int) or args.procs < 1:
         raise ValueError(f"--procs must be an int >= 1, got {args.procs!r}")
 
@@ -245,6 +259,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exchanges", default="all", choices=("first", "all"),
                    help="ShareGPT exchanges per conversation: every user -> assistant pair (~12 M tokens at "
                         "--max-len 256) or its first (~3.9 M)")
+    g.add_argument("--data", default=None, metavar="FILE",
+                   help="train online on the examples of a JSON-lines file ({record, ids, reply_start} a line, "
+                        "treespec.train.online.write_examples) instead of ShareGPT")
     g.add_argument("--regenerate", type=float, default=None, metavar="T",
                    help="replace ShareGPT's replies by the target's own at temperature T (0 = greedy), "
                         "capped at the original reply's length (EAGLE-3 / HASS style; one generate call per sequence: "

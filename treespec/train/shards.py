@@ -253,11 +253,50 @@ def regenerate(target, ex: Example, temperature: float) -> Example:
     return Example(ex.record, prompt + out[0, len(prompt):].tolist(), ex.reply_start)
 
 
+REGENERATE_BATCH = 16   # prompts per generate call when extraction regenerates replies
+
+
+@torch.inference_mode()
+def regenerate_batch(target, rows: list[Example], temperature: float, seed: int = 0) -> list[Example]:
+    """:func:`regenerate` for many examples in ONE HF ``generate`` call over their left-padded
+    prompts: each reply is the target's own continuation, at most as long as the original reply
+    and ended by the first EOS. Greedy replies equal one-at-a-time greedy decoding up to float
+    rounding in the padded pass (rows with near-tied logits can differ); sampled ones draw from
+    one generator seeded with ``seed``, so they differ from :func:`regenerate`'s per-record seeds.
+    On a CPU a batch of 16 makes about 2.5x the reply tokens per CPU-second of single calls."""
+    if not rows:
+        return []
+    eos = list(target.eos_token_ids)
+    pad = eos[0] if eos else 0
+    prompts = [ex.ids[: ex.reply_start] for ex in rows]
+    caps = [len(ex.ids) - ex.reply_start for ex in rows]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    kw = dict(max_new_tokens=max(caps), do_sample=temperature > 0, top_k=None, top_p=None,
+              repetition_penalty=None, temperature=temperature if temperature > 0 else None,
+              eos_token_id=eos or None, pad_token_id=pad)
+    devices = [target.device] if target.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        out = target.model.generate(ids.to(target.device), attention_mask=mask.to(target.device), **kw)
+    done = []
+    for ex, p, cap, new in zip(rows, prompts, caps, out[:, width:].tolist()):
+        new = new[:cap]
+        end = next((j + 1 for j, t in enumerate(new) if t in eos), len(new))
+        done.append(Example(ex.record, p + new[:end], ex.reply_start))
+    return done
+
+
 def _compute_shard(target, cfg: ShardConfig, rows: list[Example], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     recs = []
     with autocast(target.device, dtype):
-        if cfg.regenerate is not None:
-            rows = [regenerate(target, ex, cfg.regenerate) for ex in rows]
+        if cfg.regenerate is not None:   # REGENERATE_BATCH prompts per generate call, seeded by their first record
+            rows = [ex for i in range(0, len(rows), REGENERATE_BATCH)
+                    for ex in regenerate_batch(target, rows[i:i + REGENERATE_BATCH], cfg.regenerate, rows[i].record)]
         for ex in rows:
             recs.append(target_pass(target, ex.ids, cfg.layers, cfg.top_k))
     tensors = {k: torch.cat([r[k] for r in recs]).contiguous() for k in recs[0]}
