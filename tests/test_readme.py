@@ -27,7 +27,7 @@ def test_every_doc_python_block_is_run_by_a_test():
     below, test_batch.py for the serving step functions ("prepare_verify(") and test_qwen_real.py
     for the Qwen pair (slow, where its parts are installed)."""
     markers = ("register_drafter", "SpeculativeServer(", "min_confidence", "prepare_verify(",
-               'load_drafter("qwen2.5-coder-0.5b"')
+               'load_drafter("qwen2.5-coder-0.5b"', "regenerate_batch(target")
     blocks = [b for path in DOCS for b in python_blocks(path)]
     assert DOCS and blocks
     untested = [b.splitlines()[0] for b in blocks if not any(m in b for m in markers)]
@@ -123,3 +123,18 @@ def test_readme_adaptive_lookup_example_runs_on_a_tiny_target():
     assert out.token_ids.tolist() == plain.generate(prompt, max_new_tokens=12).token_ids.tolist()
     assert out.stats.tree_nodes > out.stats.steps        # it drafted on some steps
 
+
+
+def test_training_data_example_writes_the_targets_replies(tmp_path, monkeypatch):
+    """The "Data of your own" block (docs/training.md), with a tiny random target: the file it
+    writes holds the target's greedy replies to the prompts, as --data reads them."""
+    from treespec.targets.loader import tiny_target
+    from treespec.train.online import read_examples
+    from treespec.train.shards import Example, regenerate
+
+    code, where = doc_block("regenerate_batch(target")
+    tiny = tiny_target(vocab_size=32, seed=0)
+    rows = [Example(r, [3 + (r * 7 + i) % 29 for i in range(20)], 4 + r % 3) for r in range(20)]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, where, "exec"), {"target": tiny, "rows": rows})
+    assert read_examples(tmp_path / "regen.jsonl") == [regenerate(tiny, ex, 0.0) for ex in rows[:16]]
