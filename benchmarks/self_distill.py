@@ -222,7 +222,8 @@ def report(args, info: dict, points: list[dict], minutes: dict) -> None:
           f"τ over {args.prompts} MT-bench first turns x {args.max_new_tokens} tokens (never trained on); "
           "held-out top-1 on ShareGPT's held-out replies (the cards' metric).", "",
           *md_table(header, rows), "",
-          "Minutes: " + ", ".join(f"{k} {v:.1f}" for k, v in minutes.items()) + ".", "",
+          "Training minutes (the runs' cards, both cores): " + ", ".join(
+              f"{run} {by_run[run]['train_minutes']:.1f}" for run in ("orig", "regen")) + ".", "",
           "Reproduce: `python benchmarks/self_distill.py " + " ".join(sys.argv[1:]) + "`"]
     write_results(Path(args.out), {"machine": machine_info(), "config": vars(args), "data": info,
                                    "points": points, "minutes": minutes}, "\n".join(md) + "\n")

@@ -265,7 +265,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--regenerate", type=float, default=None, metavar="T",
                    help="replace ShareGPT's replies by the target's own at temperature T (0 = greedy), "
                         "capped at the original reply's length (EAGLE-3 / HASS style; one generate call per 16 "
-                        "sequences: ~75 reply tokens per CPU-second on an AVX2 core, against ~150 training tokens "
+                        "sequences: ~60 reply tokens per second on an AVX2 core, against ~150 training tokens "
                         "per second without)")
     g.add_argument("--curve", default=None,
                    help="learning-curve checkpoints: N log-spaced points up to --tokens, or a list (100k,1M,3M)")

