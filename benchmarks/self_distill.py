@@ -42,16 +42,14 @@ from harness import RESULTS, machine_info, machine_line, md_table, write_results
 BENCH = Path(__file__).parent
 
 
-def examples(n: int, max_len: int):
+def examples(tok, n: int, max_len: int):
     """The first ``n`` qualifying ShareGPT exchanges (every user -> assistant pair, held-out
     conversations excluded), as the online trainer reads them."""
     import itertools
 
-    import treespec
     from treespec.train.loop import HELDOUT
     from treespec.train.shards import ShardConfig, heldout_records, sharegpt_source
 
-    tok = treespec.load_target("smollm2-135m", pack=False).tokenizer
     cfg = ShardConfig(max_len=max_len, exchanges="all")
     seen: set[tuple[int, ...]] = set()
 
@@ -89,7 +87,7 @@ def regen_worker(rank: int, procs: int, args) -> None:
     done = {ex.record for ex in read_examples(part)} if part.exists() and part.stat().st_size else set()
     target = treespec.load_target("smollm2-135m")
     deadline = time.monotonic() + 60 * args.regen_minutes
-    rows = examples(args.examples, args.max_len)
+    rows = examples(target.tokenizer, args.examples, args.max_len)
     mine = [b for i, b in enumerate(batches(rows, args.batch)) if i % procs == rank]
     for i, batch in enumerate(mine):
         if time.monotonic() > deadline:
@@ -140,7 +138,10 @@ def freeze_data(args) -> dict:
         return json.loads(meta.read_text())
     regen = sorted((ex for part in sorted(work.glob("regen.part*.jsonl")) for ex in read_examples(part)),
                    key=lambda ex: ex.record)
-    by_record = {ex.record: ex for ex in examples(args.examples, args.max_len)}
+    import treespec
+
+    tok = treespec.load_target("smollm2-135m", pack=False).tokenizer
+    by_record = {ex.record: ex for ex in examples(tok, args.examples, args.max_len)}
     orig = [by_record[ex.record] for ex in regen]
     for name, rows in (("orig", orig), ("regen", regen)):
         (work / f"{name}.jsonl").unlink(missing_ok=True)

@@ -235,22 +235,12 @@ def _done_shards(directory: Path, manifest: dict | None, ident: dict) -> dict[in
     return done
 
 
-@torch.inference_mode()
 def regenerate(target, ex: Example, temperature: float) -> Example:
     """``ex`` with its reply replaced by the target's own continuation of the prompt (greedy at
     T = 0, else sampled with a seed per record), at most as long as the original reply: shard
     boundaries are computed from the source alone, so every rank agrees on them without
     generating; EOS ends a reply early (the shard then holds fewer tokens, as its record says)."""
-    prompt = ex.ids[: ex.reply_start]
-    eos = list(target.eos_token_ids)
-    kw = dict(max_new_tokens=len(ex.ids) - ex.reply_start, do_sample=temperature > 0, top_k=None, top_p=None,
-              repetition_penalty=None, temperature=temperature if temperature > 0 else None,
-              eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0)
-    devices = [target.device] if target.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(ex.record)
-        out = target.model.generate(torch.tensor([prompt], device=target.device), **kw)
-    return Example(ex.record, prompt + out[0, len(prompt):].tolist(), ex.reply_start)
+    return regenerate_batch(target, [ex], temperature, seed=ex.record)[0]
 
 
 REGENERATE_BATCH = 16   # prompts per generate call when extraction regenerates replies
