@@ -149,6 +149,28 @@ def test_a_larger_token_budget_stretches_a_resumed_schedule(target, held, tmp_pa
     assert "stretched" not in capsys.readouterr().out and again["train"]["steps_done"] == card["train"]["steps_done"]
 
 
+def test_a_stretched_schedule_keeps_the_unroll_depth_reached(target, held, tmp_path, capsys):
+    """The unroll curriculum reads the share of the schedule done; stretching the schedule for a
+    larger --tokens must not send a head that trains at 3 depths back to 1 or 2."""
+    kw = dict(online=online_data(), cache_root=held, heldout=heldout_config(), progress=False)
+    out = tmp_path / "run"
+    cfg = dict(recipe=RecipeConfig(draft_vocab=16, frequent=8, subset_top=4, unroll=3, unroll_ramp=0.5))
+    train_drafter("eagle3", target, out, _cfg(tokens=200, **cfg), **kw)
+
+    def depths() -> list[int]:        # unroll depth of every logged step (kd0, kd1, ... per depth)
+        log = json.loads(portable_paths(out, "eagle3")[1].read_text())["log"]
+        return [sum(k.startswith("kd") for k in row) for row in log]
+
+    first, reached = depths(), json.loads(portable_paths(out, "eagle3")[1].read_text())["curriculum"]
+    assert first[-1] == 3 and first[0] == 1            # the ramp ran 1 -> 3 in the first schedule
+    train_drafter("eagle3", target, out, _cfg(tokens=800, **cfg), **kw)
+    assert "the schedule is stretched" in capsys.readouterr().out
+    later = depths()[len(first):]
+    assert later and set(later) == {3}, later
+    # the state records it, so a restart on another machine keeps it too
+    assert json.loads(portable_paths(out, "eagle3")[1].read_text())["curriculum"] >= reached > 0.5
+
+
 def _shards(target, tmp_path):
     make_shards(target, tmp_path / "shards", shard_config(tokens=600))
     return tmp_path / "shards"

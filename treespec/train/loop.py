@@ -147,7 +147,7 @@ def rebuild(recipe, kind: str, state: dict, header: dict, target) -> torch.nn.Mo
 
 # counters a resumed run continues from (optional in files written before they existed)
 RESUMED = ("tokens_seen", "cpu_seconds", "parts", "shards", "cursor", "cpu_seconds_by_machine", "rewarm_from",
-           "online", "batch_size", "seed", "max_len")
+           "online", "batch_size", "seed", "max_len", "curriculum")
 
 
 def save_train_state(path: Path, st: dict) -> None:
@@ -453,6 +453,10 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         torch.manual_seed(cfg.seed + 1_000_003 * world.rank)   # its own noise / negatives stream
     state_path = out / f"{kind}.train.safetensors"
     step, total, elapsed, log, tokens_seen, cpu_seconds = 0, cfg.steps, 0.0, [], 0, 0.0
+    # The curriculum's progress (the recipe's unroll depth): the largest share of its schedule the
+    # run has reached. A schedule stretched for a larger --tokens lowers step / total, but must not
+    # take back unroll depths the head already trains at.
+    curriculum = 0.0
     by_machine: dict[str, float] = {}
     rewarm_from = None
     st = load_train_state(state_path)
@@ -464,6 +468,7 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         step, total, elapsed, log = portable["step"], portable["total"], portable["elapsed"], portable["log"]
         tokens_seen, cpu_seconds = portable["tokens_seen"], portable["cpu_seconds"]
         by_machine = dict(portable["cpu_seconds_by_machine"])
+        curriculum = portable.get("curriculum", step / max(total, 1) if total else 0.0)
         if online is not None:
             source.stream.cursor = dict(portable["cursor"])
         rewarm_from = step
@@ -493,6 +498,7 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         tokens_seen, cpu_seconds = st.get("tokens_seen", 0), st.get("cpu_seconds", 0.0)
         by_machine = dict(st.get("cpu_seconds_by_machine", {}))
         rewarm_from = st.get("rewarm_from")
+        curriculum = st.get("curriculum", step / max(total, 1) if total else 0.0)
         if online is not None:
             source.stream.cursor = dict(st["cursor"])
     if cfg.tokens and not cfg.steps and not total:
@@ -523,7 +529,8 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
             meta = {"kind": kind, "fingerprint": target_identity(target)["fingerprint"], "step": step,
                     "total": total, "elapsed": elapsed, "log": log, "tokens_seen": tokens_seen,
                     "cpu_seconds": cpu_seconds, "cpu_seconds_by_machine": by_machine, "parts": parts,
-                    "shards": source.shards, "rewarm_from": rewarm_from, "batch_size": cfg.batch_size,
+                    "shards": source.shards, "rewarm_from": rewarm_from, "curriculum": curriculum,
+                    "batch_size": cfg.batch_size,
                     "seed": cfg.seed, "max_len": cfg.max_len,
                     "online": online.name if online is not None else None,
                     "cursor": dict(source.stream.cursor) if source.stream is not None else None}
@@ -575,11 +582,12 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
             g["lr"] = lr_at(step, total or 10 ** 9, cfg, rewarm_from)
         opt.zero_grad(set_to_none=True)
         loss_sum, logs = 0.0, {}
+        curriculum = max(curriculum, step / total if total else 0.0)
         for i, batch in enumerate(batches):
             # DDP averages over ranks; each rank averages its own parts: the mean over all parts
             sync = world.active and i < len(batches) - 1
             with wrapped.no_sync() if sync else nullcontext(), autocast(device, ac_dtype):
-                loss, logged = wrapped(batch, step / max(total, 1) if total else 0.0)
+                loss, logged = wrapped(batch, curriculum)
             (loss / len(batches)).backward()
             loss_sum += loss.item()
             for k, v in logged.items():

@@ -79,7 +79,8 @@ class Recipe:
         raise NotImplementedError
 
     def loss(self, model: nn.Module, batch: Batch, progress: float) -> tuple[torch.Tensor, dict]:
-        """(loss, logged parts) of one batch; ``progress`` in [0, 1] is the share of steps done."""
+        """(loss, logged parts) of one batch; ``progress`` in [0, 1] is the largest share of its
+        schedule the run has reached (it does not go back when a schedule is stretched)."""
         raise NotImplementedError
 
     def unroll_at(self, progress: float) -> int:
