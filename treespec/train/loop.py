@@ -362,6 +362,161 @@ def load_portable_state(out: Path, kind: str) -> dict | None:
             "model": {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}}
 
 
+@dataclass
+class _Run:
+    """Where a run stands: the counters its states store besides weights, optimizer and RNG."""
+
+    step: int = 0
+    total: int = 0                  # steps of the lr schedule (0: fixed after timing the first steps)
+    elapsed: float = 0.0            # training wall seconds, every session together
+    log: list = field(default_factory=list)
+    tokens_seen: int = 0
+    cpu_seconds: float = 0.0
+    by_machine: dict = field(default_factory=dict)      # CPU seconds by machine kind
+    rewarm_from: int | None = None  # the step a fresh optimizer took over (its lr warms up again)
+    # The unroll curriculum's progress: the largest share of its schedule the run has reached. A
+    # schedule stretched for a larger --tokens lowers step / total, but must not take back the
+    # unroll depths the head already trains at.
+    curriculum: float = 0.0
+
+    @classmethod
+    def of_state(cls, st: dict) -> _Run:
+        step, total = st["step"], st["total"]
+        return cls(step, total, st["elapsed"], st["log"], st.get("tokens_seen", 0), st.get("cpu_seconds", 0.0),
+                   dict(st.get("cpu_seconds_by_machine", {})), st.get("rewarm_from"),
+                   st.get("curriculum", step / total if total else 0.0))
+
+    def meta(self) -> dict:
+        return {"step": self.step, "total": self.total, "elapsed": self.elapsed, "log": self.log,
+                "tokens_seen": self.tokens_seen, "cpu_seconds": self.cpu_seconds,
+                "cpu_seconds_by_machine": self.by_machine, "rewarm_from": self.rewarm_from,
+                "curriculum": self.curriculum}
+
+
+def _check_limits(kind: str, cfg: TrainConfig, world, shards, online) -> None:
+    """Refuse settings a run cannot honour, before anything loads."""
+    if kind not in KINDS:
+        raise KeyError(f"unknown drafter kind {kind!r}; trainable kinds: {', '.join(KINDS)}")
+    if not isinstance(cfg.grad_accum, int) or cfg.grad_accum < 1:
+        raise ValueError(f"grad_accum must be an int >= 1, got {cfg.grad_accum!r}")
+    if not (cfg.tokens or cfg.steps or cfg.minutes > 0):
+        raise ValueError("TrainConfig needs a limit: minutes > 0, steps or tokens")
+    if shards is not None and online is not None:
+        raise ValueError("train from feature shards or online, not both: drop --shards or --online")
+    if shards is None and online is None and (world.active or cfg.tokens or cfg.grad_accum != 1 or cfg.curve):
+        raise ValueError("a token limit, learning-curve points, --grad-accum and torchrun read feature shards or "
+                         "online data: pass --online, or --shards DIR (extracted with --extract-tokens)")
+    if world.active and not (cfg.tokens or cfg.steps):
+        raise ValueError("under torchrun give --tokens or --steps (a schedule timed on one rank would differ "
+                         "between ranks)")
+
+
+def _open_data(kind: str, target, cfg: TrainConfig, world, parts: int, ac_dtype: torch.dtype, data: DataConfig,
+               heldout: DataConfig, cache_root, progress: bool, shards, online):
+    """(recipe, this process's data, held-out chunks or None) for the run's data path: online, the
+    in-memory cache, or feature shards. The recipe needs the target's top-1 counts of the data."""
+    if online is not None:
+        from treespec.train.online import OnlineStream
+
+        stream = OnlineStream(online, parts, cfg.batch_size, cfg.seed)
+        frequency = stream.frequency(target.vocab_size)
+        recipe = make_recipe(kind, target, cfg.recipe, frequency)
+        source = _online_data(target, online, stream, recipe.layers, world.rank * cfg.grad_accum, cfg, ac_dtype,
+                              frequency)
+        return recipe, source, None
+    if shards is None:
+        source, cache = _cache_data(target, data, cache_root, progress, cfg)
+        recipe = make_recipe(kind, target, cfg.recipe, source.frequency)
+        cache["chunks"] = [{k: v for k, v in ch.items() if not k.startswith("h") or int(k[1:]) in recipe.layers}
+                           for ch in cache["chunks"]]
+        held = load_chunks(build_cache(target, heldout, cache_root, progress=progress), recipe.layers,
+                           chunk_count(heldout))
+        return recipe, source, held
+    from treespec.train.shards import ShardSet
+
+    recipe = make_recipe(kind, target, cfg.recipe, ShardSet(shards).frequency(target.vocab_size))
+    source = _shard_data(target, shards, recipe.layers, parts, world.rank * cfg.grad_accum, cfg)
+    return recipe, source, None          # rank 0 builds the held-out cache after training
+
+
+def _build_model(kind: str, recipe, target, cfg: TrainConfig, device) -> tuple[torch.nn.Module, dict | None, str | None]:
+    """The recipe's model, warm-started from ``cfg.init_from`` if given: (model, the warm start's
+    training record from its card, its checksum)."""
+    model = recipe.build(cfg.seed).to(device)
+    if not cfg.init_from:
+        return model, None, None
+    init_state, init_header = load_checkpoint(cfg.init_from, target, kind)
+    if init_header["arch"] != recipe.export(model)[1]:
+        raise ValueError(f"{cfg.init_from} has another architecture than this recipe builds: "
+                         f"{init_header['arch']} vs {recipe.export(model)[1]}")
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init_state.items()},
+                          strict=not isinstance(model, PreTrainedModel))  # small: tied head
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    prior = json.loads(card_path(cfg.init_from).read_text()).get("train") if card_path(cfg.init_from).exists() else None
+    return model, prior, init_header.get("checksum")
+
+
+def _restore(kind: str, target, cfg: TrainConfig, out: Path, model, opt, world, parts: int, source, online) -> _Run:
+    """Continue from ``<out>``: the exact train state (weights, optimizer, RNG, cursor), else the
+    portable one (weights, RNG, cursor; a fresh optimizer warmed up again), else a new run."""
+    st = load_train_state(out / f"{kind}.train.safetensors")
+    if st is None:
+        portable = load_portable_state(out, kind)
+        if portable is None:
+            return _Run(total=cfg.steps)
+        _check_portable(portable, kind, target, cfg, parts, online, source.shards)
+        model.load_state_dict(portable["model"])
+        torch.set_rng_state(portable["torch_rng"])
+        run = _Run.of_state(portable)
+        run.rewarm_from = run.step
+        if online is not None:
+            source.stream.cursor = dict(portable["cursor"])
+        if world.main:
+            print(f"resuming {kind} at step {run.step:,} ({run.tokens_seen:,} tokens) from {portable['path'].name}: "
+                  f"weights and data cursor; a fresh optimizer, lr warmed up over {cfg.rewarm} steps", flush=True)
+        return run
+    if st["kind"] != kind or st["fingerprint"] != target_identity(target)["fingerprint"]:
+        raise ValueError(f"{st['path']} belongs to another run ({st['kind']}, {st['fingerprint']}); "
+                         "use another --out or delete it")
+    if (online is None) != (st.get("cursor") is None):
+        raise ValueError(f"{st['path']} was trained {'offline' if online is not None else 'online'}; resume it "
+                         "the same way, or start a new --out (warm start with --init-from)")
+    if st.get("parts", 1) != parts:
+        raise ValueError(f"{st['path']} was trained with {st['parts']} parts per step (world size x "
+                         f"--grad-accum) and this run has {parts}; keep the global batch: choose "
+                         f"--grad-accum so that processes x grad-accum = {st['parts']}")
+    if st.get("shards", 0) != source.shards:
+        raise ValueError(f"{st['path']} was trained on {st.get('shards', 0)} feature shards and --shards now "
+                         f"holds {source.shards}: the data order would change. Start a new --out (warm start "
+                         "with --init-from) instead of resuming")
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optimizer"])
+    rngs = st.get("rank_rng") or []
+    torch.set_rng_state(rngs[world.rank] if len(rngs) == world.world and world.active else st["torch_rng"])
+    if online is not None:
+        source.stream.cursor = dict(st["cursor"])
+    return _Run.of_state(st)
+
+
+def _size_schedule(run: _Run, cfg: TrainConfig, parts: int, source, world) -> None:
+    """A token budget's schedule length; a resumed run given a larger --tokens than its schedule
+    was sized for gets it stretched: left alone, every later step would train at the cosine's
+    floor. Stretched at the run's own tokens per step; the lr climbs back to the stretched cosine
+    (re-warmed when the optimizer is fresh), the unroll curriculum keeps its depth (``curriculum``)."""
+    if not cfg.tokens or cfg.steps:
+        return
+    if not run.total:
+        run.total = max(1, math.ceil(cfg.tokens / (parts * cfg.batch_size * source.mean_length)))
+    elif run.step and run.tokens_seen < cfg.tokens:
+        need = run.step + math.ceil((cfg.tokens - run.tokens_seen) * run.step / max(run.tokens_seen, 1))
+        if need > 1.1 * run.total:
+            if world.main:
+                print(f"--tokens {cfg.tokens:,} is past this run's schedule ({run.total:,} steps, {run.tokens_seen:,} "
+                      f"tokens seen at step {run.step:,}): the schedule is stretched to {need:,} steps", flush=True)
+            run.total = need
+
+
 def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = TrainConfig(),
                   data: DataConfig = DataConfig(), cache_root=None, progress: bool = True,
                   heldout: DataConfig = HELDOUT, interrupt_after: int | None = None,
@@ -388,21 +543,8 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
     from treespec.train.dist import Dist
     from treespec.train.shards import autocast, autocast_dtype
 
-    if kind not in KINDS:
-        raise KeyError(f"unknown drafter kind {kind!r}; trainable kinds: {', '.join(KINDS)}")
-    if not isinstance(cfg.grad_accum, int) or cfg.grad_accum < 1:
-        raise ValueError(f"grad_accum must be an int >= 1, got {cfg.grad_accum!r}")
-    if not (cfg.tokens or cfg.steps or cfg.minutes > 0):
-        raise ValueError("TrainConfig needs a limit: minutes > 0, steps or tokens")
     world = Dist.current()
-    if shards is not None and online is not None:
-        raise ValueError("train from feature shards or online, not both: drop --shards or --online")
-    if shards is None and online is None and (world.active or cfg.tokens or cfg.grad_accum != 1 or cfg.curve):
-        raise ValueError("a token limit, learning-curve points, --grad-accum and torchrun read feature shards or "
-                         "online data: pass --online, or --shards DIR (extracted with --extract-tokens)")
-    if world.active and not (cfg.tokens or cfg.steps):
-        raise ValueError("under torchrun give --tokens or --steps (a schedule timed on one rank would differ "
-                         "between ranks)")
+    _check_limits(kind, cfg, world, shards, online)
     torch.set_num_threads(cfg.threads)
     device = target.device
     ac_dtype, ac_why = autocast_dtype(cfg.autocast, device)
@@ -410,111 +552,16 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
     if world.main:
         out.mkdir(parents=True, exist_ok=True)
     parts = world.world * cfg.grad_accum
-    if online is not None:
-        from treespec.train.online import OnlineStream
-
-        stream = OnlineStream(online, parts, cfg.batch_size, cfg.seed)
-        frequency = stream.frequency(target.vocab_size)
-        recipe = make_recipe(kind, target, cfg.recipe, frequency)
-        source = _online_data(target, online, stream, recipe.layers, world.rank * cfg.grad_accum, cfg, ac_dtype,
-                              frequency)
-        held = None
-    elif shards is None:
-        source, cache = _cache_data(target, data, cache_root, progress, cfg)
-        recipe = make_recipe(kind, target, cfg.recipe, source.frequency)
-        cache["chunks"] = [{k: v for k, v in ch.items() if not k.startswith("h") or int(k[1:]) in recipe.layers}
-                           for ch in cache["chunks"]]
-        held = load_chunks(build_cache(target, heldout, cache_root, progress=progress), recipe.layers,
-                           chunk_count(heldout))
-    else:
-        from treespec.train.shards import ShardSet
-
-        recipe = make_recipe(kind, target, cfg.recipe, ShardSet(shards).frequency(target.vocab_size))
-        source = _shard_data(target, shards, recipe.layers, parts, world.rank * cfg.grad_accum, cfg)
-        held = None             # rank 0 builds the held-out cache after training
-
-    model = recipe.build(cfg.seed).to(device)
-    prior, init_checksum = None, None
-    if cfg.init_from:
-        init_state, init_header = load_checkpoint(cfg.init_from, target, kind)
-        if init_header["arch"] != recipe.export(model)[1]:
-            raise ValueError(f"{cfg.init_from} has another architecture than this recipe builds: "
-                             f"{init_header['arch']} vs {recipe.export(model)[1]}")
-        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init_state.items()},
-                              strict=not isinstance(model, PreTrainedModel))  # small: tied head
-        if hasattr(model, "tie_weights"):
-            model.tie_weights()
-        if card_path(cfg.init_from).exists():
-            prior = json.loads(card_path(cfg.init_from).read_text()).get("train")
-        init_checksum = init_header.get("checksum")
+    recipe, source, held = _open_data(kind, target, cfg, world, parts, ac_dtype, data, heldout, cache_root,
+                                      progress, shards, online)
+    model, prior, init_checksum = _build_model(kind, recipe, target, cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if world.active and world.rank:
         torch.manual_seed(cfg.seed + 1_000_003 * world.rank)   # its own noise / negatives stream
-    state_path = out / f"{kind}.train.safetensors"
-    step, total, elapsed, log, tokens_seen, cpu_seconds = 0, cfg.steps, 0.0, [], 0, 0.0
-    # The curriculum's progress (the recipe's unroll depth): the largest share of its schedule the
-    # run has reached. A schedule stretched for a larger --tokens lowers step / total, but must not
-    # take back unroll depths the head already trains at.
-    curriculum = 0.0
-    by_machine: dict[str, float] = {}
-    rewarm_from = None
-    st = load_train_state(state_path)
-    portable = load_portable_state(out, kind) if st is None else None
-    if portable is not None:
-        _check_portable(portable, kind, target, cfg, parts, online, source.shards)
-        model.load_state_dict(portable["model"])
-        torch.set_rng_state(portable["torch_rng"])
-        step, total, elapsed, log = portable["step"], portable["total"], portable["elapsed"], portable["log"]
-        tokens_seen, cpu_seconds = portable["tokens_seen"], portable["cpu_seconds"]
-        by_machine = dict(portable["cpu_seconds_by_machine"])
-        curriculum = portable.get("curriculum", step / max(total, 1) if total else 0.0)
-        if online is not None:
-            source.stream.cursor = dict(portable["cursor"])
-        rewarm_from = step
-        if world.main:
-            print(f"resuming {kind} at step {step:,} ({tokens_seen:,} tokens) from {portable['path'].name}: "
-                  f"weights and data cursor; a fresh optimizer, lr warmed up over {cfg.rewarm} steps", flush=True)
-    if st is not None:
-        if st["kind"] != kind or st["fingerprint"] != target_identity(target)["fingerprint"]:
-            raise ValueError(f"{st['path']} belongs to another run ({st['kind']}, {st['fingerprint']}); "
-                             "use another --out or delete it")
-        if (online is None) != (st.get("cursor") is None):
-            raise ValueError(f"{st['path']} was trained {'offline' if online is not None else 'online'}; resume it "
-                             "the same way, or start a new --out (warm start with --init-from)")
-        if st.get("parts", 1) != parts:
-            raise ValueError(f"{st['path']} was trained with {st['parts']} parts per step (world size x "
-                             f"--grad-accum) and this run has {parts}; keep the global batch: choose "
-                             f"--grad-accum so that processes x grad-accum = {st['parts']}")
-        if st.get("shards", 0) != source.shards:
-            raise ValueError(f"{st['path']} was trained on {st.get('shards', 0)} feature shards and --shards now "
-                             f"holds {source.shards}: the data order would change. Start a new --out (warm start "
-                             "with --init-from) instead of resuming")
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        rngs = st.get("rank_rng") or []
-        torch.set_rng_state(rngs[world.rank] if len(rngs) == world.world and world.active else st["torch_rng"])
-        step, total, elapsed, log = st["step"], st["total"], st["elapsed"], st["log"]
-        tokens_seen, cpu_seconds = st.get("tokens_seen", 0), st.get("cpu_seconds", 0.0)
-        by_machine = dict(st.get("cpu_seconds_by_machine", {}))
-        rewarm_from = st.get("rewarm_from")
-        curriculum = st.get("curriculum", step / max(total, 1) if total else 0.0)
-        if online is not None:
-            source.stream.cursor = dict(st["cursor"])
-    if cfg.tokens and not cfg.steps and not total:
-        total = max(1, math.ceil(cfg.tokens / (parts * cfg.batch_size * source.mean_length)))
-    elif cfg.tokens and not cfg.steps and step and tokens_seen < cfg.tokens:
-        # A resumed run given a larger --tokens than its schedule was sized for: left alone, every
-        # later step would train at the cosine's floor. Stretch the schedule to the new budget at the
-        # run's own tokens per step; the lr climbs back to the stretched cosine (re-warmed when the
-        # optimizer is fresh).
-        need = step + math.ceil((cfg.tokens - tokens_seen) * step / max(tokens_seen, 1))
-        if need > 1.1 * total:
-            if world.main:
-                print(f"--tokens {cfg.tokens:,} is past this run's schedule ({total:,} steps, {tokens_seen:,} tokens "
-                      f"seen at step {step:,}): the schedule is stretched to {need:,} steps", flush=True)
-            total = need
-    deadline = elapsed + cfg.minutes * 60 if cfg.minutes and not cfg.steps else math.inf
+    run = _restore(kind, target, cfg, out, model, opt, world, parts, source, online)
+    _size_schedule(run, cfg, parts, source, world)
+    deadline = run.elapsed + cfg.minutes * 60 if cfg.minutes and not cfg.steps else math.inf
     if cfg.tokens and not cfg.minutes:
         deadline = math.inf
     wrapped = LossModule(recipe, model)
@@ -526,19 +573,27 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
     def save() -> None:
         rngs = world.gather_bytes(torch.get_rng_state(), device if device.type == "cuda" else "cpu")
         if world.main:
-            meta = {"kind": kind, "fingerprint": target_identity(target)["fingerprint"], "step": step,
-                    "total": total, "elapsed": elapsed, "log": log, "tokens_seen": tokens_seen,
-                    "cpu_seconds": cpu_seconds, "cpu_seconds_by_machine": by_machine, "parts": parts,
-                    "shards": source.shards, "rewarm_from": rewarm_from, "curriculum": curriculum,
-                    "batch_size": cfg.batch_size,
+            meta = {"kind": kind, "fingerprint": target_identity(target)["fingerprint"], **run.meta(),
+                    "parts": parts, "shards": source.shards, "batch_size": cfg.batch_size,
                     "seed": cfg.seed, "max_len": cfg.max_len,
                     "online": online.name if online is not None else None,
                     "cursor": dict(source.stream.cursor) if source.stream is not None else None}
-            save_train_state(state_path, {**meta, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                                          "torch_rng": torch.get_rng_state(),
-                                          "rank_rng": rngs if world.active else []})
+            save_train_state(out / f"{kind}.train.safetensors",
+                             {**meta, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                              "torch_rng": torch.get_rng_state(), "rank_rng": rngs if world.active else []})
             save_portable_state(out, kind, model.state_dict(), meta)
         world.barrier()             # the file is complete before any rank may read it
+
+    def run_stats() -> dict:
+        extract_cpu = source.cpu_per_token * run.tokens_seen
+        return {"steps_done": run.step, "tokens_seen": run.tokens_seen, "train_minutes": round(run.elapsed / 60, 2),
+                # CPU time of every process (training), and of the extraction of the tokens seen
+                "train_cpu_seconds": round(run.cpu_seconds, 2), "extraction_cpu_seconds": round(extract_cpu, 2),
+                "cpu_hours": round((run.cpu_seconds + extract_cpu) / 3600, 6),
+                "processes": world.world, "grad_accum": cfg.grad_accum,
+                "global_batch": parts * cfg.batch_size, "autocast": str(ac_dtype).removeprefix("torch."),
+                "autocast_reason": ac_why,
+                "cpu_hours_by_machine": {m: round(c / 3600, 6) for m, c in run.by_machine.items()}}
 
     def export_curve(point: int) -> None:
         """A learning-curve checkpoint (fp16) with a card: tokens, steps, minutes, CPU-hours."""
@@ -550,72 +605,63 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
             "recipe": asdict(cfg.recipe), "train": {"curve_point_tokens": point, **run_stats()},
             "data": source.card})
 
-    def run_stats() -> dict:
-        extract_cpu = source.cpu_per_token * tokens_seen
-        return {"steps_done": step, "tokens_seen": tokens_seen, "train_minutes": round(elapsed / 60, 2),
-                # CPU time of every process (training), and of the extraction of the tokens seen
-                "train_cpu_seconds": round(cpu_seconds, 2), "extraction_cpu_seconds": round(extract_cpu, 2),
-                "cpu_hours": round((cpu_seconds + extract_cpu) / 3600, 6),
-                "processes": world.world, "grad_accum": cfg.grad_accum,
-                "global_batch": parts * cfg.batch_size, "autocast": str(ac_dtype).removeprefix("torch."),
-                "autocast_reason": ac_why,
-                "cpu_hours_by_machine": {m: round(c / 3600, 6) for m, c in by_machine.items()}}
+    def more() -> bool:
+        if cfg.tokens and not cfg.steps:
+            return run.tokens_seen < cfg.tokens
+        return not run.total or run.step < run.total
 
     curve = sorted(cfg.curve)
     machine = machine_kind(device)
-    bar = tqdm(total=total or None, initial=step, desc=f"train {kind}", disable=not progress or not world.main)
+    bar = tqdm(total=run.total or None, initial=run.step, desc=f"train {kind}",
+               disable=not progress or not world.main)
     last_save, timing, this_run = time.perf_counter(), [], 0
     model.train()
-
-    def more() -> bool:
-        if cfg.tokens and not cfg.steps:
-            return tokens_seen < cfg.tokens
-        return not total or step < total
-
-    while more() and elapsed < deadline:
+    while more() and run.elapsed < deadline:
         if interrupt_after is not None and this_run >= interrupt_after:
             break
         this_run += 1
         t0, c0 = time.perf_counter(), time.process_time()
-        batches = [b.to(device) for b in source.parts(step)]
+        batches = [b.to(device) for b in source.parts(run.step)]
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total or 10 ** 9, cfg, rewarm_from)
+            g["lr"] = lr_at(run.step, run.total or 10 ** 9, cfg, run.rewarm_from)
         opt.zero_grad(set_to_none=True)
         loss_sum, logs = 0.0, {}
-        curriculum = max(curriculum, step / total if total else 0.0)
+        run.curriculum = max(run.curriculum, run.step / run.total if run.total else 0.0)
         for i, batch in enumerate(batches):
             # DDP averages over ranks; each rank averages its own parts: the mean over all parts
             sync = world.active and i < len(batches) - 1
             with wrapped.no_sync() if sync else nullcontext(), autocast(device, ac_dtype):
-                loss, logged = wrapped(batch, curriculum)
+                loss, logged = wrapped(batch, run.curriculum)
             (loss / len(batches)).backward()
             loss_sum += loss.item()
             for k, v in logged.items():
                 logs[k] = logs.get(k, 0.0) + v / len(batches)
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
-        step += 1
+        run.step += 1
         dt = time.perf_counter() - t0
-        elapsed += dt
+        run.elapsed += dt
         timing.append(dt)
         local_tokens = sum(int(b.valid.sum()) for b in batches)
         want_save = world.main and time.perf_counter() - last_save > cfg.save_every_s
         tok, cpu, late, save_now, loss_all = world.sum(
-            [local_tokens, time.process_time() - c0, float(elapsed >= deadline), float(want_save), loss_sum],
+            [local_tokens, time.process_time() - c0, float(run.elapsed >= deadline), float(want_save), loss_sum],
             device)
-        before, tokens_seen, cpu_seconds = tokens_seen, tokens_seen + int(tok), cpu_seconds + cpu
-        by_machine[machine] = by_machine.get(machine, 0.0) + cpu
+        before = run.tokens_seen
+        run.tokens_seen += int(tok)
+        run.cpu_seconds += cpu
+        run.by_machine[machine] = run.by_machine.get(machine, 0.0) + cpu
         if late:
-            deadline = elapsed           # a rank ran out of time: every rank stops after this step
-        if not total and len(timing) == 6:     # fix the schedule from the measured step time
-            total = max(step + 1, int(step + (deadline - elapsed) / (sum(timing[1:]) / 5)))
-            bar.total = total
+            deadline = run.elapsed       # a rank ran out of time: every rank stops after this step
+        if not run.total and len(timing) == 6:     # fix the schedule from the measured step time
+            run.total = max(run.step + 1, int(run.step + (deadline - run.elapsed) / (sum(timing[1:]) / 5)))
+            bar.total = run.total
         mean_loss = loss_all / parts
-        log.append({"step": step, "loss": round(mean_loss, 4), **{k: round(v, 4) for k, v in logs.items()},
-                    "tokens": int(tok), "seconds": round(dt, 3)})      # the step's global tokens and wall time
+        run.log.append({"step": run.step, "loss": round(mean_loss, 4), **{k: round(v, 4) for k, v in logs.items()},
+                        "tokens": int(tok), "seconds": round(dt, 3)})      # the step's global tokens and wall time
         bar.update(1)
         bar.set_postfix(loss=f"{mean_loss:.3f}", **{k: f"{v:.3f}" for k, v in logs.items()})
-        crossed = [p for p in curve if before < p <= tokens_seen]
+        crossed = [p for p in curve if before < p <= run.tokens_seen]
         if crossed and world.main:
             for p in crossed:              # this step crossed learning-curve point p
                 export_curve(p)
@@ -624,23 +670,28 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
             last_save = time.perf_counter()
     bar.close()
     save()
-    if interrupt_after is not None and this_run >= interrupt_after and more() and elapsed < deadline:
+    if interrupt_after is not None and this_run >= interrupt_after and more() and run.elapsed < deadline:
         return None
     if not world.main:
         return None
-
     if held is None:
         held = load_chunks(build_cache(target, heldout, cache_root, progress=progress), recipe.layers,
                            chunk_count(heldout))
+    return _export(kind, recipe, model, target, out, held, cfg, data, heldout, source, run, run_stats(),
+                   prior, init_checksum)
+
+
+def _export(kind: str, recipe, model, target, out: Path, held, cfg: TrainConfig, data: DataConfig,
+            heldout: DataConfig, source, run: _Run, stats: dict, prior: dict | None, init_checksum) -> dict:
+    """Write ``<out>/<kind>.safetensors`` (fp16) and its card, with the held-out acceptance of the
+    exported file rebuilt as a loader would."""
     ckpt = out / f"{kind}.safetensors"
     state, arch = recipe.export(model)
     save_checkpoint(ckpt, state, kind, arch, target)
-    # Held-out acceptance of the exported fp16 file, rebuilt as a loader would.
     saved_state, header = load_checkpoint(ckpt, target, kind)
-    exported = rebuild(recipe, kind, saved_state, header, target).to(device)
+    exported = rebuild(recipe, kind, saved_state, header, target).to(target.device)
     card_held = heldout_metrics(recipe, exported, held, HELDOUT_CARD_SEQS)
-    window = log[-50:]
-    stats = run_stats()
+    window = run.log[-50:]
     card = {
         "drafter": kind,
         "architecture": arch,
@@ -654,15 +705,15 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         "train": {**{k: v for k, v in asdict(cfg).items() if k != "recipe"}, **stats,
                   # the warm start by name and checksum: a card never records a machine path
                   "init_from": Path(cfg.init_from).name, "init_from_checksum": init_checksum,
-                  "tokens_seen_approx": tokens_seen or int(step * cfg.batch_size * data.max_len * 0.92),
+                  "tokens_seen_approx": run.tokens_seen or int(run.step * cfg.batch_size * data.max_len * 0.92),
                   "warm_start": prior,
-                  "total_train_minutes": round(elapsed / 60 + (prior or {}).get("total_train_minutes",
+                  "total_train_minutes": round(run.elapsed / 60 + (prior or {}).get("total_train_minutes",
                                                  (prior or {}).get("train_minutes", 0.0)), 2)},
         "recipe": asdict(cfg.recipe),
         "loss": recipe.loss_note,
-        "losses": {"first": log[0] if log else None,
+        "losses": {"first": run.log[0] if run.log else None,
                    "last50_mean": round(sum(r["loss"] for r in window) / max(len(window), 1), 4),
-                   "curve": log[:: max(1, len(log) // 40)]},
+                   "curve": run.log[:: max(1, len(run.log) // 40)]},
         "heldout": card_held,
         "heldout_note": ("teacher-forced on held-out ShareGPT replies: top1 = P(argmax q = argmax p) "
                          "at each draft depth given a correct prefix (greedy acceptance), "
