@@ -218,84 +218,101 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     cached if this machine has none for this model, dtype and linear path. Parts a cached
     calibration lacks are added: the drafter's acceptance at T = 1, the generator's loop costs,
     batched passes at ``batches`` (the server's auto at B > 1). Returns its path."""
-    from tqdm.auto import tqdm
-
-    from treespec.planning import Calibration, machine_mismatch
-    from treespec.calibrate.passes import calibrate
+    from treespec.calibrate.drafters import calibration_prompts
+    from treespec.calibrate.passes import pass_time_disagrees
     from treespec.planning.calibration import model_calibration_path
-    from treespec.calibrate.passes import calibrate_batches, pass_time_disagrees
-    from treespec.calibrate.drafters import (
-        ACCEPTANCE_TEMPERATURES, acceptance_keys, calibrate_acceptance, calibrate_drafter,
-        calibrate_drafter_batches, calibrate_loop, calibration_prompts,
-    )
 
     path = model_calibration_path(target.name, target.model)
     held_out = calibration_prompts()   # the demo uses the first questions, these are the last
+    cal, why = _cached_calibration(path, target, drafter_name)
+    measured_now = cal is None
+    if measured_now:
+        print(f"[{why}: measuring it once, about a minute; cached at {path}]", file=out, flush=True)
+        cal = _measure_calibration(target, drafter_name, held_out, out)
+        cal.save(path)
+    cal = _complete_calibration(cal, path, target, drafter_name, held_out, batches, out)
+    if not measured_now and (stale := pass_time_disagrees(cal, target.model)):   # measured under another load
+        print(f"[the calibration at {path} {stale}: it was probably measured while the machine "
+              "was busier or quieter than now, and builder='auto' sizes trees from it. Delete the "
+              "file to measure it again on a quiet machine]", file=out, flush=True)
+    return path
+
+
+def _cached_calibration(path, target, drafter_name: str):
+    """(the cached calibration if it fits this machine and drafter, else None; why not)."""
+    from treespec.planning import Calibration, machine_mismatch
+
     why = (f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) with drafter "
            f"{drafter_name!r} on this machine")
-    cal = None
-    measured_now = False
-    if path.exists():
-        cached = Calibration.load(path)
-        stale = machine_mismatch(cached, target.device)
-        if stale is None and drafter_name in cached.acceptance and cached.timing_noise is not None:
-            cal = cached
-        elif stale is not None:  # e.g. a home directory shared by an AVX-512 and an AVX2 machine
-            why = f"the cached calibration of {target.name} does not fit this machine ({stale})"
-        elif cached.timing_noise is None:  # auto's minimum gain reads the spread of the timings
-            why = f"the cached calibration of {target.name} predates timing spreads"
-    if cal is None:
-        print(f"[{why}: measuring it once, about a minute; cached at {path}]", file=out, flush=True)
-        # target curve, two generic drafter curves, the drafter's pass times, the loop, its acceptances
-        stages = 5 + sum(len(acceptance_keys(drafter_name, t)) for t in ACCEPTANCE_TEMPERATURES)
-        bar = tqdm(total=stages, desc="calibrating", unit="stage", file=out)
+    if not path.exists():
+        return None, why
+    cached = Calibration.load(path)
+    stale = machine_mismatch(cached, target.device)
+    if stale is not None:  # e.g. a home directory shared by an AVX-512 and an AVX2 machine
+        return None, f"the cached calibration of {target.name} does not fit this machine ({stale})"
+    if cached.timing_noise is None:  # auto's minimum gain reads the spread of the timings
+        return None, f"the cached calibration of {target.name} predates timing spreads"
+    if drafter_name not in cached.acceptance:
+        return None, why
+    return cached, ""
 
-        def step(message: str) -> None:
-            bar.set_postfix_str(message.split(":")[0])
-            bar.update(1)
 
-        try:
-            ns = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-            layers = target.model.config.num_hidden_layers
-            cal = calibrate(target.model, target.name, ns=ns, context=128, n_rep=5,
-                            early_exit_layers=min(4, layers), progress=step)
-            cal = calibrate_drafter(cal, drafter_name, target, held_out, progress=step)
-        finally:
-            bar.close()
-        cal.save(path)
-        measured_now = True
+def _measure_calibration(target, drafter_name: str, held_out, out):
+    """A new calibration: the target's pass curve, two generic drafter curves, the drafter's pass
+    times, the generator's loop and the drafter's acceptances, with a progress bar on ``out``."""
+    from tqdm.auto import tqdm
+
+    from treespec.calibrate.drafters import ACCEPTANCE_TEMPERATURES, acceptance_keys, calibrate_drafter
+    from treespec.calibrate.passes import calibrate
+
+    stages = 5 + sum(len(acceptance_keys(drafter_name, t)) for t in ACCEPTANCE_TEMPERATURES)
+    bar = tqdm(total=stages, desc="calibrating", unit="stage", file=out)
+
+    def step(message: str) -> None:
+        bar.set_postfix_str(message.split(":")[0])
+        bar.update(1)
+
+    try:
+        ns = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+        layers = target.model.config.num_hidden_layers
+        cal = calibrate(target.model, target.name, ns=ns, context=128, n_rep=5,
+                        early_exit_layers=min(4, layers), progress=step)
+        return calibrate_drafter(cal, drafter_name, target, held_out, progress=step)
+    finally:
+        bar.close()
+
+
+def _complete_calibration(cal, path, target, drafter_name: str, held_out, batches, out):
+    """``cal`` with what it lacked for ``drafter_name`` and ``batches`` measured and saved, saying what."""
+    from treespec.calibrate.drafters import (
+        ACCEPTANCE_TEMPERATURES, acceptance_keys, calibrate_acceptance, calibrate_drafter_batches, calibrate_loop,
+    )
+    from treespec.calibrate.passes import calibrate_batches
+
     missing_t = [t for t in ACCEPTANCE_TEMPERATURES
                  if any(key not in cal.acceptance for key in acceptance_keys(drafter_name, t))]
     missing_b = sorted(set(batches) - set(cal.batch_target))
     missing_d = (sorted(set(batches) - set(cal.batch_drafters.get(drafter_name, {})))
                  if drafter_name in cal.drafters else [])
     missing_loop = drafter_name in cal.drafters and drafter_name not in cal.loop
-    if missing_t or missing_b or missing_d or missing_loop:
-        print(f"[adding to the calibration at {path}: "
-              + "; ".join(([f"{drafter_name} acceptance at T = {', '.join(f'{t:g}' for t in missing_t)}"]
-                           if missing_t else [])
-                          + ([f"the generator's loop costs with {drafter_name}"] if missing_loop else [])
-                          + ([f"batched passes at B = {', '.join(map(str, missing_b))}"] if missing_b else [])
-                          + ([f"batched {drafter_name} calls at B = {', '.join(map(str, missing_d))}"]
-                             if missing_d else []))
-              + "]", file=out, flush=True)
-        say = lambda m: print(f"  {m}", file=out, flush=True)  # noqa: E731
-        if missing_t:
-            cal = calibrate_acceptance(cal, drafter_name, drafter_name, target, held_out, missing_t)
-        if missing_loop:
-            cal = calibrate_loop(cal, drafter_name, drafter_name, target, held_out, progress=say)
-        if missing_b:
-            cal = calibrate_batches(cal, target.model, missing_b, progress=say)
-        if missing_d:
-            cal = calibrate_drafter_batches(cal, drafter_name, target, missing_d, progress=say)
-        cal.save(path)
-    if not measured_now:
-        stale = pass_time_disagrees(cal, target.model)   # a file measured under another load
-        if stale:
-            print(f"[the calibration at {path} {stale}: it was probably measured while the machine "
-                  "was busier or quieter than now, and builder='auto' sizes trees from it. Delete the "
-                  "file to measure it again on a quiet machine]", file=out, flush=True)
-    return path
+    if not (missing_t or missing_b or missing_d or missing_loop):
+        return cal
+    parts = ([f"{drafter_name} acceptance at T = {', '.join(f'{t:g}' for t in missing_t)}"] if missing_t else []) \
+        + ([f"the generator's loop costs with {drafter_name}"] if missing_loop else []) \
+        + ([f"batched passes at B = {', '.join(map(str, missing_b))}"] if missing_b else []) \
+        + ([f"batched {drafter_name} calls at B = {', '.join(map(str, missing_d))}"] if missing_d else [])
+    print(f"[adding to the calibration at {path}: {'; '.join(parts)}]", file=out, flush=True)
+    say = lambda m: print(f"  {m}", file=out, flush=True)  # noqa: E731
+    if missing_t:
+        cal = calibrate_acceptance(cal, drafter_name, drafter_name, target, held_out, missing_t)
+    if missing_loop:
+        cal = calibrate_loop(cal, drafter_name, drafter_name, target, held_out, progress=say)
+    if missing_b:
+        cal = calibrate_batches(cal, target.model, missing_b, progress=say)
+    if missing_d:
+        cal = calibrate_drafter_batches(cal, drafter_name, target, missing_d, progress=say)
+    cal.save(path)
+    return cal
 
 
 def cmd_demo(args) -> int:
