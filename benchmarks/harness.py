@@ -305,11 +305,12 @@ def _trees() -> dict[str, Callable[[], object]]:
         "tree32": lambda: treespec.DynamicTreeBuilder(budget=32, depth=6, top_k=6),
         "tree64": lambda: treespec.DynamicTreeBuilder(budget=64, depth=6, top_k=8),
         "best16": lambda: treespec.BestFirstBuilder(budget=16, max_width=4, max_rounds=7),
+        "best32": lambda: treespec.BestFirstBuilder(budget=32, max_width=4),   # issue 28's τ goal tree
         "best64": lambda: treespec.BestFirstBuilder(budget=64, max_width=8, max_rounds=7),
     }
 
 
-TREE_NAMES = ("chain4", "chain8", "tree4", "tree8", "tree16", "tree32", "tree64", "best16", "best64")
+TREE_NAMES = ("chain4", "chain8", "tree4", "tree8", "tree16", "tree32", "tree64", "best16", "best32", "best64")
 
 
 def make_tree(name: str):
