@@ -297,10 +297,12 @@ def _complete_calibration(cal, path, target, drafter_name: str, held_out, batche
     missing_loop = drafter_name in cal.drafters and drafter_name not in cal.loop
     if not (missing_t or missing_b or missing_d or missing_loop):
         return cal
-    parts = ([f"{drafter_name} acceptance at T = {', '.join(f'{t:g}' for t in missing_t)}"] if missing_t else []) \
-        + ([f"the generator's loop costs with {drafter_name}"] if missing_loop else []) \
-        + ([f"batched passes at B = {', '.join(map(str, missing_b))}"] if missing_b else []) \
-        + ([f"batched {drafter_name} calls at B = {', '.join(map(str, missing_d))}"] if missing_d else [])
+    parts = [text for text, missing in (
+        (f"{drafter_name} acceptance at T = {', '.join(f'{t:g}' for t in missing_t)}", missing_t),
+        (f"the generator's loop costs with {drafter_name}", missing_loop),
+        (f"batched passes at B = {', '.join(map(str, missing_b))}", missing_b),
+        (f"batched {drafter_name} calls at B = {', '.join(map(str, missing_d))}", missing_d),
+    ) if missing]
     print(f"[adding to the calibration at {path}: {'; '.join(parts)}]", file=out, flush=True)
     say = lambda m: print(f"  {m}", file=out, flush=True)  # noqa: E731
     if missing_t:
