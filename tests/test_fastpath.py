@@ -370,6 +370,78 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
     assert Calibration.load(path).timing_noise is not None
 
 
+def test_a_cached_calibration_measures_a_new_or_replaced_drafter_again(tmp_path, monkeypatch) -> None:
+    """Acceptance belongs to a drafter's weights: when the shipped checkpoint a drafter name loads
+    changes (a new head), or the cache never measured that drafter, the drafter is measured again
+    and the target's timings and the other drafters' measurements are kept."""
+    import io
+
+    import treespec.calibrate.drafters as calibrate_drafters
+    import treespec.drafters.feature as feature
+    from treespec.cli.main import ensure_calibration
+    from treespec.planning import Calibration
+    from treespec.targets.loader import tiny_llama
+
+    from _engine_helpers import word_tokenizer
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    words = [f"w{i}" for i in range(30)]
+    model = tiny_llama(vocab_size=len(words) + 2, max_position_embeddings=1024)
+    target = Target.from_hf(model, word_tokenizer(words), name="tiny-weights")
+    shipped = {"lookup": "a" * 64}
+    checksum = lambda target, name: shipped.get(name)  # noqa: E731  (the checkpoint a name loads now)
+    monkeypatch.setattr(feature, "shipped_checksum", checksum)
+    monkeypatch.setattr(calibrate_drafters, "shipped_checksum", checksum)
+    path = ensure_calibration(target, "lookup", out=io.StringIO())
+    first = Calibration.load(path)
+    assert first.weights == {"lookup": "a" * 64}
+    assert ensure_calibration(target, "lookup", out=(same := io.StringIO())) == path and same.getvalue() == ""
+    # a drafter the cache never measured: measured alone, next to the one it has
+    assert ensure_calibration(target, "early-exit", out=(other := io.StringIO())) == path
+    said = other.getvalue()
+    assert "no measurement of drafter 'early-exit'" in said and "target's timings are kept" in said, said
+    both = Calibration.load(path)
+    assert both.target == first.target and both.acceptance["lookup"] == first.acceptance["lookup"]
+    assert "early-exit" in both.acceptance and "early-exit@T1" in both.acceptance
+    assert "early-exit" not in both.weights    # no shipped checkpoint of that name
+    # the shipped lookup checkpoint replaced: lookup measured again, early-exit kept
+    shipped["lookup"] = "b" * 64
+    assert ensure_calibration(target, "lookup", out=(new := io.StringIO())) == path
+    said = new.getvalue()
+    assert f"with checkpoint {'a' * 12}; the shipped checkpoint is now {'b' * 12}" in said, said
+    assert "measuring it once" not in said
+    again = Calibration.load(path)
+    assert again.weights == {"lookup": "b" * 64} and again.target == first.target
+    assert again.acceptance["early-exit"] == both.acceptance["early-exit"] and "lookup@T1" in again.acceptance
+    # a file written before weights were recorded: its drafter is measured again once
+    data = json.loads(path.read_text())
+    del data["weights"]
+    path.write_text(json.dumps(data))
+    assert ensure_calibration(target, "lookup", out=(old := io.StringIO())) == path
+    assert "weights it did not record" in old.getvalue(), old.getvalue()
+    assert Calibration.load(path).weights == {"lookup": "b" * 64}
+
+
+def test_without_drafter_drops_every_measurement_of_that_drafter_only() -> None:
+    from treespec.planning import Calibration, Curve, LoopCost, ModelShape
+
+    curve = Curve((1, 2), (1.0, 2.0))
+    cal = Calibration(
+        model="m", shape=ModelShape("m", layers=1, hidden=8, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=32),
+        context=16, target=curve, drafters={"eagle3": curve, "eagle": curve},
+        drafter_layers={"eagle3": 1, "eagle": 1},
+        acceptance={"eagle3": (0.5,), "eagle3@T1": (0.4,), "eagle3@T1/without_replacement": (0.45,),
+                    "eagle": (0.3,), "eagle@T1": (0.2,)},
+        batch_drafters={"eagle3": {2: curve}}, loop={"plain": LoopCost(0.001), "eagle3": LoopCost(0.002)},
+        weights={"eagle3": "c" * 64, "eagle": "d" * 64})
+    left = cal.without_drafter("eagle3")
+    assert set(left.drafters) == {"eagle"} and set(left.drafter_layers) == {"eagle"}
+    assert set(left.acceptance) == {"eagle", "eagle@T1"}   # "eagle" is not a prefix match of "eagle3"
+    assert left.batch_drafters == {} and set(left.loop) == {"plain"} and left.weights == {"eagle": "d" * 64}
+    assert left.target == cal.target
+    assert set(cal.without_drafter("eagle").acceptance) == {"eagle3", "eagle3@T1", "eagle3@T1/without_replacement"}
+
+
 def test_a_cached_calibration_whose_pass_time_is_off_is_flagged(tmp_path, monkeypatch) -> None:
     """A calibration measured under another load (its t(n) far from what a pass takes now) is
     reused, but ensure_calibration says so and how to re-measure; passes too short to time

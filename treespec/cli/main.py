@@ -215,20 +215,27 @@ def plain_decode_speed(target, ids: torch.Tensor, max_new_tokens: int, temperatu
 
 def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Sequence[int] = ()):
     """The target's calibration for ``builder="auto"``, measured now (with a progress bar) and
-    cached if this machine has none for this model, dtype and linear path. Parts a cached
-    calibration lacks are added: the drafter's acceptance at T = 1, the generator's loop costs,
-    batched passes at ``batches`` (the server's auto at B > 1). Returns its path."""
+    cached if this machine has none for this model, dtype and linear path. A drafter the cached
+    file never measured, or measured with weights other than the shipped checkpoint it loads
+    now (a new head), is measured again, the target's timings kept. Parts a cached calibration
+    lacks are added: the drafter's acceptance at T = 1, the generator's loop costs, batched
+    passes at ``batches`` (the server's auto at B > 1). Returns its path."""
     from treespec.calibrate.drafters import calibration_prompts
     from treespec.calibrate.passes import pass_time_disagrees
     from treespec.planning.calibration import model_calibration_path
 
     path = model_calibration_path(target.name, target.model)
     held_out = calibration_prompts()   # the demo uses the first questions, these are the last
-    cal, why = _cached_calibration(path, target, drafter_name)
+    cal, why = _cached_calibration(path, target)
     measured_now = cal is None
     if measured_now:
         print(f"[{why}: measuring it once, about a minute; cached at {path}]", file=out, flush=True)
         cal = _measure_calibration(target, drafter_name, held_out, out)
+        cal.save(path)
+    elif why := _drafter_unmeasured(cal, target, drafter_name):
+        print(f"[{why}: measuring {drafter_name} on this machine, about a minute; the target's "
+              f"timings are kept; cached at {path}]", file=out, flush=True)
+        cal = _measure_calibration(target, drafter_name, held_out, out, cal.without_drafter(drafter_name))
         cal.save(path)
     cal = _complete_calibration(cal, path, target, drafter_name, held_out, batches, out)
     if not measured_now and (stale := pass_time_disagrees(cal, target.model)):   # measured under another load
@@ -238,34 +245,47 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     return path
 
 
-def _cached_calibration(path, target, drafter_name: str):
-    """(the cached calibration if it fits this machine and drafter, else None; why not)."""
+def _cached_calibration(path, target):
+    """(the cached calibration if its target timings fit this machine, else None; why not)."""
     from treespec.planning import Calibration, machine_mismatch
 
-    why = (f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) with drafter "
-           f"{drafter_name!r} on this machine")
     if not path.exists():
-        return None, why
+        return None, f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) on this machine"
     cached = Calibration.load(path)
     stale = machine_mismatch(cached, target.device)
     if stale is not None:  # e.g. a home directory shared by an AVX-512 and an AVX2 machine
         return None, f"the cached calibration of {target.name} does not fit this machine ({stale})"
     if cached.timing_noise is None:  # auto's minimum gain reads the spread of the timings
         return None, f"the cached calibration of {target.name} predates timing spreads"
-    if drafter_name not in cached.acceptance:
-        return None, why
     return cached, ""
 
 
-def _measure_calibration(target, drafter_name: str, held_out, out):
-    """A new calibration: the target's pass curve, two generic drafter curves, the drafter's pass
-    times, the generator's loop and the drafter's acceptances, with a progress bar on ``out``."""
+def _drafter_unmeasured(cal, target, drafter_name: str) -> str:
+    """Why ``cal`` cannot serve ``drafter_name`` as it is now ("" if it can): never measured, or
+    measured with weights other than the shipped checkpoint it loads today (a new head)."""
+    from treespec.drafters.feature import shipped_checksum
+
+    if drafter_name not in cal.acceptance:
+        return f"the cached calibration of {target.name} has no measurement of drafter {drafter_name!r}"
+    now, then = shipped_checksum(target, drafter_name), cal.weights.get(drafter_name)
+    if now is not None and then != now:
+        was = f"checkpoint {then[:12]}" if then else "weights it did not record"
+        return (f"the cached calibration of {target.name} measured drafter {drafter_name!r} with {was}; "
+                f"the shipped checkpoint is now {now[:12]}")
+    return ""
+
+
+def _measure_calibration(target, drafter_name: str, held_out, out, cal=None):
+    """A new calibration (or ``cal``, the target's timings kept): the target's pass curve, two
+    generic drafter curves, the drafter's pass times, the generator's loop and the drafter's
+    acceptances, with a progress bar on ``out``."""
     from tqdm.auto import tqdm
 
     from treespec.calibrate.drafters import ACCEPTANCE_TEMPERATURES, acceptance_keys, calibrate_drafter
     from treespec.calibrate.passes import calibrate
 
-    stages = 5 + sum(len(acceptance_keys(drafter_name, t)) for t in ACCEPTANCE_TEMPERATURES)
+    target_stages = 3 if cal is None else 0
+    stages = target_stages + 2 + sum(len(acceptance_keys(drafter_name, t)) for t in ACCEPTANCE_TEMPERATURES)
     bar = tqdm(total=stages, desc="calibrating", unit="stage", file=out)
 
     def step(message: str) -> None:
@@ -273,10 +293,11 @@ def _measure_calibration(target, drafter_name: str, held_out, out):
         bar.update(1)
 
     try:
-        ns = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-        layers = target.model.config.num_hidden_layers
-        cal = calibrate(target.model, target.name, ns=ns, context=128, n_rep=5,
-                        early_exit_layers=min(4, layers), progress=step)
+        if cal is None:
+            ns = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+            layers = target.model.config.num_hidden_layers
+            cal = calibrate(target.model, target.name, ns=ns, context=128, n_rep=5,
+                            early_exit_layers=min(4, layers), progress=step)
         return calibrate_drafter(cal, drafter_name, target, held_out, progress=step)
     finally:
         bar.close()

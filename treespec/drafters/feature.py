@@ -407,6 +407,16 @@ def shipped_checkpoint(target, name: str) -> Path:
     return Path(__file__).resolve().parents[2] / "checkpoints" / target.name / f"{name}.safetensors"
 
 
+def shipped_checksum(target, name: str) -> str | None:
+    """The tensor checksum of the shipped checkpoint ``load_drafter(name, target)`` loads by
+    default; None when ``name`` has none (lookup, hybrid, a model drafter) or its header
+    predates checksums."""
+    from treespec.drafters.checkpoint import read_header
+
+    path = shipped_checkpoint(target, name)
+    return read_header(path, name).get("checksum") if path.is_file() else None
+
+
 def random_feature_drafter(target, kind: HeadKind, seed: int = 0, draft_vocab: int = 0,
                            scale: float = 1.0, draft_ids: torch.Tensor | None = None) -> FeatureDrafter:
     """An untrained head for ``target`` (tests): seeded init; eagle3 uses ``draft_ids`` as its

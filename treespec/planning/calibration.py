@@ -198,6 +198,10 @@ class Calibration:
         loop:     ``PLAIN_LOOP`` and drafter names -> the generator's ``LoopCost`` with that
                   drafter (``treespec.calibrate.drafters.calibrate_loop``); the planner reads a
                   drafter's only together with plain decoding's, at batch 1.
+        weights:  drafter name -> checksum of the checkpoint it was measured with (drafters that
+                  load a shipped checkpoint; ``calibrate_drafter`` records it). Acceptance is a
+                  property of the weights: ``treespec.cli.main.ensure_calibration`` measures a
+                  drafter again when its shipped checkpoint has changed since.
         device:   machine description (CPU model, threads, torch version).
         threads:  torch intra-op threads during the measurement (run the engine with the same).
         clock:    the timer's name: "perf_counter" (wall clock) or "thread_time" (CPU time).
@@ -214,6 +218,7 @@ class Calibration:
     batch_target: Mapping[int, Curve] = field(default_factory=dict)
     batch_drafters: Mapping[str, Mapping[int, Curve]] = field(default_factory=dict)
     loop: Mapping[str, LoopCost] = field(default_factory=dict)
+    weights: Mapping[str, str] = field(default_factory=dict)
     device: str = ""
     threads: int = 0
     clock: str = "perf_counter"
@@ -236,6 +241,7 @@ class Calibration:
             "batch_drafters": {name: {str(b): curve.to_json() for b, curve in sorted(by_b.items())}
                                for name, by_b in self.batch_drafters.items()},
             "loop": {name: dataclasses.asdict(cost) for name, cost in self.loop.items()},
+            "weights": dict(self.weights),
             "device": self.device,
             "threads": self.threads,
             "clock": self.clock,
@@ -269,11 +275,27 @@ class Calibration:
             batch_drafters={name: {int(b): Curve.from_json(c) for b, c in by_b.items()}
                             for name, by_b in data.get("batch_drafters", {}).items()},
             loop={name: LoopCost(**cost) for name, cost in data.get("loop", {}).items()},
+            weights=dict(data.get("weights", {})),
             device=data.get("device", ""),
             threads=int(data.get("threads", 0)),
             clock=data.get("clock", "perf_counter"),
             created=data.get("created", ""),
         )
+
+    def without_drafter(self, name: str) -> Calibration:
+        """This calibration less every measurement of drafter ``name`` (its pass times, layers,
+        acceptance at every temperature and mode, batched calls, loop costs, weights), to be
+        measured again; the target's curves and the other drafters' stay."""
+        def of_name(key: str) -> bool:
+            return key == name or key.startswith(f"{name}@")
+
+        return dataclasses.replace(
+            self, drafters={k: v for k, v in self.drafters.items() if k != name},
+            drafter_layers={k: v for k, v in self.drafter_layers.items() if k != name},
+            acceptance={k: v for k, v in self.acceptance.items() if not of_name(k)},
+            batch_drafters={k: v for k, v in self.batch_drafters.items() if k != name},
+            loop={k: v for k, v in self.loop.items() if k != name},
+            weights={k: v for k, v in self.weights.items() if k != name})
 
     def acceptance_for(self, name: str | None, temperature: float = 0.0,
                        mode: str = "deterministic") -> tuple[float, ...] | None:
