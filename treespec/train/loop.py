@@ -536,8 +536,6 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
     ``interrupt_after``: stop after this many steps of this call, save the resumable state and
     return None without exporting (what an interrupted run leaves behind; used by tests).
     """
-    from contextlib import nullcontext
-
     from tqdm import tqdm
 
     from treespec.train.dist import Dist
@@ -585,25 +583,7 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         world.barrier()             # the file is complete before any rank may read it
 
     def run_stats() -> dict:
-        extract_cpu = source.cpu_per_token * run.tokens_seen
-        return {"steps_done": run.step, "tokens_seen": run.tokens_seen, "train_minutes": round(run.elapsed / 60, 2),
-                # CPU time of every process (training), and of the extraction of the tokens seen
-                "train_cpu_seconds": round(run.cpu_seconds, 2), "extraction_cpu_seconds": round(extract_cpu, 2),
-                "cpu_hours": round((run.cpu_seconds + extract_cpu) / 3600, 6),
-                "processes": world.world, "grad_accum": cfg.grad_accum,
-                "global_batch": parts * cfg.batch_size, "autocast": str(ac_dtype).removeprefix("torch."),
-                "autocast_reason": ac_why,
-                "cpu_hours_by_machine": {m: round(c / 3600, 6) for m, c in run.by_machine.items()}}
-
-    def export_curve(point: int) -> None:
-        """A learning-curve checkpoint (fp16) with a card: tokens, steps, minutes, CPU-hours."""
-        state, arch = recipe.export(model)
-        path = out / "curve" / f"{kind}.tokens{point:011d}.safetensors"
-        save_checkpoint(path, state, kind, arch, target, card={
-            "drafter": kind, "architecture": arch,
-            "target": {k: v for k, v in target_identity(target).items() if k != "weights"},
-            "recipe": asdict(cfg.recipe), "train": {"curve_point_tokens": point, **run_stats()},
-            "data": source.card})
+        return _run_stats(run, source, world, cfg, ac_dtype, ac_why)
 
     def more() -> bool:
         if cfg.tokens and not cfg.steps:
@@ -624,20 +604,9 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         batches = [b.to(device) for b in source.parts(run.step)]
         for g in opt.param_groups:
             g["lr"] = lr_at(run.step, run.total or 10 ** 9, cfg, run.rewarm_from)
-        opt.zero_grad(set_to_none=True)
-        loss_sum, logs = 0.0, {}
         run.curriculum = max(run.curriculum, run.step / run.total if run.total else 0.0)
-        for i, batch in enumerate(batches):
-            # DDP averages over ranks; each rank averages its own parts: the mean over all parts
-            sync = world.active and i < len(batches) - 1
-            with wrapped.no_sync() if sync else nullcontext(), autocast(device, ac_dtype):
-                loss, logged = wrapped(batch, run.curriculum)
-            (loss / len(batches)).backward()
-            loss_sum += loss.item()
-            for k, v in logged.items():
-                logs[k] = logs.get(k, 0.0) + v / len(batches)
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+        loss_sum, logs = _optimizer_step(wrapped, batches, opt, params, cfg.grad_clip, world, run.curriculum,
+                                         lambda: autocast(device, ac_dtype))
         run.step += 1
         dt = time.perf_counter() - t0
         run.elapsed += dt
@@ -664,7 +633,7 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
         crossed = [p for p in curve if before < p <= run.tokens_seen]
         if crossed and world.main:
             for p in crossed:              # this step crossed learning-curve point p
-                export_curve(p)
+                _export_curve(p, kind, recipe, model, target, out, cfg, source, run_stats())
         if save_now or crossed:
             save()
             last_save = time.perf_counter()
@@ -679,6 +648,54 @@ def train_drafter(kind: str, target, out_dir: str | Path, cfg: TrainConfig = Tra
                            chunk_count(heldout))
     return _export(kind, recipe, model, target, out, held, cfg, data, heldout, source, run, run_stats(),
                    prior, init_checksum)
+
+
+def _optimizer_step(wrapped, batches: list, opt, params: list, grad_clip: float, world, curriculum: float,
+                    autocast) -> tuple[float, dict]:
+    """One optimizer step over a step's parts (one batch per accumulation step of this rank):
+    gradients averaged over the parts, and by DDP over the ranks (synchronised on the last part
+    only), clipped, applied. Returns (the sum of the parts' losses, their mean logged terms)."""
+    from contextlib import nullcontext
+
+    opt.zero_grad(set_to_none=True)
+    loss_sum, logs = 0.0, {}
+    for i, batch in enumerate(batches):
+        sync = world.active and i < len(batches) - 1
+        with wrapped.no_sync() if sync else nullcontext(), autocast():
+            loss, logged = wrapped(batch, curriculum)
+        (loss / len(batches)).backward()
+        loss_sum += loss.item()
+        for k, v in logged.items():
+            logs[k] = logs.get(k, 0.0) + v / len(batches)
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+    return loss_sum, logs
+
+
+def _run_stats(run: _Run, source, world, cfg: TrainConfig, ac_dtype: torch.dtype, ac_why: str) -> dict:
+    """The run's counters as its cards report them: steps, tokens, minutes, and CPU-hours (the
+    training CPU of every process plus the extraction CPU of the tokens seen), by machine kind."""
+    extract_cpu = source.cpu_per_token * run.tokens_seen
+    return {"steps_done": run.step, "tokens_seen": run.tokens_seen, "train_minutes": round(run.elapsed / 60, 2),
+            "train_cpu_seconds": round(run.cpu_seconds, 2), "extraction_cpu_seconds": round(extract_cpu, 2),
+            "cpu_hours": round((run.cpu_seconds + extract_cpu) / 3600, 6),
+            "processes": world.world, "grad_accum": cfg.grad_accum,
+            "global_batch": world.world * cfg.grad_accum * cfg.batch_size,
+            "autocast": str(ac_dtype).removeprefix("torch."), "autocast_reason": ac_why,
+            "cpu_hours_by_machine": {m: round(c / 3600, 6) for m, c in run.by_machine.items()}}
+
+
+def _export_curve(point: int, kind: str, recipe, model, target, out: Path, cfg: TrainConfig, source,
+                  stats: dict) -> None:
+    """The learning-curve checkpoint at ``point`` tokens (fp16) with a card: tokens, steps,
+    minutes, CPU-hours (``stats``), the recipe and the data."""
+    state, arch = recipe.export(model)
+    path = out / "curve" / f"{kind}.tokens{point:011d}.safetensors"
+    save_checkpoint(path, state, kind, arch, target, card={
+        "drafter": kind, "architecture": arch,
+        "target": {k: v for k, v in target_identity(target).items() if k != "weights"},
+        "recipe": asdict(cfg.recipe), "train": {"curve_point_tokens": point, **stats},
+        "data": source.card})
 
 
 def _export(kind: str, recipe, model, target, out: Path, held, cfg: TrainConfig, data: DataConfig,
