@@ -16,6 +16,7 @@ and writes ``--out``.{json,md,png} after every point; re-running skips the point
 measured with the same settings (resumable).
 
     python benchmarks/learning_curve.py --runs runs/eagle3 runs/eagle            # 20 prompts x 128
+    python benchmarks/learning_curve.py --runs runs/eagle3 --checkpoints checkpoints/smollm2-135m/eagle3.safetensors
     python benchmarks/learning_curve.py --runs /tmp/run --prompts 2 --max-new-tokens 16 --out /tmp/lc
 """
 
@@ -37,12 +38,17 @@ from harness import RESULTS, TREE_NAMES, Pool, figure, machine_info, machine_lin
 from treespec.data import chat_prompt, mtbench_questions
 
 
-def checkpoints(runs: list[str]) -> list[Path]:
-    """Every learning-curve checkpoint of the runs, by kind then tokens."""
+def checkpoints(runs: list[str], extra: list[str] = ()) -> list[Path]:
+    """Every learning-curve checkpoint of the runs, by kind then tokens, then ``extra``
+    checkpoints with cards written by ``treespec train`` (a shipped head, a run's end)."""
     found = [p for r in runs for p in sorted((Path(r) / "curve").glob("*.tokens*.safetensors"))]
+    for p in map(Path, extra):
+        if not (p.is_file() and p.with_suffix(".json").is_file()):
+            raise SystemExit(f"--checkpoints: {p} needs the checkpoint and its card ({p.with_suffix('.json').name})")
+        found.append(p)
     if not found:
         raise SystemExit(f"no learning-curve checkpoints (curve/<kind>.tokens<T>.safetensors) under {runs}; "
-                         "train with --tokens N --curve K")
+                         "train with --tokens N --curve K, or name checkpoints with --checkpoints")
     return found
 
 
@@ -70,7 +76,7 @@ def measure(path: Path, target, args, prompts) -> dict:
     drafter = treespec.load_drafter(kind, target, checkpoint=str(path))
     tau = {t: tau_of(target, drafter, args.trees.split(","), prompts, args.max_new_tokens, t) for t in (0.0, 1.0)}
     return {"run": path.parent.parent.name, "checkpoint": path.name, "checksum": card["checksum"], "drafter": kind,
-            "tokens": train["tokens_seen"], "curve_point_tokens": train["curve_point_tokens"],
+            "tokens": train["tokens_seen"], "curve_point_tokens": train.get("curve_point_tokens"),
             "steps": train["steps_done"], "train_minutes": train["train_minutes"],
             "cpu_hours": train["cpu_hours"], "cpu_hours_by_machine": train.get("cpu_hours_by_machine", {}),
             "train_cpu_seconds": train["train_cpu_seconds"],
@@ -99,7 +105,8 @@ def markdown(result: dict) -> str:
         taus = " | ".join(f"{p[key][t]['tau']:.2f}" for key in ("tau_t0", "tau_t1") for t in trees)
         machines = "; ".join(f"{m}: {h:.3f}" for m, h in p.get("cpu_hours_by_machine", {}).items())
         cpu = f"{p['cpu_hours']:.3f}" + (f" ({machines})" if machines else "")
-        lines.append(f"| {p['drafter']} | {p['tokens']:,} | {cpu} | {p['steps']} | {top1} | {taus} |")
+        name = p["drafter"] if p.get("curve_point_tokens") else f"{p['drafter']} ({p['run']}/{p['checkpoint']})"
+        lines.append(f"| {name} | {p['tokens']:,} | {cpu} | {p['steps']} | {top1} | {taus} |")
     return "\n".join(lines) + "\n"
 
 
@@ -125,7 +132,9 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", nargs="+", required=True, help="training --out directories (with curve/)")
+    ap.add_argument("--runs", nargs="*", default=[], help="training --out directories (with curve/)")
+    ap.add_argument("--checkpoints", nargs="*", default=[],
+                    help="more checkpoints with their cards, e.g. checkpoints/smollm2-135m/eagle3.safetensors")
     ap.add_argument("--prompts", type=int, default=20, help="MT-bench first turns for τ")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--trees", default="chain4,tree64", help=f"of {', '.join(TREE_NAMES)}")
@@ -146,7 +155,7 @@ def main() -> None:
     done = {(p["run"], p["checkpoint"], p["checksum"]) for p in points}
     target = treespec.load_target("smollm2-135m")
     prompts = mtbench_questions()[: args.prompts]
-    for path in checkpoints(args.runs):
+    for path in checkpoints(args.runs, args.checkpoints):
         checksum = json.loads(path.with_suffix(".json").read_text())["checksum"]
         if (path.parent.parent.name, path.name, checksum) in done:
             continue
