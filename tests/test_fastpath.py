@@ -373,13 +373,17 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
 def test_a_cached_calibration_measures_a_new_or_replaced_drafter_again(tmp_path, monkeypatch) -> None:
     """Acceptance belongs to a drafter's weights: when the shipped checkpoint a drafter name loads
     changes (a new head), or the cache never measured that drafter, the drafter is measured again
-    and the target's timings and the other drafters' measurements are kept."""
+    and the target's timings and the other drafters' measurements are kept. builder="auto" does
+    not plan a drafter from acceptance measured on other weights."""
     import io
+    import warnings
 
-    import treespec.calibrate.drafters as calibrate_drafters
     import treespec.drafters.feature as feature
     from treespec.cli.main import ensure_calibration
+    from treespec.drafters import load_drafter
+    from treespec.drafters.checkpoint import read_header, save_checkpoint
     from treespec.planning import Calibration
+    from treespec.runtime.generator import CalibrationMismatchWarning, auto_builder
     from treespec.targets.loader import tiny_llama
 
     from _engine_helpers import word_tokenizer
@@ -388,38 +392,50 @@ def test_a_cached_calibration_measures_a_new_or_replaced_drafter_again(tmp_path,
     words = [f"w{i}" for i in range(30)]
     model = tiny_llama(vocab_size=len(words) + 2, max_position_embeddings=1024)
     target = Target.from_hf(model, word_tokenizer(words), name="tiny-weights")
-    shipped = {"lookup": "a" * 64}
-    checksum = lambda target, name: shipped.get(name)  # noqa: E731  (the checkpoint a name loads now)
-    monkeypatch.setattr(feature, "shipped_checksum", checksum)
-    monkeypatch.setattr(calibrate_drafters, "shipped_checksum", checksum)
-    path = ensure_calibration(target, "lookup", out=io.StringIO())
+    shipped = tmp_path / "checkpoints" / "eagle3.safetensors"    # what load_drafter("eagle3") reads
+    monkeypatch.setattr(feature, "shipped_checkpoint", lambda target, name: shipped.with_name(f"{name}.safetensors"))
+
+    def ship(seed: int) -> str:
+        head = feature.random_feature_drafter(target, "eagle3", seed=seed, draft_vocab=16).head
+        save_checkpoint(shipped, dict(head.state_dict()), "eagle3", head.cfg.to_json(), target)
+        return read_header(shipped)["checksum"]
+
+    first_head = ship(seed=1)
+    path = ensure_calibration(target, "eagle3", out=io.StringIO())
     first = Calibration.load(path)
-    assert first.weights == {"lookup": "a" * 64}
-    assert ensure_calibration(target, "lookup", out=(same := io.StringIO())) == path and same.getvalue() == ""
+    assert first.weights == {"eagle3": first_head}
+    assert ensure_calibration(target, "eagle3", out=(same := io.StringIO())) == path and same.getvalue() == ""
     # a drafter the cache never measured: measured alone, next to the one it has
-    assert ensure_calibration(target, "early-exit", out=(other := io.StringIO())) == path
+    assert ensure_calibration(target, "lookup", out=(other := io.StringIO())) == path
     said = other.getvalue()
-    assert "no measurement of drafter 'early-exit'" in said and "target's timings are kept" in said, said
+    assert "no measurement of drafter 'lookup'" in said and "target's timings are kept" in said, said
     both = Calibration.load(path)
-    assert both.target == first.target and both.acceptance["lookup"] == first.acceptance["lookup"]
-    assert "early-exit" in both.acceptance and "early-exit@T1" in both.acceptance
-    assert "early-exit" not in both.weights    # no shipped checkpoint of that name
-    # the shipped lookup checkpoint replaced: lookup measured again, early-exit kept
-    shipped["lookup"] = "b" * 64
-    assert ensure_calibration(target, "lookup", out=(new := io.StringIO())) == path
+    assert both.target == first.target and both.acceptance["eagle3"] == first.acceptance["eagle3"]
+    assert "lookup" in both.acceptance and "lookup@T1" in both.acceptance
+    assert both.weights == {"eagle3": first_head}    # lookup loads no checkpoint
+    # a new head shipped: auto refuses the old head's acceptance until eagle3 is measured again
+    new_head = ship(seed=2)
+    drafter = load_drafter("eagle3", target)
+    assert drafter.weights_checksum == new_head != first_head
+    with pytest.warns(CalibrationMismatchWarning, match=f"checkpoint {first_head[:12]}.*checkpoint {new_head[:12]}"):
+        auto_builder(target, drafter, both)
+    assert ensure_calibration(target, "eagle3", out=(new := io.StringIO())) == path
     said = new.getvalue()
-    assert f"with checkpoint {'a' * 12}; the shipped checkpoint is now {'b' * 12}" in said, said
+    assert f"with checkpoint {first_head[:12]}; the shipped checkpoint is now {new_head[:12]}" in said, said
     assert "measuring it once" not in said
     again = Calibration.load(path)
-    assert again.weights == {"lookup": "b" * 64} and again.target == first.target
-    assert again.acceptance["early-exit"] == both.acceptance["early-exit"] and "lookup@T1" in again.acceptance
+    assert again.weights == {"eagle3": new_head} and again.target == first.target
+    assert again.acceptance["lookup"] == both.acceptance["lookup"] and "eagle3@T1" in again.acceptance
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CalibrationMismatchWarning)
+        auto_builder(target, drafter, again)
     # a file written before weights were recorded: its drafter is measured again once
     data = json.loads(path.read_text())
     del data["weights"]
     path.write_text(json.dumps(data))
-    assert ensure_calibration(target, "lookup", out=(old := io.StringIO())) == path
+    assert ensure_calibration(target, "eagle3", out=(old := io.StringIO())) == path
     assert "weights it did not record" in old.getvalue(), old.getvalue()
-    assert Calibration.load(path).weights == {"lookup": "b" * 64}
+    assert Calibration.load(path).weights == {"eagle3": new_head}
 
 
 def test_without_drafter_drops_every_measurement_of_that_drafter_only() -> None:

@@ -27,8 +27,7 @@ from typing import Any
 from treespec.planning.calibration import PLAIN_LOOP, Calibration, Curve, LoopCost, acceptance_key
 from treespec.calibrate.passes import DRAFT_WIDTHS, _shuffled_curve
 from treespec.drafters import load_drafter
-from treespec.drafters.base import Drafter, TargetFeatures, TimedDrafter
-from treespec.drafters.feature import shipped_checksum
+from treespec.drafters.base import Drafter, TargetFeatures, TimedDrafter, capabilities
 from treespec.runtime.generator import SpeculativeGenerator
 from treespec.builders.base import DraftMode, TreeBuilder, check_int
 from treespec.builders.chain import ChainBuilder
@@ -133,8 +132,8 @@ def calibrate_drafter(
     each with one child, so every step makes one expand call over 1 node (the root, including
     the drafter's commit work) and one over ``w`` nodes; the median call time per width gives
     ``drafters[name]``. The generator's work around the passes: ``calibrate_loop``.
-    Acceptance: ``calibrate_acceptance`` at every T in ``temperatures``. The checksum of the
-    shipped checkpoint ``name`` loads goes to ``weights`` (a cache knows when it is stale).
+    Acceptance: ``calibrate_acceptance`` at every T in ``temperatures``. The drafter's
+    ``weights_checksum`` goes to ``weights`` (a cache knows when it is stale).
     Held-out prompts, please: the numbers are meant for other text. Run it with the threads the
     engine will use.
     """
@@ -156,10 +155,10 @@ def calibrate_drafter(
     ns = sorted(samples)
     curve = Curve.from_timings(ns, [samples[n] for n in ns])
     say(f"{name}: " + ", ".join(f"n={n} {t * 1e3:.2f} ms" for n, t in zip(curve.ns, curve.seconds)))
-    checksum = shipped_checksum(target, name)
     weights = {k: v for k, v in calibration.weights.items() if k != name}
-    calibration = dataclasses.replace(calibration, drafters={**calibration.drafters, name: curve},
-                                      weights=weights if checksum is None else {**weights, name: checksum})
+    if (checksum := capabilities(drafter.inner).weights_checksum) is not None:
+        weights[name] = checksum
+    calibration = dataclasses.replace(calibration, drafters={**calibration.drafters, name: curve}, weights=weights)
     calibration = calibrate_loop(calibration, drafter.inner, name, target, prompts, max_new_tokens, progress)
     return calibrate_acceptance(calibration, drafter.inner, name, target, prompts, temperatures,
                                 acceptance_width, max_new_tokens, progress)

@@ -156,6 +156,9 @@ class Drafter(Protocol):
                          "early_exit".
         registry_name:   the name it was loaded under (set by ``load_drafter``); calibration
                          entries of ``treespec calibrate --drafter NAME`` are keyed by it.
+        weights_checksum: the tensor checksum of the checkpoint it was loaded from (set by the
+                         checkpoint loaders); a calibration records it, and ``builder="auto"``
+                         does not plan with acceptance measured on other weights.
         expand_compact:  ``expand`` restricted to a reduced draft vocabulary (see ``expand``).
         batched:         ``batched() -> BatchDrafter``, its own batched form for the server
                          (default: one copy of the drafter per request, ``LoopBatchDrafter``).
@@ -199,6 +202,7 @@ class Capabilities:
     batched: Callable[[], object] | None          # () -> BatchDrafter
     max_context: int | None                       # None: no limit of its own
     max_context_reason: str
+    weights_checksum: str | None = None           # None: no checkpoint (lookup, a model drafter)
 
 
 def capabilities(drafter: object) -> Capabilities:
@@ -210,7 +214,7 @@ def capabilities(drafter: object) -> Capabilities:
     compact, batched = getattr(drafter, "expand_compact", None), getattr(drafter, "batched", None)
     return Capabilities(kind, getattr(drafter, "registry_name", None), compact if callable(compact) else None,
                         batched if callable(batched) else None, getattr(drafter, "max_context", None),
-                        getattr(drafter, "max_context_reason", ""))
+                        getattr(drafter, "max_context_reason", ""), getattr(drafter, "weights_checksum", None))
 
 
 # ---------------------------------------------------------------- registry

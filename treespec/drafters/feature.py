@@ -453,4 +453,6 @@ def load_feature_drafter(target, kind: HeadKind, checkpoint: str | Path | None =
     trunk = Trunk.of(target.model)
     head = restore_module(path, kind, header, state,
                           lambda arch: build_head(HeadConfig.from_json(arch), trunk, state.get("d2t")))
-    return drafter_for(head.to(target.device, target.dtype), target.vocab_size)
+    drafter = drafter_for(head.to(target.device, target.dtype), target.vocab_size)
+    drafter.weights_checksum = header.get("checksum")
+    return drafter

@@ -57,7 +57,9 @@ def load_small(target, checkpoint: str | Path | None = None) -> ModelDrafter:
     model = restore_module(path, "small", header, state, lambda arch: small_model(target, arch),
                            tied=("lm_head.weight",))
     model.tie_weights()
-    return ModelDrafter(model.eval().requires_grad_(False), target.vocab_size)
+    drafter = ModelDrafter(model.eval().requires_grad_(False), target.vocab_size)
+    drafter.weights_checksum = header.get("checksum")
+    return drafter
 
 
 @register_drafter("small")

@@ -198,10 +198,12 @@ class Calibration:
         loop:     ``PLAIN_LOOP`` and drafter names -> the generator's ``LoopCost`` with that
                   drafter (``treespec.calibrate.drafters.calibrate_loop``); the planner reads a
                   drafter's only together with plain decoding's, at batch 1.
-        weights:  drafter name -> checksum of the checkpoint it was measured with (drafters that
-                  load a shipped checkpoint; ``calibrate_drafter`` records it). Acceptance is a
-                  property of the weights: ``treespec.cli.main.ensure_calibration`` measures a
-                  drafter again when its shipped checkpoint has changed since.
+        weights:  drafter name -> checksum of the checkpoint it was measured with (drafters
+                  loaded from a checkpoint; ``calibrate_drafter`` records their
+                  ``weights_checksum``). Acceptance is a property of the weights: builder="auto"
+                  does not plan a drafter loaded from other weights with it, and
+                  ``treespec.cli.main.ensure_calibration`` measures a drafter again when its
+                  shipped checkpoint has changed since.
         device:   machine description (CPU model, threads, torch version).
         threads:  torch intra-op threads during the measurement (run the engine with the same).
         clock:    the timer's name: "perf_counter" (wall clock) or "thread_time" (CPU time).

@@ -159,7 +159,8 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     """The tree the cost model predicts fastest on this machine (``builder="auto"``).
 
     Uses the local calibration (``treespec calibrate``). When the calibration measured this
-    very drafter (``treespec calibrate --drafter NAME``, keyed by its registered name), its
+    very drafter (``treespec calibrate --drafter NAME``, keyed by its registered name, with the
+    weights it was loaded from: ``CalibrationMismatchWarning`` and the generic plan otherwise), its
     pass times and its positional acceptance vector measured at the temperature nearest to
     ``temperature`` are used (acceptance falls as T rises); otherwise the generic
     pass of its cost kind and the kind's default β. Above T = 0 it also plans sampled drafts
@@ -180,7 +181,17 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     if calibration.shape.bytes_per_weight != dtype.itemsize:
         raise ValueError(f"the calibration measured {calibration.shape.bytes_per_weight:g}-byte weights but the "
                          f"target runs {dtype_name} ({dtype.itemsize} bytes); calibrate with --dtype {dtype_name}")
-    name = capabilities(drafter).registry_name   # calibrate --drafter keys its entries by it
+    caps = capabilities(drafter)
+    name = caps.registry_name   # calibrate --drafter keys its entries by it
+    measured_with = calibration.weights.get(name)
+    if caps.weights_checksum is not None and name in calibration.acceptance and measured_with != caps.weights_checksum:
+        warnings.warn(f"builder='auto': the calibration measured drafter {name!r} with "
+                      f"{f'checkpoint {measured_with[:12]}' if measured_with else 'weights it did not record'}, "
+                      f"this one was loaded from checkpoint {caps.weights_checksum[:12]}: its acceptance is not "
+                      f"used (the tree is planned from the generic pass and default β). Recalibrate: `treespec "
+                      f"calibrate --weights pretrained --drafter {name}` (the shipped checkpoint)",
+                      CalibrationMismatchWarning, stacklevel=3)
+        name = None   # a calibration of other weights is not a calibration of this drafter
     generic = drafter_cost_kind(drafter)
     if name in calibration.drafters:
         kind = name
