@@ -79,6 +79,47 @@ def test_a_drafter_returning_nan_logits_is_named_in_every_mode(temperature, mode
         gen.generate([1, 2], max_new_tokens=4, temperature=temperature, seed=0)
 
 
+SETTINGS = [dict(), dict(temperature=1.0), dict(temperature=0.7, top_k=1), dict(temperature=1.0, top_k=3),
+            dict(temperature=1.0, top_p=0.5), dict(temperature=1.0, min_p=0.2),
+            dict(temperature=1.3, top_k=4, top_p=0.9, min_p=0.05)]
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+@pytest.mark.parametrize("bad", ["nan", "+inf", "all -inf", "nan beside -inf", "+inf beside -inf"])
+def test_the_finite_check_on_q_catches_every_bad_row_under_every_sampling_setting(settings, bad):
+    # the check reads q only: every processing path must leave a NaN in q for a bad logits row
+    import torch
+    from treespec.builders.base import check_finite_draft, draft_distribution
+    from treespec.core.sampling import SamplingConfig
+
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    logits[0, 2] = -torch.inf
+    row = logits[1]
+    if bad == "all -inf":
+        row.fill_(-torch.inf)
+    else:
+        if "beside" in bad:
+            row[5] = -torch.inf
+        row[7] = torch.nan if bad.startswith("nan") else torch.inf
+    q = draft_distribution(logits, SamplingConfig(**settings))
+    with pytest.raises(ValueError, match="non-finite draft logits"):
+        check_finite_draft(q, small_generator().drafter)
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_the_finite_check_passes_minus_inf_and_huge_finite_logits(settings):
+    import torch
+    from treespec.builders.base import check_finite_draft, draft_distribution
+    from treespec.core.sampling import SamplingConfig
+
+    logits = torch.randn(2, 11, generator=torch.Generator().manual_seed(1))
+    logits[0, :5] = -torch.inf                       # outside a drafter's support
+    logits[1, :5] = torch.tensor([1e38, 1e38, 1e38, 1e38, -1e38])  # finite; their sum overflows
+    q = draft_distribution(logits, SamplingConfig(**settings))
+    check_finite_draft(q, small_generator().drafter)
+    assert torch.allclose(q.sum(-1), torch.ones(2))
+
+
 def test_calibrate_does_not_offer_float16():
     from treespec.cli import main as cli
 
