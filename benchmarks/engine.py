@@ -261,8 +261,8 @@ def main() -> None:
                     help="lookup adaptive: the chain stops where its draft confidence falls below this")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--fp32-kernel", default="auto", choices=("auto", "blocks", "panel", "onednn"),
-                    help="the fp32 packed rows' linear kernel (auto: the CPU decides; AVX-512 CPUs take "
-                         "the block kernel only when asked)")
+                    help="the fp32 packed rows' linear kernel (auto: the CPU decides: the block kernel "
+                         "wherever there is AVX2)")
     ap.add_argument("--hybrid", action="store_true",
                     help="add a best-first row with the hybrid drafter (prompt lookup + eagle3)")
     ap.add_argument("--all-peers", action="store_true",

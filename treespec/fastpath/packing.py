@@ -14,8 +14,8 @@ Glossary
 - **panel linear** — the same module on the fp32 *panel GEMM* (:mod:`treespec.fastpath.kernels`, compiled
   once per machine): weights stored as 16-column panels and read once per pass for 1 to
   :data:`PANEL_MAX_ROWS` rows, each output one in-order FMA chain (bit-identical for a row alone
-  or among others). Chosen on AVX2 CPUs without AVX-512, where it was measured; elsewhere ask for
-  it with ``kernel="panel"``.
+  or among others). Chosen for fp32 on every CPU with AVX2 (AVX-512 ones included), over exact
+  integer blocks where the weights are ones (``"blocks"``); ask for oneDNN with ``kernel="onednn"``.
 - **native bf16** — matrix units that multiply bf16 directly (x86 ``avx512_bf16`` or
   ``amx_bf16``; a CUDA device with compute capability ≥ 8.0). Without them bf16 is emulated and
   slower than fp32, so ``dtype="auto"`` picks fp32 there.
@@ -305,12 +305,13 @@ def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
         raise ValueError(f"kernel={kernel!r} is float32 only; these weights are {dtype} (use kernel='onednn')")
     if device.type != "cpu":
         return f"weights on {device}: packing is a CPU path"
-    # The panel GEMM was measured on AVX2 CPUs; AVX-512 ones keep oneDNN until it is measured
-    # there (ask for it by name). Where it runs, exact integer blocks are read where the weights
-    # are ones (bit-identical outputs, fewer bytes).
+    # The block GEMM wins wherever a pass is bound by reading the weights: measured on an AVX2-only
+    # EPYC and on an AVX-512-BF16 EPYC (SmolLM2, one thread: a 1-token pass 32 ms against 80 ms for
+    # oneDNN/stock fp32, and ahead of oneDNN up to 32 rows; benchmarks/results/verify_cost_epyc_
+    # avx512bf16.md). It reads exact integer blocks where the weights are ones (bit-identical
+    # outputs, fewer bytes).
     fallback = ""
-    if dtype == torch.float32 and (kernel in PANEL_KERNELS or kernel is None and "avx2" in cpu.flags
-                                   and "avx512f" not in cpu.flags):
+    if dtype == torch.float32 and (kernel in PANEL_KERNELS or kernel is None and "avx2" in cpu.flags):
         ok, why = panel_status(cpu)
         if ok:
             chosen = kernel or "blocks"
