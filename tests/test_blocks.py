@@ -227,3 +227,16 @@ def test_q6_k_and_q5_0_weights_stay_fp32_panels() -> None:
     32 with one scale: they keep the fp32 path (same outputs, 4 bytes a weight)."""
     for kind in ("Q6_K", "Q5_0"):
         assert pack_blocks(gguf_k_quant(kind, 32, 512)) is None, kind
+
+
+def test_the_exact_block_types_that_dtype_auto_reads_are_those_pack_blocks_stores() -> None:
+    """``EXACT_BLOCK_GGUF_TYPES`` (which ``dtype="auto"`` trusts to run fp32 on the block kernel)
+    names exactly the types whose dequantized weights ``pack_blocks`` stores as integer blocks."""
+    from treespec.fastpath.packing import EXACT_BLOCK_GGUF_TYPES
+
+    torch.manual_seed(0)
+    w = torch.randn(32, 512)
+    weights = {"Q4_1": gguf_q4_1(w), "Q8_0": gguf_q8_0(w),
+               **{kind: gguf_k_quant(kind, 32, 512) for kind in ("Q4_K", "Q6_K", "Q5_0")}}
+    stored = {kind for kind, weight in weights.items() if pack_blocks(weight) is not None}
+    assert stored == EXACT_BLOCK_GGUF_TYPES

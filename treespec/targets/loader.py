@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -52,7 +53,7 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from treespec.fastpath.attention import GROUPED_SDPA
-from treespec.data import find_package_file
+from treespec.data import MissingPackageError, find_package_file
 from treespec.targets.gguf_parts import QWEN_CODER_0_5B, QWEN_CODER_1_5B, SPLIT_GGUFS, SplitGGUF, assembled_gguf
 
 __all__ = [
@@ -365,6 +366,31 @@ def load_qwen_coder_0_5b(dtype: torch.dtype = torch.float32, device: str | torch
     return load_split_gguf(QWEN_CODER_0_5B, dtype, device, cache_dir, QWEN_EOS_TOKENS)
 
 
+def gguf_matrix_types(name: str, cache_dir: str | os.PathLike | None = None) -> frozenset[str] | None:
+    """The GGUF types of a registered target's weight matrices, or None where its GGUF is not on
+    this machine yet (the load then says what is missing). Read from the file once (parsing its
+    header takes seconds: the tokenizer lives there) and kept beside the conversion cache."""
+    from gguf import GGUFReader
+
+    root = _cache_root(cache_dir)
+    if name == "smollm2-135m":
+        try:
+            path = smollm2_gguf_path()
+        except MissingPackageError:
+            return None
+    else:
+        path = root / "gguf" / f"{name}.gguf"
+        if not path.exists():
+            return None
+    kept = root / f"{name}-{gguf_fingerprint(path)}.types.json"
+    if kept.exists():
+        return frozenset(json.loads(kept.read_text()))
+    types = sorted({t.tensor_type.name for t in GGUFReader(str(path)).tensors if len(t.shape) == 2})
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps(types))
+    return frozenset(types)
+
+
 TargetLoader = Callable[..., Target]
 
 # name -> loader(dtype=, device=, cache_dir=). Read-only: add a target by adding a line here.
@@ -386,7 +412,9 @@ def load_target(
 
     ``dtype``: a ``torch.dtype`` or a name (default fp32: the exact reference target); ``"auto"`` is bf16 where the hardware has
     native bf16 matrix units (``avx512_bf16`` / ``amx_bf16``, or a CUDA GPU of compute capability
-    >= 8), fp32 elsewhere (:func:`treespec.fastpath.packing.resolve_dtype`). A bf16 target is a different
+    >= 8), fp32 elsewhere, and fp32 on the block kernel where the bf16 units are AVX-512 BF16
+    without AMX and every weight matrix of the GGUF is an exact block type (SmolLM2's Q4_1 / Q8_0:
+    measured faster; :func:`treespec.fastpath.packing.resolve_dtype`). A bf16 target is a different
     target from the fp32 one; compare it with plain decoding of the same weights.
     ``pack``: pre-pack the linear layers for the CPU's GEMM where it helps
     (:func:`treespec.fastpath.packing.pack_linears`; fp32 output stays token-identical to HF ``generate``);
@@ -404,7 +432,8 @@ def load_target(
         raise KeyError(f"unknown target {name!r}; known targets: {sorted(TARGET_LOADERS)}")
     if not isinstance(pack, (bool, str)):
         raise TypeError(f"pack must be True, False, 'blocks', 'panel' or 'onednn', got {pack!r}")
-    resolved, why = resolve_dtype(dtype, device)
+    types = gguf_matrix_types(name, cache_dir) if dtype == "auto" and pack is not False else None
+    resolved, why = resolve_dtype(dtype, device, weight_types=types)
     target = TARGET_LOADERS[name](dtype=resolved, device=device, cache_dir=cache_dir)
     report = pack_linears(target.model, enabled=pack is not False,
                           kernel=pack if isinstance(pack, str) else None)
