@@ -10,7 +10,8 @@ all methods alike):
 - ``hf-assisted``  HF assisted generation with the 0.5B as assistant model;
 - ``hf-lookup``    HF prompt lookup decoding (``prompt_lookup_num_tokens``);
 - treespec on the packed path: the 0.5B on a chain (4, and up to 8 stopped by the drafter's
-  confidence as HF assisted does) and on a dynamic tree, ``lookup`` (chains of 8 and 16),
+  confidence as HF assisted does) and on a dynamic tree, ``lookup`` (a chain of up to 10, HF's
+  count, that stops where no suffix recurs or the votes along it split below 0.1),
   ``hybrid`` (lookup + the 0.5B mixed in a best-first tree), ``switch`` (a lookup chain of up to
   16 where the text repeats, a 0.5B chain of up to 4 elsewhere) and ``builder="auto"`` with the 0.5B where
   the machine has a calibration of this target (else the row says why it is missing).
@@ -95,7 +96,7 @@ EDIT_PROMPTS = [f"{task}. Reply with the whole changed code.\n\n```python\n{code
 
 KINDS = ("coding", "reasoning", "code-edit")
 ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "0.5b chain4", "0.5b chain8 conf0.4", "0.5b tree16",
-               "lookup chain8", "lookup chain16", "hybrid best16", "switch chain16 head4", "0.5b auto")
+               "lookup chain10 conf0.1", "hybrid best16", "switch chain16 head4", "0.5b auto")
 
 
 def prompts(limit: int | None, per_kind: int | None = None) -> list[tuple[str, str]]:
@@ -179,14 +180,16 @@ def main() -> None:
     items = prompts(args.prompts, args.per_kind)
     reduced = args.prompts is not None or args.per_kind is not None or args.max_new_tokens < 128
 
-    target = treespec.load_target(TARGET, dtype=args.dtype)           # packed where the CPU gains
-    small = treespec.load_drafter(DRAFT, target)                      # ModelDrafter, in the target's dtype
-    eos = list(target.eos_token_ids)
     chosen = ALL_METHODS if args.methods is None else [m.strip() for m in args.methods.split(",")]
     unknown = sorted(set(chosen) - set(ALL_METHODS))
     if unknown or "hf" not in chosen:
         raise SystemExit(f"--methods: {unknown or 'hf is missing'}; choose from {', '.join(ALL_METHODS)} "
                          "(hf, the baseline, always)")
+    run = options(args, chosen)
+
+    target = treespec.load_target(TARGET, dtype=args.dtype)           # packed where the CPU gains
+    small = treespec.load_drafter(DRAFT, target)                      # ModelDrafter, in the target's dtype
+    eos = list(target.eos_token_ids)
     methods: dict[str, object] = {
         "0.5b chain4": treespec.SpeculativeGenerator(target, small, treespec.ChainBuilder(4)),
         "0.5b tree16": treespec.SpeculativeGenerator(
@@ -195,8 +198,12 @@ def main() -> None:
         # assisted generation's assistant_confidence_threshold does), up to 8 drafts
         "0.5b chain8 conf0.4": treespec.SpeculativeGenerator(
             target, ModelDrafter(small.model, target.vocab_size), treespec.ChainBuilder(8, min_confidence=0.4)),
-        "lookup chain8": treespec.SpeculativeGenerator(target, "lookup", treespec.ChainBuilder(8)),
-        "lookup chain16": treespec.SpeculativeGenerator(target, "lookup", treespec.ChainBuilder(16)),
+        # up to 10 drafts, as HF prompt lookup takes; the chain stops where no suffix recurs (q is
+        # uniform there) or split votes bring the path's confidence under 0.1, so a step without a
+        # match verifies one token, not 10 guesses (on the 1.5B a pass over 11 tokens costs ~1.25
+        # of a pass over one)
+        "lookup chain10 conf0.1": treespec.SpeculativeGenerator(
+            target, "lookup", treespec.ChainBuilder(10, min_confidence=0.1)),
         "hybrid best16": treespec.SpeculativeGenerator(
             target, HybridDrafter(ModelDrafter(small.model, target.vocab_size)),
             treespec.BestFirstBuilder(budget=16, max_width=4, max_rounds=7)),
@@ -224,8 +231,10 @@ def main() -> None:
     done, spent = 0, 0.0
     if args.resume:
         state = json.loads(out.with_suffix(".json").read_text())["state"]
-        if state["options"] != options(args):
-            raise ValueError(f"--resume: {out}.json was run with {state['options']}, not {options(args)}")
+        if state["options"] != run:
+            raise ValueError(f"--resume: {out}.json was run with {state['options']}, not "
+                             f"{run}; resume with the same options, methods and CPU "
+                             f"kind, or measure into a new --out")
         done, spent = state["done"], state["seconds"]
         if state["prompt_keys"] != [prompt_key(item) for item in items[:done]]:
             raise ValueError(f"--resume: the first {done} prompts differ from those {out}.json measured; "
@@ -270,20 +279,24 @@ def main() -> None:
                         if r in refs:
                             greedy.setdefault((name, r), []).append(res.token_ids.tolist() == refs[r])
         print(f"[{i + 1}/{len(items)} {kind}] {time.time() - start:.0f} s", file=sys.stderr, flush=True)
-        save(out, report(args, temps, items[: i + 1], reduced, pools, greedy, missing,
+        save(out, report(args, run, temps, items[: i + 1], reduced, pools, greedy, missing,
                          target.speed_path, time.time() - start))
 
 
-def options(args) -> dict:
-    """The options a resumed run must share with the run it continues."""
-    return {k: getattr(args, k) for k in ("max_new_tokens", "temperatures", "dtype", "threads", "seed", "methods")}
+def options(args, methods: list[str]) -> dict:
+    """What a resumed run must share with the run it continues: the options, the methods
+    themselves (a default method set can change between commits) and the CPU kind (model and
+    flags: pooled seconds from two kinds of machine would be one meaningless rate)."""
+    info = machine_info()
+    return {**{k: getattr(args, k) for k in ("max_new_tokens", "temperatures", "dtype", "threads", "seed")},
+            "methods": list(methods), "cpu": f"{info['cpu_model']} ({', '.join(info['cpu_flags'])})"}
 
 
 def prompt_key(item: tuple[str, str]) -> str:
     return hashlib.sha256("\0".join(item).encode()).hexdigest()[:16]
 
 
-def report(args, temps, items, reduced, pools, greedy, missing, speed_path, seconds) -> dict:
+def report(args, run, temps, items, reduced, pools, greedy, missing, speed_path, seconds) -> dict:
     rows = []
     kinds = [k for k in KINDS if any(kk == k for kk, _ in items)]
     for temp in temps:
@@ -312,7 +325,7 @@ def report(args, temps, items, reduced, pools, greedy, missing, speed_path, seco
         "wall_minutes": round(seconds / 60, 1),
         "missing": missing,
         "rows": rows,
-        "state": {"options": options(args), "done": len(items), "seconds": seconds,
+        "state": {"options": run, "done": len(items), "seconds": seconds,
                   "prompt_keys": [prompt_key(item) for item in items],
                   "pools": [[list(key), p.state()] for key, p in pools.items()],
                   "greedy": [[list(key), v] for key, v in greedy.items()]},
