@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
@@ -162,6 +163,40 @@ def test_auto_dtype_runs_exact_block_checkpoints_in_fp32_where_bf16_units_are_no
     assert resolve_dtype("auto", "cpu", AMX, weight_types=blocks)[0] == torch.bfloat16
     assert resolve_dtype("auto", "cpu", AVX2_ONLY, weight_types=blocks)[0] == torch.float32
     assert resolve_dtype("bfloat16", "cpu", AVX512_BF16, weight_types=blocks)[0] == torch.bfloat16
+
+
+@needs_packing
+def test_bf16_pads_few_rows_of_large_weights_only_where_bf16_units_are_not_amx() -> None:
+    """On AVX-512 BF16 without AMX, oneDNN multiplies 1-3 rows by a large bf16 weight slower than
+    4 (linear_rows_bf16_epyc.md); those products are padded to BF16_PAD_ROWS zero rows, whose
+    outputs are dropped. Small weights, AMX and fp32 are left alone."""
+    from treespec.fastpath.packing import BF16_PAD_MIN_WEIGHT, BF16_PAD_ROWS
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(2048, 2048), nn.Linear(64, 2048, bias=False)).to(torch.bfloat16)
+
+    assert 2048 * 2048 >= BF16_PAD_MIN_WEIGHT > 64 * 2048
+    padded = model()
+    report = pack_linears(padded, cpu=AVX512_BF16)
+    assert [m.pad_rows for m in padded] == [BF16_PAD_ROWS, 0] and "padded to 4" in report.reason
+    amx = model()
+    pack_linears(amx, cpu=AMX)
+    assert [m.pad_rows for m in amx] == [0, 0]
+    reference = model()
+    for rows in (1, 2, 3, 4, 6):
+        x = torch.randn(2, rows, 2048).to(torch.bfloat16)   # a leading batch dim too
+        want = F.linear(x.float(), reference[0].weight.float(), reference[0].bias.float())
+        got, plain = padded[0](x), amx[0](x)
+        assert got.shape == (2, rows, 2048) and got.dtype == torch.bfloat16
+        # the padding only changes which oneDNN kernel runs: within bf16 rounding of the exact
+        # product, and no farther from it than the unpadded packed product
+        err, err_plain = (got.float() - want).abs().max(), (plain.float() - want).abs().max()
+        assert err <= 2 * err_plain + 1e-2, (rows, err, err_plain)
+    with pytest.raises(ValueError, match="pad_rows"):
+        PackedLinear(nn.Linear(64, 64), kernel="panel", pad_rows=4)
+    with pytest.raises(ValueError, match="pad_rows"):
+        PackedLinear(nn.Linear(64, 64), pad_rows=-1)
 
 
 def test_auto_dtype_follows_the_cpu_flags() -> None:

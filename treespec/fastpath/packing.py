@@ -74,6 +74,12 @@ FP32_MIN_ROWS_AVX2 = 2
 # (prefill) go to PyTorch's GEMM, whose re-pack is amortized there (benchmarks/verify_cost.py
 # compares the kernels by tree size).
 PANEL_MAX_ROWS = 64
+
+# bf16 on oneDNN where the bf16 units are AVX-512 BF16 without AMX: a product of 1-3 rows with a
+# large weight runs slower than one of 4 rows (benchmarks/results/linear_rows_bf16_epyc.md), so
+# such inputs are padded with zero rows to BF16_PAD_ROWS; smaller weights are faster unpadded.
+BF16_PAD_ROWS = 4
+BF16_PAD_MIN_WEIGHT = 4_000_000   # elements
 KERNELS = ("onednn", "panel", "blocks")
 PANEL_KERNELS = ("panel", "blocks")
 
@@ -198,16 +204,21 @@ def _fast_path_ok(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, row
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, min_rows: int = 1,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, pad_rows: int = 0) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through ``packed`` (:func:`pack_weight` of ``weight``) when
-    x has >= ``min_rows`` rows in the packed dtype on the CPU without autograd; else the stock op."""
+    x has >= ``min_rows`` rows in the packed dtype on the CPU without autograd; else the stock op.
+    ``pad_rows``: fewer rows than this are multiplied padded with zero rows to this count (the
+    padding's outputs are dropped), where the GEMM is faster for it (``BF16_PAD_ROWS``)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if packed is None or not _fast_path_ok(x, weight, packed.dtype, rows, min_rows, None):
         return F.linear(x, weight, bias)
     bias = None if bias is None else bias.detach()
     # [rows, in] -> [rows, out]
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, weight.shape[1]), packed, bias, "none", [], "")
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    flat = x.reshape(rows, weight.shape[1])
+    if 0 < rows < pad_rows:
+        flat = torch.cat([flat, flat.new_zeros(pad_rows - rows, flat.shape[1])])
+    y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return y[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
 class PackedLinear(nn.Module):
@@ -225,7 +236,7 @@ class PackedLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, min_rows: int = 1, kernel: str = "onednn",
-                 max_rows: int | None = None):
+                 max_rows: int | None = None, pad_rows: int = 0):
         super().__init__()
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"PackedLinear wraps an nn.Linear, got {type(linear).__name__}")
@@ -243,6 +254,11 @@ class PackedLinear(nn.Module):
         self.kernel = kernel
         self.min_rows = int(min_rows)
         self.max_rows = PANEL_MAX_ROWS if max_rows is None and kernel in PANEL_KERNELS else max_rows
+        if isinstance(pad_rows, bool) or not isinstance(pad_rows, int) or pad_rows < 0:
+            raise ValueError(f"pad_rows must be an int >= 0 (0 = no padding), got {pad_rows!r}")
+        if pad_rows and kernel != "onednn":
+            raise ValueError(f"pad_rows is an option of the onednn kernel, not {kernel!r}")
+        self.pad_rows = pad_rows
         self._pack()
 
     def _pack(self) -> None:
@@ -279,7 +295,7 @@ class PackedLinear(nn.Module):
         if weight._version != self._version:
             self._pack()
         if self.kernel == "onednn":
-            return packed_linear(x, weight, self._packed, self.min_rows, bias)
+            return packed_linear(x, weight, self._packed, self.min_rows, bias, self.pad_rows)
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         if _fast_path_ok(x, weight, torch.float32, rows, self.min_rows, self.max_rows):
@@ -322,6 +338,7 @@ class _Plan:
     min_rows: int
     max_rows: int | None
     reason: str
+    pad_rows: int = 0          # onednn: pad fewer rows to this many (weights >= BF16_PAD_MIN_WEIGHT)
 
 
 def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
@@ -355,8 +372,11 @@ def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
     if dtype == torch.bfloat16:
         if not cpu.native_bf16:
             return "bf16 without native bf16 units: packing would not make it fast"
+        pad = BF16_PAD_ROWS if "amx_bf16" not in cpu.flags else 0
         return _Plan("onednn", 1, None,
-                     f"bf16 GEMM on {'/'.join(f for f in BF16_FLAGS if f in cpu.flags)} with weights packed once")
+                     f"bf16 GEMM on {'/'.join(f for f in BF16_FLAGS if f in cpu.flags)} with weights packed once"
+                     + (f"; 1-{pad - 1} rows padded to {pad} for weights of >= {BF16_PAD_MIN_WEIGHT:,} "
+                        f"values (faster on AVX-512 BF16 without AMX)" if pad else ""), pad)
     if dtype == torch.float32:
         rows = fp32_min_rows(cpu)
         return _Plan("onednn", rows, None,
@@ -390,7 +410,8 @@ def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = N
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == weight.dtype:
-                layer = PackedLinear(child, plan.min_rows, plan.kernel, plan.max_rows)
+                pad = plan.pad_rows if child.weight.numel() >= BF16_PAD_MIN_WEIGHT else 0
+                layer = PackedLinear(child, plan.min_rows, plan.kernel, plan.max_rows, pad)
                 setattr(parent, name, layer)
                 layers.append(layer)
     if plan.kernel in PANEL_KERNELS:
