@@ -137,3 +137,19 @@ def test_the_qwen_drafter_refuses_another_vocabulary_before_loading() -> None:
 
     with pytest.raises(CheckpointMismatch, match="151936-token vocabulary; tiny-llama-v32-s0 has 32"):
         load_drafter("qwen2.5-coder-0.5b", tiny_target())
+
+
+def test_gguf_matrix_types_are_read_once_and_kept(tmp_path):
+    """What ``dtype="auto"`` reads to choose the block kernel: SmolLM2's matrices are Q4_1 with a
+    Q8_0 embedding; the answer is kept beside the cache (a torn file is read again), and a target
+    whose GGUF is not on the machine answers None."""
+    from treespec.targets.loader import gguf_matrix_types
+
+    assert gguf_matrix_types("smollm2-135m", tmp_path) == {"Q4_1", "Q8_0"}
+    (kept,) = tmp_path.glob("smollm2-135m-*.types.json")
+    kept.write_text('["Q4_K"]')
+    assert gguf_matrix_types("smollm2-135m", tmp_path) == {"Q4_K"}       # the kept answer, not the file
+    kept.write_text('["Q4')
+    assert gguf_matrix_types("smollm2-135m", tmp_path) == {"Q4_1", "Q8_0"}
+    assert not list(tmp_path.glob("*.tmp"))
+    assert gguf_matrix_types("qwen2.5-coder-1.5b", tmp_path) is None

@@ -146,7 +146,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
 def _blocks_before_bf16(cpu: CpuInfo, weight_types: frozenset[str] | None) -> tuple[bool, str]:
     """Whether fp32 on the block kernel should replace native bf16 (see ``resolve_dtype``)."""
     if "amx_bf16" in cpu.flags or not weight_types or not panel_status(cpu, build=False)[0]:
-        return False, ""       # AMX: bf16 measured fastest there; the block kernel was not timed
+        return False, ""       # AMX: the block kernel was not timed against its bf16 tiles; bf16 stays
     if not weight_types <= EXACT_BLOCK_GGUF_TYPES:
         return False, ""
     return True, (f"every weight matrix is an exact block type ({', '.join(sorted(weight_types))}) and the "

@@ -383,11 +383,15 @@ def gguf_matrix_types(name: str, cache_dir: str | os.PathLike | None = None) -> 
         if not path.exists():
             return None
     kept = root / f"{name}-{gguf_fingerprint(path)}.types.json"
-    if kept.exists():
+    try:
         return frozenset(json.loads(kept.read_text()))
+    except (OSError, ValueError):
+        pass                                  # not kept yet (or a torn file): read the GGUF
     types = sorted({t.tensor_type.name for t in GGUFReader(str(path)).tensors if len(t.shape) == 2})
     kept.parent.mkdir(parents=True, exist_ok=True)
-    kept.write_text(json.dumps(types))
+    with tempfile.NamedTemporaryFile("w", dir=kept.parent, suffix=".tmp", delete=False) as f:
+        f.write(json.dumps(types))            # written whole, then renamed: concurrent loads
+    os.replace(f.name, kept)                  # (one per training rank) never read half a file
     return frozenset(types)
 
 
