@@ -77,7 +77,7 @@ class Eagle3Head(FeatureHead):
         kernel the rows of a Q8_0 head stay 8-bit blocks: a quarter of the bytes a draft call
         reads through stock ``F.linear``). Rebuilt when the target's head changes (device,
         dtype, an in-place edit). Kept out of the module tree: not a parameter of the head."""
-        from treespec.fastpath.packing import BF16_PAD_MIN_WEIGHT, PackedLinear
+        from treespec.fastpath.packing import PackedLinear, pad_rows_for
 
         lm_head = self.trunk.lm_head
         w = lm_head.weight
@@ -91,8 +91,8 @@ class Eagle3Head(FeatureHead):
             linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
             linear.weight = nn.Parameter(rows, requires_grad=False)
             if isinstance(lm_head, PackedLinear):
-                pad = lm_head.pad_rows if rows.numel() >= BF16_PAD_MIN_WEIGHT else 0
-                linear = PackedLinear(linear, lm_head.min_rows, lm_head.kernel, lm_head.max_rows, pad)
+                linear = PackedLinear(linear, lm_head.min_rows, lm_head.kernel, lm_head.max_rows,
+                                      pad_rows_for(rows, lm_head.pad_rows))
             cached = (key, linear)
             self.__dict__["_proj"] = cached
         return cached[1]

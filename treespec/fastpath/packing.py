@@ -80,6 +80,12 @@ PANEL_MAX_ROWS = 64
 # such inputs are padded with zero rows to BF16_PAD_ROWS; smaller weights are faster unpadded.
 BF16_PAD_ROWS = 4
 BF16_PAD_MIN_WEIGHT = 4_000_000   # elements
+
+
+def pad_rows_for(weight: torch.Tensor, pad_rows: int) -> int:
+    """A plan's ``pad_rows`` for one weight: kept for large weights, 0 (no padding) below
+    ``BF16_PAD_MIN_WEIGHT``, where the unpadded product is the faster one."""
+    return pad_rows if weight.numel() >= BF16_PAD_MIN_WEIGHT else 0
 KERNELS = ("onednn", "panel", "blocks")
 PANEL_KERNELS = ("panel", "blocks")
 
@@ -410,8 +416,8 @@ def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = N
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == weight.dtype:
-                pad = plan.pad_rows if child.weight.numel() >= BF16_PAD_MIN_WEIGHT else 0
-                layer = PackedLinear(child, plan.min_rows, plan.kernel, plan.max_rows, pad)
+                layer = PackedLinear(child, plan.min_rows, plan.kernel, plan.max_rows,
+                                     pad_rows_for(child.weight, plan.pad_rows))
                 setattr(parent, name, layer)
                 layers.append(layer)
     if plan.kernel in PANEL_KERNELS:

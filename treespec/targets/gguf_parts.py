@@ -124,13 +124,18 @@ def assemble_parts(parts: Sequence[str | os.PathLike], out: str | os.PathLike,
     return out
 
 
+def assembled_path(spec: SplitGGUF, root: str | os.PathLike) -> Path:
+    """Where ``assembled_gguf`` keeps ``spec``'s file: ``<root>/gguf/<name>.gguf``."""
+    return Path(root) / "gguf" / f"{spec.name}.gguf"
+
+
 def assembled_gguf(spec: SplitGGUF, root: str | os.PathLike) -> Path:
-    """``<root>/gguf/<name>.gguf``, assembled from the installed parts the first time.
+    """``assembled_path``, assembled from the installed parts the first time.
 
     A file already there is reused when its size is the expected one (or no size is recorded):
     it was checked when it was written.
     """
-    out = Path(root) / "gguf" / f"{spec.name}.gguf"
+    out = assembled_path(spec, root)
     if out.is_file() and (spec.size is None or out.stat().st_size == spec.size):
         return out
     return assemble_parts(spec.part_paths(), out, spec.sha256)

@@ -54,7 +54,8 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from treespec.fastpath.attention import GROUPED_SDPA
 from treespec.data import MissingPackageError, find_package_file
-from treespec.targets.gguf_parts import QWEN_CODER_0_5B, QWEN_CODER_1_5B, SPLIT_GGUFS, SplitGGUF, assembled_gguf
+from treespec.targets.gguf_parts import (QWEN_CODER_0_5B, QWEN_CODER_1_5B, SPLIT_GGUFS, SplitGGUF, assembled_gguf,
+                                        assembled_path)
 
 __all__ = [
     "TARGET_LOADERS",
@@ -373,15 +374,12 @@ def gguf_matrix_types(name: str, cache_dir: str | os.PathLike | None = None) -> 
     from gguf import GGUFReader
 
     root = _cache_root(cache_dir)
-    if name == "smollm2-135m":
-        try:
-            path = smollm2_gguf_path()
-        except MissingPackageError:
-            return None
-    else:
-        path = root / "gguf" / f"{name}.gguf"
-        if not path.exists():
-            return None
+    try:
+        path = smollm2_gguf_path() if name == "smollm2-135m" else assembled_path(SPLIT_GGUFS[name], root)
+    except MissingPackageError:
+        return None
+    if not path.is_file():
+        return None
     kept = root / f"{name}-{gguf_fingerprint(path)}.types.json"
     try:
         return frozenset(json.loads(kept.read_text()))
