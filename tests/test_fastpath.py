@@ -152,17 +152,17 @@ def test_fp32_fast_path_greedy_equals_hf_generate_on_stock_model() -> None:
 AVX512_BF16 = CpuInfo("AMD EPYC (test)", ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"), "AVX512")
 
 
-def test_auto_dtype_runs_exact_block_checkpoints_in_fp32_where_bf16_units_are_not_amx() -> None:
-    """Measured on an AVX-512-BF16 EPYC: the fp32 block kernel beats the bf16 path when every
-    weight matrix is an exact block type; AMX keeps bf16, and so does any other checkpoint."""
+def test_auto_dtype_runs_exact_block_checkpoints_in_fp32_on_every_cpu_with_native_bf16() -> None:
+    """Measured on an AVX-512-BF16 EPYC and on an AMX Xeon: the fp32 block kernel beats the bf16
+    path when every weight matrix is an exact block type; any other checkpoint keeps bf16."""
     blocks = frozenset({"Q4_1", "Q8_0"})
-    dtype, why = resolve_dtype("auto", "cpu", AVX512_BF16, weight_types=blocks)
-    assert dtype == torch.float32 and "exact block type (Q4_1, Q8_0)" in why and "without AMX" in why
-    for types in (frozenset({"Q4_K", "Q6_K"}), None, frozenset()):     # Qwen's Q4_K_M; unknown
-        assert resolve_dtype("auto", "cpu", AVX512_BF16, weight_types=types)[0] == torch.bfloat16
-    assert resolve_dtype("auto", "cpu", AMX, weight_types=blocks)[0] == torch.bfloat16
+    for cpu, units in ((AVX512_BF16, "AVX-512 BF16 units"), (AMX, "AMX units")):
+        dtype, why = resolve_dtype("auto", "cpu", cpu, weight_types=blocks)
+        assert dtype == torch.float32 and "exact block type (Q4_1, Q8_0)" in why and units in why
+        for types in (frozenset({"Q4_K", "Q6_K"}), None, frozenset()):     # Qwen's Q4_K_M; unknown
+            assert resolve_dtype("auto", "cpu", cpu, weight_types=types)[0] == torch.bfloat16
+        assert resolve_dtype("bfloat16", "cpu", cpu, weight_types=blocks)[0] == torch.bfloat16
     assert resolve_dtype("auto", "cpu", AVX2_ONLY, weight_types=blocks)[0] == torch.float32
-    assert resolve_dtype("bfloat16", "cpu", AVX512_BF16, weight_types=blocks)[0] == torch.bfloat16
 
 
 @needs_packing

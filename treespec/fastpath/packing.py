@@ -121,12 +121,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
                   cpu: CpuInfo | None = None,
                   weight_types: frozenset[str] | None = None) -> tuple[torch.dtype, str]:
     """``"auto"`` -> bf16 where the hardware has native bf16 matrix units, else fp32; with one
-    exception, measured: on a CPU whose bf16 units are AVX-512 BF16 without AMX tiles, fp32 on
-    the block kernel when every weight matrix of the checkpoint is of an exact block type
-    (``weight_types``: the GGUF types of its matrices; None = unknown). The block kernel then
-    reads 0.75-1.1 bytes per weight against bf16's 2, and on an AVX-512-BF16 EPYC a 1-token
-    SmolLM2 pass took 32 ms on it against 61 ms in bf16
-    (benchmarks/results/verify_cost_epyc_avx512bf16.md).
+    exception, measured: on a CPU with native bf16 (AVX-512 BF16 or AMX), fp32 on the block kernel
+    when every weight matrix of the checkpoint is of an exact block type (``weight_types``: the
+    GGUF types of its matrices; None = unknown). The block kernel then reads 0.75-1.1 bytes per
+    weight against bf16's 2: a 1-token SmolLM2 pass took 32 ms on it against 61 ms in bf16 on an
+    AVX-512-BF16 EPYC (benchmarks/results/verify_cost_epyc_avx512bf16.md) and 27.5 ms against
+    46.1 ms on an AMX Xeon (verify_cost_amx_blocks.md).
 
     Names (``"float32"``, ``"bfloat16"``, ``"float16"``) and ``torch.dtype`` pass through.
     Returns the dtype and the reason, for printing once.
@@ -151,13 +151,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
 
 def _blocks_before_bf16(cpu: CpuInfo, weight_types: frozenset[str] | None) -> tuple[bool, str]:
     """Whether fp32 on the block kernel should replace native bf16 (see ``resolve_dtype``)."""
-    if "amx_bf16" in cpu.flags or not weight_types or not panel_status(cpu, build=False)[0]:
-        return False, ""       # AMX: the block kernel was not timed against its bf16 tiles; bf16 stays
-    if not weight_types <= EXACT_BLOCK_GGUF_TYPES:
+    if not weight_types or not weight_types <= EXACT_BLOCK_GGUF_TYPES or not panel_status(cpu, build=False)[0]:
         return False, ""
-    return True, (f"every weight matrix is an exact block type ({', '.join(sorted(weight_types))}) and the "
-                  f"CPU's bf16 units are AVX-512 BF16 without AMX ({cpu.model}): fp32 on the block "
-                  f"kernel reads fewer bytes per pass than bf16 and was measured faster on such a CPU")
+    units = "AMX" if "amx_bf16" in cpu.flags else "AVX-512 BF16"
+    return True, (f"every weight matrix is an exact block type ({', '.join(sorted(weight_types))}): fp32 on "
+                  f"the block kernel reads fewer bytes per pass than bf16 on this CPU's {units} units "
+                  f"({cpu.model}) and was measured faster on such a CPU")
 
 
 def machine_info() -> dict:

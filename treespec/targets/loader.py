@@ -414,9 +414,9 @@ def load_target(
 
     ``dtype``: a ``torch.dtype`` or a name (default fp32: the exact reference target); ``"auto"`` is bf16 where the hardware has
     native bf16 matrix units (``avx512_bf16`` / ``amx_bf16``, or a CUDA GPU of compute capability
-    >= 8), fp32 elsewhere, and fp32 on the block kernel where the bf16 units are AVX-512 BF16
-    without AMX and every weight matrix of the GGUF is an exact block type (SmolLM2's Q4_1 / Q8_0:
-    measured faster; :func:`treespec.fastpath.packing.resolve_dtype`). A bf16 target is a different
+    >= 8), fp32 elsewhere, and fp32 on the block kernel on a CPU with native bf16 when every
+    weight matrix of the GGUF is an exact block type (SmolLM2's Q4_1 / Q8_0: measured faster on
+    AVX-512 BF16 and on AMX; :func:`treespec.fastpath.packing.resolve_dtype`). A bf16 target is a different
     target from the fp32 one; compare it with plain decoding of the same weights.
     ``pack``: pre-pack the linear layers for the CPU's GEMM where it helps
     (:func:`treespec.fastpath.packing.pack_linears`; fp32 output stays token-identical to HF ``generate``);
