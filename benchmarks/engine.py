@@ -244,6 +244,8 @@ def write(data: dict, out: Path) -> str:
         lines += ["", f"What holds the best rows back (goal {goal}x over the fastest plain decoding of their "
                       f"dtype):", ""]
         lines += limiter(s, goal)
+        lines += ["", "The step arithmetic counts decoding only (means over steps); the ratios in the table are "
+                      "medians of per-prompt rates with prefill included, so the two can differ by a few per cent."]
     md = "\n".join(lines) + "\n"
     write_results(out, data, md)
     return md
