@@ -153,3 +153,5 @@ def test_gguf_matrix_types_are_read_once_and_kept(tmp_path):
     assert gguf_matrix_types("smollm2-135m", tmp_path) == {"Q4_1", "Q8_0"}
     assert not list(tmp_path.glob("*.tmp"))
     assert gguf_matrix_types("qwen2.5-coder-1.5b", tmp_path) is None
+    with pytest.raises(KeyError, match="unknown target 'llama-7b'; known targets"):
+        gguf_matrix_types("llama-7b", tmp_path)

@@ -78,14 +78,10 @@ PANEL_MAX_ROWS = 64
 # bf16 on oneDNN where the bf16 units are AVX-512 BF16 without AMX: a product of 1-3 rows with a
 # large weight runs slower than one of 4 rows (benchmarks/results/linear_rows_bf16_epyc.md), so
 # such inputs are padded with zero rows to BF16_PAD_ROWS; smaller weights are faster unpadded.
+# On AMX padding gains nothing (linear_rows_bf16_amx.md), so it stays off there.
 BF16_PAD_ROWS = 4
 BF16_PAD_MIN_WEIGHT = 4_000_000   # elements
 
-
-def pad_rows_for(weight: torch.Tensor, pad_rows: int) -> int:
-    """A plan's ``pad_rows`` for one weight: kept for large weights, 0 (no padding) below
-    ``BF16_PAD_MIN_WEIGHT``, where the unpadded product is the faster one."""
-    return pad_rows if weight.numel() >= BF16_PAD_MIN_WEIGHT else 0
 KERNELS = ("onednn", "panel", "blocks")
 PANEL_KERNELS = ("panel", "blocks")
 
@@ -93,6 +89,12 @@ PANEL_KERNELS = ("panel", "blocks")
 def fp32_min_rows(cpu: CpuInfo) -> int:
     """Fewest rows for which packed fp32 beats stock ``F.linear`` on ``cpu`` (measured above)."""
     return FP32_MIN_ROWS if "avx512f" in cpu.flags else FP32_MIN_ROWS_AVX2
+
+
+def pad_rows_for(weight: torch.Tensor, pad_rows: int) -> int:
+    """A plan's ``pad_rows`` for one weight: kept for large weights, 0 (no padding) below
+    ``BF16_PAD_MIN_WEIGHT``, where the unpadded product is the faster one."""
+    return pad_rows if weight.numel() >= BF16_PAD_MIN_WEIGHT else 0
 
 
 def native_bf16(device: str | torch.device = "cpu", cpu: CpuInfo | None = None) -> tuple[bool, str]:

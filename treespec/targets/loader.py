@@ -373,6 +373,8 @@ def gguf_matrix_types(name: str, cache_dir: str | os.PathLike | None = None) -> 
     header takes seconds: the tokenizer lives there) and kept beside the conversion cache."""
     from gguf import GGUFReader
 
+    if name != "smollm2-135m" and name not in SPLIT_GGUFS:
+        raise KeyError(f"unknown target {name!r}; known targets: {sorted(TARGET_LOADERS)}")
     root = _cache_root(cache_dir)
     try:
         path = smollm2_gguf_path() if name == "smollm2-135m" else assembled_path(SPLIT_GGUFS[name], root)
