@@ -365,6 +365,17 @@ class Pool:
         """Raw counters, saved with the results so a cut-short run can resume."""
         return dict(vars(self))
 
+    def merged(self, other: "Pool") -> "Pool":
+        """The counters of both pools (e.g. two shards of one run), summed; depths aligned."""
+        out = Pool.from_state(self.state())
+        for name in ("tokens", "steps", "emitted", "seconds", "draft", "verify"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        depth = max(len(self.attempts), len(other.attempts))
+        pad = lambda xs: list(xs) + [0] * (depth - len(xs))  # noqa: E731
+        out.attempts = [a + b for a, b in zip(pad(self.attempts), pad(other.attempts))]
+        out.accepts = [a + b for a, b in zip(pad(self.accepts), pad(other.accepts))]
+        return out
+
     @classmethod
     def from_state(cls, state: dict) -> "Pool":
         pool = cls()

@@ -26,7 +26,15 @@ recorded from ``treespec.fastpath.packing.machine_info()``.
     python benchmarks/qwen.py --per-kind 3 --max-new-tokens 64          # 3 of each kind (REDUCED)
     python benchmarks/qwen.py --resume                                  # continue a cut-short run
     python benchmarks/qwen.py --render                                  # rewrite the .md from the .json
+    python benchmarks/qwen.py --shard 1/2 --out /tmp/q1 &               # half the prompts per core ...
+    python benchmarks/qwen.py --shard 2/2 --out /tmp/q2                 # ... (each resumable on its own)
+    python benchmarks/qwen.py --merge /tmp/q1,/tmp/q2                   # one table from the shards
     python benchmarks/qwen.py --prompts 1 --max-new-tokens 8 --out /tmp/qwen   # smoke (REDUCED)
+
+``--shard K/N`` measures every N-th prompt from the K-th (all kinds in each shard), so N processes,
+one per core, share a full run; ``--merge`` sums their pooled counters into one result. Each
+shard's ratios are side by side as ever (every method on the same prompt, interleaved); shards
+running at once share the machine's memory bandwidth, which the table's note should say.
 
 ``--dtype auto`` (the default) runs bf16 where the CPU has native bf16 units and fp32 elsewhere,
 for every row alike. A bf16 target's packed GEMMs round differently from the stock layers, so at
@@ -168,16 +176,25 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true",
                     help="continue the run saved at --out: same options, and --per-kind / --prompts may grow")
     ap.add_argument("--note", default="shared 2-core CPU", help="the machine's state, for the table")
+    ap.add_argument("--shard", default=None, metavar="K/N",
+                    help="measure every N-th prompt from the K-th (1-based): one shard per core, then --merge")
+    ap.add_argument("--merge", default=None, metavar="OUT1,OUT2,...",
+                    help="comma-separated --out paths of one run's shards: write their sum to --out; measure nothing")
     ap.add_argument("--render", action="store_true", help="rewrite the Markdown from the JSON; measure nothing")
     args = ap.parse_args()
     if args.render:
         out = Path(args.out)
         save(out, json.loads(out.with_suffix(".json").read_text()))
         return
+    if args.merge:
+        save(Path(args.out), merge([json.loads(Path(p).with_suffix(".json").read_text())
+                                    for p in args.merge.split(",")], args.note))
+        return
+    shard = parse_shard(args.shard)
     torch.set_num_threads(args.threads)
     print(f"[{machine_line(machine_info())}]", file=sys.stderr, flush=True)
     temps = [float(t) for t in args.temperatures.split(",")]
-    items = prompts(args.prompts, args.per_kind)
+    items = select(prompts(args.prompts, args.per_kind), shard)
     reduced = args.prompts is not None or args.per_kind is not None or args.max_new_tokens < 128
 
     chosen = ALL_METHODS if args.methods is None else [m.strip() for m in args.methods.split(",")]
@@ -285,11 +302,78 @@ def main() -> None:
 
 def options(args, methods: list[str]) -> dict:
     """What a resumed run must share with the run it continues: the options, the methods
-    themselves (a default method set can change between commits) and the CPU kind (model and
-    flags: pooled seconds from two kinds of machine would be one meaningless rate)."""
+    themselves (a default method set can change between commits), the shard and the CPU kind
+    (model and flags: pooled seconds from two kinds of machine would be one meaningless rate)."""
     info = machine_info()
-    return {**{k: getattr(args, k) for k in ("max_new_tokens", "temperatures", "dtype", "threads", "seed")},
+    return {**{k: getattr(args, k) for k in ("max_new_tokens", "temperatures", "dtype", "threads", "seed", "shard")},
             "methods": list(methods), "cpu": f"{info['cpu_model']} ({', '.join(info['cpu_flags'])})"}
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """``"K/N"`` -> (K, N), 1 <= K <= N; None -> None."""
+    if text is None:
+        return None
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {text!r}: expected K/N with whole numbers, e.g. 1/2 and 2/2 for two cores") from None
+    if not 1 <= k <= n:
+        raise ValueError(f"--shard {text!r}: K must lie in 1..N (1/{n} ... {n}/{n})")
+    return k, n
+
+
+def select(items: list, shard: tuple[int, int] | None) -> list:
+    """The shard's prompts: every N-th from the K-th, so each shard holds every kind."""
+    return items if shard is None else items[shard[0] - 1::shard[1]]
+
+
+def merge(results: list[dict], note: str) -> dict:
+    """One result from the saved shards of one run (``--shard 1/N`` ... ``N/N``): pooled counters
+    summed, greedy checks joined, prompts in the unsharded order. A shard cut short leaves the
+    merged result REDUCED; shards of different runs (options, prompt selection) are refused."""
+    if len(results) < 2:
+        raise ValueError("--merge: name at least two shard results, comma-separated")
+    states = [r["state"] for r in results]
+    common = [{k: v for k, v in s["options"].items() if k != "shard"} for s in states]
+    if any(c != common[0] for c in common):
+        raise ValueError("--merge: the shards were run with different options; merge shards of one run only")
+    shards = [parse_shard(s["options"].get("shard")) for s in states]
+    n = shards[0][1] if shards[0] else None
+    if None in shards or sorted(k for k, _ in shards) != list(range(1, n + 1)) or any(m != n for _, m in shards):
+        raise ValueError(f"--merge: expected shards 1/N ... N/N of one run, got "
+                         f"{[s['options'].get('shard') for s in states]}")
+    configs = [r["config"] for r in results]
+    if any(c["selection"] != configs[0]["selection"] for c in configs):
+        raise ValueError("--merge: the shards select different prompts (--prompts / --per-kind); merge one run")
+    sel = configs[0]["selection"]
+    everything = prompts(sel["prompts"], sel["per_kind"])
+    measured: set[str] = set()
+    for (k, _), state in zip(shards, states):
+        own = [prompt_key(item) for item in select(everything, (k, n))]
+        if state["prompt_keys"] != own[:state["done"]]:
+            raise ValueError(f"--merge: shard {k}/{n} measured prompts other than its share of today's selection")
+        measured.update(state["prompt_keys"])
+    items = [item for item in everything if prompt_key(item) in measured]
+    pools: dict[tuple, Pool] = {}
+    greedy: dict[tuple, list[bool]] = {}
+    for state in states:
+        for key, p in state["pools"]:
+            key = (key[0], float(key[1]), key[2])
+            pools[key] = pools[key].merged(Pool.from_state(p)) if key in pools else Pool.from_state(p)
+        for key, v in state["greedy"]:
+            greedy.setdefault(tuple(key), []).extend(v)
+    opts = common[0]
+    args = argparse.Namespace(**{k: opts[k] for k in ("max_new_tokens", "dtype", "threads", "seed")},
+                              temperatures=opts["temperatures"], note=note, shard=None, **sel)
+    temps = [float(t) for t in opts["temperatures"].split(",")]
+    reduced = any(c["reduced"] for c in configs) or len(items) < len(everything)
+    missing = {name: why for r in results for name, why in r["missing"].items()}
+    seconds = max(s["seconds"] for s in states)          # the shards ran side by side
+    out = report(args, {**opts, "shard": None}, temps, items, reduced, pools, greedy, missing,
+                 configs[0]["speed_path"], seconds)
+    out["machine"] = {**results[0]["machine"], "note": note}
+    out["config"]["shards"] = {s["options"]["shard"]: round(s["seconds"] / 60, 1) for s in states}
+    return out
 
 
 def prompt_key(item: tuple[str, str]) -> str:
@@ -320,7 +404,8 @@ def report(args, run, temps, items, reduced, pools, greedy, missing, speed_path,
         "config": {"target": TARGET, "drafter": DRAFT, "prompts": len(items),
                    "prompt_kinds": {k: sum(1 for kk, _ in items if kk == k) for k in kinds},
                    "max_new_tokens": args.max_new_tokens, "temperatures": temps, "threads": args.threads,
-                   "dtype": args.dtype, "seed": args.seed, "reduced": reduced, "speed_path": speed_path},
+                   "dtype": args.dtype, "seed": args.seed, "reduced": reduced, "speed_path": speed_path,
+                   "selection": {"prompts": args.prompts, "per_kind": args.per_kind}, "shard": args.shard},
         "machine": {"note": args.note, **machine_info(), "torch_threads": args.threads},
         "wall_minutes": round(seconds / 60, 1),
         "missing": missing,
@@ -336,11 +421,15 @@ def save(out: Path, result: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     c = result["config"]
-    lines = [f"# Qwen2.5-Coder-1.5B with its 0.5B sibling ({'REDUCED' if c['reduced'] else 'full'} configuration)",
+    part = f", shard {c['shard']} of its prompts" if c.get("shard") else ""
+    merged = (f" Measured as {len(c['shards'])} shards side by side, one per core "
+              f"({', '.join(f'{k}: {m} min' for k, m in c['shards'].items())}), merged with `--merge`."
+              if c.get("shards") else "")
+    lines = [f"# Qwen2.5-Coder-1.5B with its 0.5B sibling ({'REDUCED' if c['reduced'] else 'full'} configuration{part})",
              "",
              f"{c['prompts']} prompts ({', '.join(f'{n} {k}' for k, n in c['prompt_kinds'].items())}) x "
              f"{c['max_new_tokens']} new tokens, T in {c['temperatures']}, dtype {c['dtype']}, "
-             f"{result['machine']['note']}; wall {result['wall_minutes']} min. Target path: {c['speed_path']}.",
+             f"{result['machine']['note']}; wall {result['wall_minutes']} min.{merged} Target path: {c['speed_path']}.",
              machine_line(result["machine"]),
              "",
              "speedup: tokens/s over `hf` (stock HF generate); vs packed: over `hf-packed` (plain decoding on "

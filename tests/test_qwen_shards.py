@@ -1,0 +1,97 @@
+"""benchmarks/qwen.py's shards: a full run split across cores must merge into the result one
+process would have written (pooled counters summed, prompts in their order), and shards of
+different runs must be refused. Synthetic counters: nothing is loaded or timed."""
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("qwen_bench", BENCH / "qwen.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def shard_result(qwen, k: int, n: int = 2, seed: int = 0, done: int | None = None) -> dict:
+    """What ``qwen.py --per-kind 2 --shard k/n`` would save: per prompt, hf and hf-packed emit 8
+    tokens in (1 + k) and k seconds, a speculative row 8 tokens in 2 steps with depth counts."""
+    from harness import Pool
+
+    args = argparse.Namespace(max_new_tokens=8, temperatures="0", dtype="float32", threads=1, seed=seed,
+                              shard=f"{k}/{n}", note="test", prompts=None, per_kind=2)
+    mine = qwen.select(qwen.prompts(None, 2), (k, n))[:done]
+    pools = {}
+    for kind, _ in mine:
+        for where in ("all", kind):
+            for name, seconds in (("hf", 1.0 + k), ("hf-packed", float(k))):
+                pool = pools.setdefault((name, 0.0, where), Pool())
+                pool.tokens, pool.seconds = pool.tokens + 8, pool.seconds + seconds
+            pool = pools.setdefault(("spec", 0.0, where), Pool())
+            pool.tokens, pool.seconds = pool.tokens + 8, pool.seconds + 0.5
+            pool.steps, pool.emitted = pool.steps + 2, pool.emitted + 8
+            pool.draft, pool.verify = pool.draft + 0.1, pool.verify + 0.4
+            pool.attempts = [a + b for a, b in zip(pool.attempts or [0] * k, [2] * k)]
+            pool.accepts = [a + b for a, b in zip(pool.accepts or [0] * k, [1] * k)]
+    greedy = {("spec", "hf-packed"): [True] * len(mine)}
+    run = qwen.options(args, ["hf", "hf-packed", "spec"])
+    return qwen.report(args, run, [0.0], mine, True, pools, greedy, {}, "test path", 60.0 * k)
+
+
+def test_shards_partition_the_prompts_and_each_holds_every_kind(qwen):
+    items = qwen.prompts(None, 2)
+    one, two = qwen.select(items, (1, 2)), qwen.select(items, (2, 2))
+    assert sorted(one + two) == sorted(items) and not set(one) & set(two)
+    assert {k for k, _ in one} == {k for k, _ in two} == set(qwen.KINDS)
+
+
+def test_merged_shards_sum_their_counters_in_prompt_order(qwen, tmp_path):
+    merged = qwen.merge([shard_result(qwen, 2), shard_result(qwen, 1)], "two shards")
+    assert merged["config"]["prompts"] == 6 and merged["config"]["prompt_kinds"] == {
+        "coding": 2, "reasoning": 2, "code-edit": 2}
+    assert merged["state"]["prompt_keys"] == [qwen.prompt_key(i) for i in qwen.prompts(None, 2)]
+    rows = {(r["method"], r["kind"]): r for r in merged["rows"]}
+    # hf: 6 prompts x 8 tokens over 3 x 2 s (shard 1) + 3 x 3 s (shard 2)
+    assert rows[("hf", "all")]["tokens"] == 48 and rows[("hf", "all")]["seconds"] == 15.0
+    assert rows[("hf-packed", "all")]["tokens_per_s"] == round(48 / 9.0, 2)
+    spec = rows[("spec", "all")]
+    assert spec["tau"] == 4.0 and spec["steps"] == 12 and spec["greedy_equal_hf-packed"] == "6/6"
+    assert spec["acceptance_by_depth"] == [0.5, 0.5]   # depth 2 only from shard 2: 3 x 1 of 3 x 2
+    assert merged["wall_minutes"] == 2.0 and merged["config"]["shards"] == {"2/2": 2.0, "1/2": 1.0}
+    assert merged["config"]["reduced"]          # --per-kind 2 is a reduced selection
+    qwen.save(tmp_path / "merged", merged)
+    text = (tmp_path / "merged.md").read_text()
+    assert "2 shards side by side" in text and "6 prompts" in text
+
+
+def test_a_shard_cut_short_merges_as_the_prompts_it_measured(qwen):
+    merged = qwen.merge([shard_result(qwen, 1), shard_result(qwen, 2, done=1)], "cut short")
+    assert merged["config"]["prompts"] == 4 and merged["config"]["reduced"]
+    rows = {(r["method"], r["kind"]): r for r in merged["rows"]}
+    assert rows[("hf", "all")]["tokens"] == 32
+
+
+def test_merge_refuses_shards_of_different_runs(qwen):
+    with pytest.raises(ValueError, match="1/N ... N/N"):
+        qwen.merge([shard_result(qwen, 1), shard_result(qwen, 1)], "same shard twice")
+    with pytest.raises(ValueError, match="different options"):
+        qwen.merge([shard_result(qwen, 1), shard_result(qwen, 2, seed=1)], "other seed")
+    with pytest.raises(ValueError, match="at least two"):
+        qwen.merge([shard_result(qwen, 1)], "alone")
+
+
+@pytest.mark.parametrize("text", ["2", "0/2", "3/2", "a/b"])
+def test_bad_shard_names_the_form(qwen, text):
+    with pytest.raises(ValueError, match="--shard"):
+        qwen.parse_shard(text)
