@@ -26,8 +26,8 @@ recorded from ``treespec.fastpath.packing.machine_info()``.
     python benchmarks/qwen.py --per-kind 3 --max-new-tokens 64          # 3 of each kind (REDUCED)
     python benchmarks/qwen.py --resume                                  # continue a cut-short run
     python benchmarks/qwen.py --render                                  # rewrite the .md from the .json
-    python benchmarks/qwen.py --shard 1/2 --out /tmp/q1 &               # half the prompts per core ...
-    python benchmarks/qwen.py --shard 2/2 --out /tmp/q2                 # ... (each resumable on its own)
+    python benchmarks/qwen.py --per-kind 10 --shard 1/2 --out /tmp/q1 & # half the prompts per core ...
+    python benchmarks/qwen.py --per-kind 10 --shard 2/2 --out /tmp/q2   # ... (each resumable on its own)
     python benchmarks/qwen.py --merge /tmp/q1,/tmp/q2                   # one table from the shards
     python benchmarks/qwen.py --prompts 1 --max-new-tokens 8 --out /tmp/qwen   # smoke (REDUCED)
 
@@ -195,7 +195,8 @@ def main() -> None:
     print(f"[{machine_line(machine_info())}]", file=sys.stderr, flush=True)
     temps = [float(t) for t in args.temperatures.split(",")]
     items = select(prompts(args.prompts, args.per_kind), shard)
-    reduced = args.prompts is not None or args.per_kind is not None or args.max_new_tokens < 128
+    # REDUCED: fewer prompts than all of them (--per-kind 10 selects all, interleaved) or shorter replies
+    reduced = len(prompts(args.prompts, args.per_kind)) < len(prompts(None)) or args.max_new_tokens < 128
 
     chosen = ALL_METHODS if args.methods is None else [m.strip() for m in args.methods.split(",")]
     unknown = sorted(set(chosen) - set(ALL_METHODS))
