@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ __all__ = [
     "chat_prompt",
     "find_package_file",
     "mtbench_questions",
+    "reply_token_ranking",
     "sharegpt_conversations",
 ]
 
@@ -193,6 +195,23 @@ def sharegpt_conversations(limit: int | None = None, min_turns: int = 1) -> Iter
             count += 1
             if count == limit:
                 return
+
+
+def reply_token_ranking(tokenizer: PreTrainedTokenizerBase, conversations: int = 2000) -> list[int]:
+    """Token ids ordered by how often the assistant replies of the first ``conversations``
+    ShareGPT conversations use them, most used first (ties: lower id first); ids never used are
+    left out. The first records are training-side: the held-out split starts thousands of records
+    later (``treespec.train.data.DataConfig.heldout_offset``). What a drafter's reduced
+    vocabulary keeps (``ModelDrafter(draft_vocab=...)``)."""
+    if conversations < 1:
+        raise ValueError(f"conversations must be >= 1, got {conversations}")
+    counts: Counter[int] = Counter()
+    for conversation in sharegpt_conversations(conversations):
+        replies = [text for role, text in conversation.turns if role == "assistant"]
+        if replies:
+            for ids in tokenizer(replies, add_special_tokens=False)["input_ids"]:
+                counts.update(ids)
+    return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def _pack_like_target(drafter, target) -> None:
 
     if not any(isinstance(m, PackedLinear) for m in target.model.modules()):
         return
-    for attr in ("head", "model"):
+    for attr in ("head", "model", "vocab_head"):
         module = getattr(drafter, attr, None)
         if isinstance(module, torch.nn.Module) and module is not target.model:
             pack_linears(module)

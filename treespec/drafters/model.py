@@ -7,6 +7,15 @@ ancestors among the already-fed tree slots). ``commit`` gathers the slots of the
 the accepted nodes that were fed, crops the rest, and queues any accepted token that was never
 fed (an unexpanded leaf) plus the new root, to be fed with the next tree's root expansion.
 
+**Draft vocabulary.** A drafter model's LM head reads one row per vocabulary entry at every
+call: for Qwen2.5-Coder-0.5B, 151,936 x 896 weights, about a quarter of the model's bytes.
+``draft_vocab`` (token ids) keeps only those rows (EAGLE-3 drafts over a reduced vocabulary for
+the same reason): the model's decoder runs as ever and a sliced head scores the kept ids. Every
+other token gets a logit 30 below the row's lowest kept logit, so q keeps full support (about
+e^-30 of the mass per token) and the argmax is always a kept id. Lossless as every drafter is:
+acceptance reads the q the tokens were drafted from; only the chance of proposing a rare token
+is given up (:func:`treespec.data.reply_token_ranking` ranks ids by how often replies use them).
+
 ``early_exit_drafter(target, k)`` builds a self-speculative drafter: the target's first k decoder
 layers + final norm + LM head as a separate module that *shares* the target's weights.
 """
@@ -14,11 +23,13 @@ layers + final norm + LM head as a separate module that *shares* the target's we
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter, tree_slot_mask
+from treespec.fastpath.packing import is_packed, pack_linears
 from treespec.core.masks import attn_implementation_of
 
 
@@ -38,7 +49,7 @@ class ModelDrafter:
     path_independent = False
 
     def __init__(self, model: torch.nn.Module, target_vocab_size: int | None = None,
-                 cost_kind: str = "early_exit"):
+                 cost_kind: str = "early_exit", draft_vocab=None):
         from treespec.targets.loader import check_architecture, context_limit
 
         check_architecture(model)   # its own tree passes need what the target's do
@@ -55,6 +66,10 @@ class ModelDrafter:
         self.attn_impl = attn_implementation_of(model)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # HF causal LMs take logits_to_keep: the LM head then runs on the last row only
+        self._slices_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # [K] kept token ids, ascending, and the head over them (None: the model's own head)
+        self.draft_vocab, self.vocab_head = self._sliced_head(model, draft_vocab)
         self.cache: DynamicCache | None = None
         self.prefix_len = 0           # committed tokens before the root that are cached
         self.pending: list[int] = []  # committed tokens not yet fed; the last one is the root
@@ -109,6 +124,9 @@ class ModelDrafter:
         for every request of a step, weights shared."""
         from treespec.drafters.batch_model import BatchModelDrafter
 
+        if self.draft_vocab is not None:
+            raise ValueError("the batched drafter scores the full vocabulary; build this ModelDrafter "
+                             "without draft_vocab to serve it batched")
         return BatchModelDrafter(self.model, self.vocab_size, self.cost_kind)  # sets the same max_context
 
     # ------------------------------------------------------------------ internals
@@ -121,11 +139,11 @@ class ModelDrafter:
         n = len(self.pending)
         ids = torch.tensor(self.pending, device=self.device)[None]
         pos = torch.arange(self.prefix_len, self.prefix_len + n, device=self.device)[None]
-        logits = self._forward(ids, pos, None)
+        logits = self._forward(ids, pos, None, last_only=True)   # the prompt's rows need no logits
         self.prefix_len += n - 1
         self.slots = {0: self.prefix_len}
         self.pending = []
-        return logits[-1:]
+        return logits
 
     def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
         allowed = allowed.to(self.device)[None, None]
@@ -134,11 +152,54 @@ class ModelDrafter:
         out = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         return out.masked_fill_(~allowed, torch.finfo(self.dtype).min)
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None,
+                 last_only: bool = False) -> torch.Tensor:
+        """[1, F] ids -> [F, V] float logits ([1, V], the last row's, with ``last_only``)."""
         self.calls += 1
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                         cache=self.cache, use_cache=True)
-        return out.logits[0].float()
+        if self.vocab_head is None:
+            keep = {"logits_to_keep": 1} if last_only and self._slices_logits else {}
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                             cache=self.cache, use_cache=True, **keep)
+            return out.logits[0, -1:].float() if last_only else out.logits[0].float()
+        hidden = self.model.get_decoder()(input_ids=ids, position_ids=pos, attention_mask=mask,
+                                          cache=self.cache, use_cache=True).last_hidden_state
+        kept = self.vocab_head(hidden[0, -1:] if last_only else hidden[0]).float()   # [F, K]
+        out = (kept.amin(-1, keepdim=True) - 30.0).expand(-1, self.vocab_size).clone()   # [F, V]
+        out[:, self.draft_vocab] = kept
+        return out
+
+    def _sliced_head(self, model: torch.nn.Module, draft_vocab) -> tuple[torch.Tensor | None, torch.nn.Module | None]:
+        """(kept ids, a linear layer over their rows of the LM head) for ``draft_vocab``; (None, None)."""
+        if draft_vocab is None:
+            return None, None
+        ids = torch.as_tensor(draft_vocab)
+        if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+            raise ValueError("draft_vocab must be a non-empty 1-D sequence of token ids, got "
+                             f"{ids.dtype} of shape {tuple(ids.shape)}")
+        ids = ids.long().unique()                                        # sorted
+        if int(ids[0]) < 0 or int(ids[-1]) >= self.vocab_size:
+            raise ValueError(f"draft_vocab holds ids outside 0..{self.vocab_size - 1}: pass ids of this "
+                             "drafter's vocabulary")
+        cfg = model.config
+        scaled = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(cfg, k, None) not in (None, 1.0)]
+        weight = getattr(model.get_output_embeddings(), "weight", None)      # nn.Linear or PackedLinear
+        bias = getattr(model.get_output_embeddings(), "bias", None)
+        if scaled or weight is None or weight.dim() != 2 or not hasattr(model, "get_decoder"):
+            raise ValueError(f"draft_vocab needs a plain linear LM head after the decoder; {type(model).__name__} "
+                             f"has {scaled or 'none'}: drop draft_vocab")
+        rows = ids.to(weight.device)
+        sliced = torch.nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device=self.device,
+                                 dtype=self.dtype)
+        with torch.no_grad():
+            sliced.weight.copy_(weight[rows])
+            if bias is not None:
+                sliced.bias.copy_(bias[rows])
+        # a Sequential so that the packer can swap the layer in place (load_drafter packs drafters
+        # like their target); a model already packed gets its slice packed now
+        head = torch.nn.Sequential(sliced).requires_grad_(False).eval()
+        if is_packed(model):
+            pack_linears(head)
+        return ids.to(self.device), head
 
     def _keep(self, slots: list[int]) -> None:
         """Keep cache positions ``slots`` (ascending, starting at the root slot) after the prefix."""
@@ -207,18 +268,45 @@ def _self_factory(target) -> ModelDrafter:
 QWEN_VOCAB = 151_936   # LM-head rows of the Qwen2.5(-Coder) models
 
 
+def frequent_vocab(tokenizer, size: int, always=()) -> list[int]:
+    """The ``size`` ids ShareGPT replies use most (:func:`treespec.data.reply_token_ranking`,
+    cached per tokenizer under the treespec cache) plus ``always`` (end-of-turn ids and the
+    tokenizer's special tokens), sorted: a ``draft_vocab`` for :class:`ModelDrafter`."""
+    import hashlib
+    import json
+
+    from treespec.data import reply_token_ranking
+    from treespec.targets.loader import default_cache_root
+
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"draft_vocab must be a positive int (ids kept), got {size!r}")
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode()
+    path = default_cache_root() / f"reply-token-ranking-{hashlib.sha256(vocab).hexdigest()[:12]}.json"
+    if path.exists():
+        ranking = json.loads(path.read_text())
+    else:
+        ranking = reply_token_ranking(tokenizer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(ranking))
+    return sorted(set(ranking[:size]) | {int(t) for t in always} | set(tokenizer.all_special_ids))
+
+
 @register_drafter("qwen2.5-coder-0.5b")
-def _qwen_coder_small_factory(target) -> ModelDrafter:
+def _qwen_coder_small_factory(target, draft_vocab: int | None = None) -> ModelDrafter:
     """Qwen2.5-Coder-0.5B-Instruct drafting for a target with its tokenizer (the 1.5B), in the
-    target's dtype and on its device; parts installed by ``make models-qwen``."""
+    target's dtype and on its device; parts installed by ``make models-qwen``. ``draft_vocab``:
+    draft over that many of the most used ids only (:func:`frequent_vocab`; its LM head is about
+    a quarter of the 0.5B's bytes at the full 151,936)."""
     from treespec.drafters.checkpoint import CheckpointMismatch
     from treespec.targets.loader import load_qwen_coder_0_5b
 
     if target.vocab_size != QWEN_VOCAB:   # refused before 2 GB are loaded
         raise CheckpointMismatch(f"qwen2.5-coder-0.5b drafts in Qwen2.5's {QWEN_VOCAB}-token vocabulary; "
                                  f"{target.name} has {target.vocab_size} (use it with qwen2.5-coder-1.5b)")
+    # the target's tokenizer: the 0.5B's must equal it (checked below)
+    kept = None if draft_vocab is None else frequent_vocab(target.tokenizer, draft_vocab, target.eos_token_ids)
     draft = load_qwen_coder_0_5b(dtype=target.dtype, device=target.device)
     if target.tokenizer is not None and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise ValueError(f"qwen2.5-coder-0.5b's tokenizer differs from {target.name}'s: an independent drafter "
                          "must share the target's vocabulary (use it with qwen2.5-coder-1.5b)")
-    return ModelDrafter(draft.model, target.vocab_size)
+    return ModelDrafter(draft.model, target.vocab_size, draft_vocab=kept)
