@@ -14,7 +14,10 @@ all methods alike):
   count, that stops where no suffix recurs or the votes along it split below 0.1),
   ``hybrid`` (lookup + the 0.5B mixed in a best-first tree), ``switch`` (a lookup chain of up to
   16 where the text repeats, a 0.5B chain of up to 4 elsewhere) and ``builder="auto"`` with the 0.5B where
-  the machine has a calibration of this target (else the row says why it is missing).
+  the machine has a calibration of this target (else the row says why it is missing);
+- ``... vocab32k``: the 0.5B chain and ``switch`` with the 0.5B drafting over the 32,768 ids
+  ShareGPT replies use most (``ModelDrafter(draft_vocab=...)``: its LM head reads a fifth of the
+  rows); not in the default set.
 
 Reported per (method, T), over all prompts and per prompt kind: tokens/s (new tokens / (prefill +
 decode) seconds, pooled), τ, the draft / verify time split, speedup over ``hf`` and over
@@ -56,6 +59,7 @@ import torch
 import treespec
 from treespec.data import chat_prompt, mtbench_questions
 from treespec.drafters import HybridDrafter, ModelDrafter, SwitchDrafter
+from treespec.drafters.model import frequent_vocab
 from treespec.fastpath.packing import PackedLinear, machine_info, machine_line
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -104,7 +108,10 @@ EDIT_PROMPTS = [f"{task}. Reply with the whole changed code.\n\n```python\n{code
 
 KINDS = ("coding", "reasoning", "code-edit")
 ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "0.5b chain4", "0.5b chain8 conf0.4", "0.5b tree16",
-               "lookup chain10 conf0.1", "hybrid best16", "switch chain16 head4", "0.5b auto")
+               "lookup chain10 conf0.1", "hybrid best16", "switch chain16 head4", "0.5b auto",
+               "0.5b chain4 vocab32k", "switch chain16 head4 vocab32k")
+DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not m.endswith("vocab32k"))
+DRAFT_VOCAB = 32_768    # the "vocab32k" rows: the 0.5B drafts over the ids ShareGPT replies use most
 
 
 def prompts(limit: int | None, per_kind: int | None = None) -> list[tuple[str, str]]:
@@ -172,7 +179,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "qwen"))
     ap.add_argument("--methods", default=None,
-                    help=f"comma-separated rows to run (default: all of {', '.join(ALL_METHODS)})")
+                    help=f"comma-separated rows to run (default: {', '.join(DEFAULT_METHODS)}; also: "
+                         f"{', '.join(m for m in ALL_METHODS if m not in DEFAULT_METHODS)})")
     ap.add_argument("--resume", action="store_true",
                     help="continue the run saved at --out: same options, and --per-kind / --prompts may grow")
     ap.add_argument("--note", default="shared 2-core CPU", help="the machine's state, for the table")
@@ -198,7 +206,7 @@ def main() -> None:
     # REDUCED: fewer prompts than all of them (--per-kind 10 selects all, interleaved) or shorter replies
     reduced = len(prompts(args.prompts, args.per_kind)) < len(prompts(None)) or args.max_new_tokens < 128
 
-    chosen = ALL_METHODS if args.methods is None else [m.strip() for m in args.methods.split(",")]
+    chosen = DEFAULT_METHODS if args.methods is None else [m.strip() for m in args.methods.split(",")]
     unknown = sorted(set(chosen) - set(ALL_METHODS))
     if unknown or "hf" not in chosen:
         raise SystemExit(f"--methods: {unknown or 'hf is missing'}; choose from {', '.join(ALL_METHODS)} "
@@ -231,6 +239,13 @@ def main() -> None:
             target, SwitchDrafter(ModelDrafter(small.model, target.vocab_size), head_depth=4),
             treespec.ChainBuilder(16, min_confidence=0.4)),
     }
+    if any(name.endswith("vocab32k") for name in chosen):
+        kept = frequent_vocab(target.tokenizer, DRAFT_VOCAB, eos)
+        methods["0.5b chain4 vocab32k"] = treespec.SpeculativeGenerator(
+            target, ModelDrafter(small.model, target.vocab_size, draft_vocab=kept), treespec.ChainBuilder(4))
+        methods["switch chain16 head4 vocab32k"] = treespec.SpeculativeGenerator(
+            target, SwitchDrafter(ModelDrafter(small.model, target.vocab_size, draft_vocab=kept), head_depth=4),
+            treespec.ChainBuilder(16, min_confidence=0.4))
     missing: dict[str, str] = {}
     if "0.5b auto" in chosen:
         auto_drafter = ModelDrafter(small.model, target.vocab_size)
