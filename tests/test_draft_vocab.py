@@ -121,3 +121,11 @@ def test_reply_token_ranking_counts_the_replies() -> None:
     assert [counts[t] for t in ranking] == sorted(counts.values(), reverse=True)
     with pytest.raises(ValueError, match="conversations"):
         reply_token_ranking(tok, 0)
+
+
+def test_a_head_with_scaled_logits_is_refused() -> None:
+    """A sliced head would skip the model's own logit scaling (Gemma 2's soft-capping)."""
+    model = peaky_llama(16)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        ModelDrafter(model, 16, draft_vocab=[1, 2])

@@ -185,8 +185,9 @@ class ModelDrafter:
         weight = getattr(model.get_output_embeddings(), "weight", None)      # nn.Linear or PackedLinear
         bias = getattr(model.get_output_embeddings(), "bias", None)
         if scaled or weight is None or weight.dim() != 2 or not hasattr(model, "get_decoder"):
+            has = f"its logits scaled ({', '.join(scaled)})" if scaled else "no linear LM head after a decoder"
             raise ValueError(f"draft_vocab needs a plain linear LM head after the decoder; {type(model).__name__} "
-                             f"has {scaled or 'none'}: drop draft_vocab")
+                             f"has {has}: drop draft_vocab")
         rows = ids.to(weight.device)
         sliced = torch.nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device=self.device,
                                  dtype=self.dtype)
