@@ -70,6 +70,8 @@ class ModelDrafter:
         self._slices_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # [K] kept token ids, ascending, and the head over them (None: the model's own head)
         self.draft_vocab, self.vocab_head = self._sliced_head(model, draft_vocab)
+        # looked up once: get_decoder() searches attributes, and _forward runs every draft pass
+        self._decoder = model.get_decoder() if self.vocab_head is not None else None
         self.cache: DynamicCache | None = None
         self.prefix_len = 0           # committed tokens before the root that are cached
         self.pending: list[int] = []  # committed tokens not yet fed; the last one is the root
@@ -161,8 +163,8 @@ class ModelDrafter:
             out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
                              cache=self.cache, use_cache=True, **keep)
             return out.logits[0, -1:].float() if last_only else out.logits[0].float()
-        hidden = self.model.get_decoder()(input_ids=ids, position_ids=pos, attention_mask=mask,
-                                          cache=self.cache, use_cache=True).last_hidden_state
+        hidden = self._decoder(input_ids=ids, position_ids=pos, attention_mask=mask,
+                               cache=self.cache, use_cache=True).last_hidden_state
         kept = self.vocab_head(hidden[0, -1:] if last_only else hidden[0]).float()   # [F, K]
         out = (kept.amin(-1, keepdim=True) - 30.0).expand(-1, self.vocab_size).clone()   # [F, V]
         out[:, self.draft_vocab] = kept
