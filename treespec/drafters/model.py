@@ -16,6 +16,12 @@ e^-30 of the mass per token) and the argmax is always a kept id. Lossless as eve
 acceptance reads the q the tokens were drafted from; only the chance of proposing a rare token
 is given up (:func:`treespec.data.reply_token_ranking` ranks ids by how often replies use them).
 
+**4-bit weights.** ``weights="int4"`` replaces the drafter model's linear layers, in place, by
+:class:`treespec.fastpath.quant.Int4Linear` (4-bit groups of 32, bf16 activations): a one-token
+draft pass reads about a quarter of the bytes. Lossless for the same reason: the target checks the
+q the drafter computed, whatever its weights. Pass a model the drafter owns (not one sharing the
+target's modules, as ``early_exit_model`` does), and a bf16 one.
+
 ``early_exit_drafter(target, k)`` builds a self-speculative drafter: the target's first k decoder
 layers + final norm + LM head as a separate module that *shares* the target's weights.
 """
@@ -30,6 +36,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter, tree_slot_mask
 from treespec.fastpath.packing import is_packed, pack_linears
+from treespec.fastpath.quant import INT4_DTYPES, quantize_linears
 from treespec.core.masks import attn_implementation_of
 
 
@@ -49,7 +56,7 @@ class ModelDrafter:
     path_independent = False
 
     def __init__(self, model: torch.nn.Module, target_vocab_size: int | None = None,
-                 cost_kind: str = "early_exit", draft_vocab=None):
+                 cost_kind: str = "early_exit", draft_vocab=None, weights: str | None = None):
         from treespec.targets.loader import check_architecture, context_limit
 
         check_architecture(model)   # its own tree passes need what the target's do
@@ -72,6 +79,7 @@ class ModelDrafter:
         self.draft_vocab, self.vocab_head = self._sliced_head(model, draft_vocab)
         # looked up once: get_decoder() searches attributes, and _forward runs every draft pass
         self._decoder = model.get_decoder() if self.vocab_head is not None else None
+        self.weights, self.quant_report = self._quantize(weights)
         self.cache: DynamicCache | None = None
         self.prefix_len = 0           # committed tokens before the root that are cached
         self.pending: list[int] = []  # committed tokens not yet fed; the last one is the root
@@ -204,6 +212,18 @@ class ModelDrafter:
             pack_linears(head)
         return ids.to(self.device), head
 
+    def _quantize(self, weights: str | None):
+        """(weights, the quantizer's report) for ``weights`` None (as loaded) or "int4"."""
+        if weights is None:
+            return None, None
+        if weights != "int4":
+            raise ValueError(f"weights must be None (the model's own) or 'int4', got {weights!r}")
+        if self.vocab_head is None:
+            return weights, quantize_linears(self.model)     # checks the dtype and device first
+        report = quantize_linears(self.model, skip=(self.model.get_output_embeddings(),))   # unused: sliced
+        quantize_linears(self.vocab_head)
+        return weights, report
+
     def _keep(self, slots: list[int]) -> None:
         """Keep cache positions ``slots`` (ascending, starting at the root slot) after the prefix."""
         p, k = self.prefix_len, len(slots)
@@ -295,14 +315,19 @@ def frequent_vocab(tokenizer, size: int, always=()) -> list[int]:
 
 
 @register_drafter("qwen2.5-coder-0.5b")
-def _qwen_coder_small_factory(target, draft_vocab: int | None = None) -> ModelDrafter:
+def _qwen_coder_small_factory(target, draft_vocab: int | None = None, weights: str | None = None) -> ModelDrafter:
     """Qwen2.5-Coder-0.5B-Instruct drafting for a target with its tokenizer (the 1.5B), in the
     target's dtype and on its device; parts installed by ``make models-qwen``. ``draft_vocab``:
     draft over that many of the most used ids only (:func:`frequent_vocab`; its LM head is about
-    a quarter of the 0.5B's bytes at the full 151,936)."""
+    a quarter of the 0.5B's bytes at the full 151,936). ``weights="int4"``: the 0.5B's linear
+    layers in 4 bits (a bf16 target only; see :class:`ModelDrafter`)."""
     from treespec.drafters.checkpoint import CheckpointMismatch
     from treespec.targets.loader import load_qwen_coder_0_5b
 
+    if weights is not None and (weights != "int4" or target.dtype not in INT4_DTYPES):   # before 2 GB are loaded
+        raise ValueError(f"weights must be None or 'int4' (4-bit drafter layers, with a bf16 or fp16 target), got "
+                         f"{weights!r} with a {str(target.dtype).removeprefix('torch.')} target: load the target "
+                         "with dtype='bfloat16' or drop weights")
     if target.vocab_size != QWEN_VOCAB:   # refused before 2 GB are loaded
         raise CheckpointMismatch(f"qwen2.5-coder-0.5b drafts in Qwen2.5's {QWEN_VOCAB}-token vocabulary; "
                                  f"{target.name} has {target.vocab_size} (use it with qwen2.5-coder-1.5b)")
@@ -312,4 +337,4 @@ def _qwen_coder_small_factory(target, draft_vocab: int | None = None) -> ModelDr
     if target.tokenizer is not None and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise ValueError(f"qwen2.5-coder-0.5b's tokenizer differs from {target.name}'s: an independent drafter "
                          "must share the target's vocabulary (use it with qwen2.5-coder-1.5b)")
-    return ModelDrafter(draft.model, target.vocab_size, draft_vocab=kept)
+    return ModelDrafter(draft.model, target.vocab_size, draft_vocab=kept, weights=weights)
