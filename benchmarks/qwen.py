@@ -114,7 +114,8 @@ KINDS = ("coding", "reasoning", "code-edit")
 ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "0.5b chain4", "0.5b chain8 conf0.4", "0.5b tree16",
                "lookup chain10 conf0.1", "hybrid best16", "switch chain16 head4", "0.5b auto",
                "0.5b chain4 vocab32k", "switch chain16 head4 vocab32k",
-               "hf-assisted int4", "0.5b chain4 int4", "0.5b tree16 int4", "switch chain16 head4 int4")
+               "hf-assisted int4", "0.5b chain4 int4", "0.5b tree16 int4", "switch chain16 head4 int4",
+               "switch chain16 head8 int4")
 DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not m.endswith(("vocab32k", "int4")))
 DRAFT_VOCAB = 32_768    # the "vocab32k" rows: the 0.5B drafts over the ids ShareGPT replies use most
 
@@ -260,6 +261,10 @@ def main() -> None:
             target, ModelDrafter(small4.model, target.vocab_size), treespec.DynamicTreeBuilder(16, 5, 4))
         methods["switch chain16 head4 int4"] = treespec.SpeculativeGenerator(
             target, SwitchDrafter(ModelDrafter(small4.model, target.vocab_size), head_depth=4),
+            treespec.ChainBuilder(16, min_confidence=0.4))
+        # cheaper passes may pay for longer 0.5B chains (HF assisted drafts up to 20, stopped at 0.4)
+        methods["switch chain16 head8 int4"] = treespec.SpeculativeGenerator(
+            target, SwitchDrafter(ModelDrafter(small4.model, target.vocab_size), head_depth=8),
             treespec.ChainBuilder(16, min_confidence=0.4))
     missing: dict[str, str] = {}
     if "0.5b auto" in chosen:

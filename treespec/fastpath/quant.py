@@ -8,8 +8,8 @@ Glossary
 - **Int4Linear** — an ``nn.Linear`` stand-in that keeps only the packed 4-bit weights and runs
   PyTorch's CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``; the activations stay in the
   layer's dtype). A one-row pass of Qwen2.5-Coder-0.5B's 24 decoder layers reads 180 MB instead
-  of 716 MB in bf16; measured on one AMX core, its linear layers took 27 ms against 70 ms
-  (``benchmarks/results/quant_drafter.md``).
+  of 716 MB in bf16; measured on one AMX core, a whole one-token draft pass took 50 ms against
+  110 ms packed in bf16 (``benchmarks/results/quant_drafter.md``).
 
 Why only drafters: a drafter's weights decide which tokens are *proposed*, never which are
 *kept*. Rejection sampling reads the q the tokens were drafted from, so a 4-bit drafter is
@@ -30,9 +30,10 @@ __all__ = ["GROUP", "INT4_MAX_ROWS", "Int4Linear", "QuantReport", "dequantize", 
 GROUP = 32          # k values per scale/offset pair
 ROW_MULTIPLE = 16   # the kernel's layout packs output rows 16 at a time (fewer are zero-padded)
 _INNER_K_TILES = 2  # PyTorch's CPU int4 packing parameter (k tiles of 16 per inner block)
-# The int4 kernel's time grows with the rows (one AMX core, the 0.5B's 24 layers, bf16: 30 ms
-# for 1 row, 45 for 4, 158 for 16, against 69-72 ms dense): longer passes run the dense copy.
-INT4_MAX_ROWS = 4
+# The int4 kernel's time grows with the rows; the dense copy's (PyTorch's bf16 GEMM, unpacked)
+# hardly does. A whole 0.5B draft pass on one AMX core: 50 ms for 1 row, 80 for 4, 138 for 8 and
+# 181 for 10 on int4, 154-161 ms dense (benchmarks/results/quant_drafter.md): up to 8 rows on int4.
+INT4_MAX_ROWS = 8
 INT4_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -63,21 +64,23 @@ def dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor, group: int = GRO
 class Int4Linear(nn.Module):
     """``linear`` with 4-bit group weights (see module docstring).
 
-    Passes of up to :data:`INT4_MAX_ROWS` rows run the int4 kernel; longer ones (a prompt's
-    prefill, a wide tree level) run PyTorch's own GEMM over ``dense_weight``, the same dequantized
-    weights in the layer's dtype (the int4 kernel's cost grows with the rows: 16 rows took 2.2x
-    the bf16 time). Either way the layer multiplies by the same 4-bit weights. The dense copy is a
+    Passes of up to ``max_rows`` (:data:`INT4_MAX_ROWS`) rows run the int4 kernel; longer ones
+    (a prompt's prefill, a wide tree level) run PyTorch's own GEMM over ``dense_weight``, the same dequantized
+    weights in the layer's dtype (the int4 kernel's cost grows with the rows: a 16-row
+    pass took 1.6x the dense one). Either way the layer multiplies by the same 4-bit weights. The dense copy is a
     buffer, not an ``nn.Linear``, so that ``pack_linears`` leaves it alone (a packed copy would
     double its memory for passes that are rare in drafting)."""
 
-    def __init__(self, linear: nn.Linear, group: int = GROUP):
+    def __init__(self, linear: nn.Linear, group: int = GROUP, max_rows: int = INT4_MAX_ROWS):
         super().__init__()
         weight = linear.weight
         if weight.dtype not in INT4_DTYPES:
             raise ValueError(f"int4 weights need {' or '.join(map(str, INT4_DTYPES))} activations, the layer is "
-                             f"{weight.dtype}: the CPU int4 kernel runs fp32 inputs 6x slower than the fp32 "
-                             "layer it would replace (benchmarks/results/quant_drafter.md); keep such a model dense")
+                             f"{weight.dtype}: the CPU int4 kernel runs fp32 inputs an order of magnitude slower than "
+                             "the fp32 layer it would replace (benchmarks/results/quant_drafter.md); keep such a model "
+                             "dense")
         self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
+        self.max_rows = max_rows
         self.dtype = weight.dtype
         q, scales_and_zeros = quantize_weight(weight, group)
         scales_and_zeros = scales_and_zeros.to(self.dtype)    # what the kernel reads; the dense copy too
@@ -96,13 +99,13 @@ class Int4Linear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes a pass of up to INT4_MAX_ROWS rows reads (codes, scales and offsets)."""
+        """Bytes a pass of up to ``max_rows`` rows reads (codes, scales and offsets)."""
         return self.packed.numel() * self.packed.element_size() + \
             self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > INT4_MAX_ROWS or x.dtype != self.dtype or x.requires_grad:
+        if rows > self.max_rows or x.dtype != self.dtype or x.requires_grad:
             return F.linear(x, self.dense_weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_and_zeros)
@@ -146,8 +149,8 @@ def quantize_linears(model: nn.Module, group: int = GROUP, skip: tuple[nn.Module
                          "drop the quantization there")
     if weight is not None and weight.dtype not in INT4_DTYPES:
         raise ValueError(f"int4 drafter weights need a bf16 or fp16 model, this one is {weight.dtype}: the CPU "
-                         "int4 kernel runs fp32 inputs 6x slower than the fp32 layers it would replace; load the "
-                         "drafter in bf16 (dtype='bfloat16') or keep it dense")
+                         "int4 kernel runs fp32 inputs an order of magnitude slower than the fp32 layers it would "
+                         "replace; load the drafter in bf16 (dtype='bfloat16') or keep it dense")
     count, before, after, skipped = 0, 0, 0, []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
