@@ -5,11 +5,12 @@ Glossary
 - **group** — :data:`GROUP` consecutive input (``k``) values of one output row share a scale
   ``d`` and an offset ``z``: ``w ≈ d (q - 8) + z`` with ``q`` a 4-bit integer (PyTorch's int4
   layout). The scale and offset come from the group's minimum and maximum (as GGUF's Q4_1 does).
-- **Int4Linear** — an ``nn.Linear`` stand-in that keeps only the packed 4-bit weights and runs
-  PyTorch's CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``; the activations stay in the
-  layer's dtype). A one-row pass of Qwen2.5-Coder-0.5B's 24 decoder layers reads 180 MB instead
-  of 716 MB in bf16; measured on one AMX core, a whole one-token draft pass took 50 ms against
-  110 ms packed in bf16 (``benchmarks/results/quant_drafter.md``).
+- **Int4Linear** — an ``nn.Linear`` stand-in that runs PyTorch's CPU int4 kernel
+  (``aten._weight_int4pack_mm_for_cpu``) on passes of a few rows, in the layer's dtype (bf16 or
+  fp16), and a dense copy of the same 4-bit weights on longer ones. A one-row pass of
+  Qwen2.5-Coder-0.5B's 24 decoder layers reads 180 MB instead of 716 MB in bf16; measured on one
+  AMX core, a whole one-token draft pass took 49 ms against 108 ms packed in bf16
+  (``benchmarks/results/quant_drafter.md``).
 
 Why only drafters: a drafter's weights decide which tokens are *proposed*, never which are
 *kept*. Rejection sampling reads the q the tokens were drafted from, so a 4-bit drafter is
@@ -65,11 +66,12 @@ class Int4Linear(nn.Module):
     """``linear`` with 4-bit group weights (see module docstring).
 
     Passes of up to ``max_rows`` (:data:`INT4_MAX_ROWS`) rows run the int4 kernel; longer ones
-    (a prompt's prefill, a wide tree level) run PyTorch's own GEMM over ``dense_weight``, the same dequantized
-    weights in the layer's dtype (the int4 kernel's cost grows with the rows: a 16-row
-    pass took 1.6x the dense one). Either way the layer multiplies by the same 4-bit weights. The dense copy is a
-    buffer, not an ``nn.Linear``, so that ``pack_linears`` leaves it alone (a packed copy would
-    double its memory for passes that are rare in drafting)."""
+    (a prompt's prefill, a wide tree level) run PyTorch's own GEMM over ``dense_weight``, the
+    same dequantized weights in the layer's dtype (the int4 kernel's cost grows with the rows: a
+    16-row pass took 1.6x the dense one). Either way the layer multiplies by the same 4-bit
+    weights. So the layer saves bytes read per pass, not memory. The dense copy is a buffer, not
+    an ``nn.Linear``, so that ``pack_linears`` leaves it alone (a packed copy would double its
+    memory for passes that are rare in drafting)."""
 
     def __init__(self, linear: nn.Linear, group: int = GROUP, max_rows: int = INT4_MAX_ROWS):
         super().__init__()
@@ -125,12 +127,12 @@ class QuantReport:
     quantized: int
     bytes_before: int
     bytes_after: int
-    skipped: tuple[str, ...]    # "name: why" for each linear layer left as it was
+    skipped: tuple[str, ...]    # "name (why)" for each linear layer left as it was
 
     def __str__(self) -> str:
         left = f"; left {len(self.skipped)}: {', '.join(self.skipped)}" if self.skipped else ""
-        return (f"int4 (group {GROUP}): {self.quantized} linear layers, "
-                f"{self.bytes_before / 2**20:.0f} MB -> {self.bytes_after / 2**20:.0f} MB{left}")
+        return (f"int4 (group {GROUP}): {self.quantized} linear layers, {self.bytes_before / 2**20:.0f} MB -> "
+                f"{self.bytes_after / 2**20:.0f} MB read per pass of up to {INT4_MAX_ROWS} rows{left}")
 
 
 def quantize_linears(model: nn.Module, group: int = GROUP, skip: tuple[nn.Module, ...] = ()) -> QuantReport:
