@@ -48,7 +48,9 @@ def pass_ms(model, context: torch.Tensor, rows: int, reps: int) -> float:
 
 
 def agreement(a, b, prompts: list[torch.Tensor]) -> tuple[int, int]:
-    """(positions where both models' argmax agree, positions) over ``prompts``, teacher-forced."""
+    """(positions where both models' argmax agree, positions) over ``prompts``, teacher-forced.
+    Each prompt is one pass of many rows, so the int4 copy runs its dense copy of the 4-bit
+    weights here: the same weights its kernel multiplies by on draft passes."""
     same = total = 0
     with torch.inference_mode():
         for ids in prompts:
