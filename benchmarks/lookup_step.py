@@ -34,6 +34,7 @@ class ForwardTimer:
         self.model = model
         self.calls: list[tuple[int, float]] = []     # (input tokens, seconds)
         self._t0 = 0.0
+        self._tokens = 0
         self._handles = []
 
     def _pre(self, module, args, kwargs):

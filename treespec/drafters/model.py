@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter, tree_slot_mask
 from treespec.fastpath.packing import is_packed, pack_linears
-from treespec.fastpath.quant import INT4_DTYPES, quantize_linears
+from treespec.fastpath.quant import check_int4_dtype, quantize_linears
 from treespec.core.masks import attn_implementation_of
 
 
@@ -324,10 +324,10 @@ def _qwen_coder_small_factory(target, draft_vocab: int | None = None, weights: s
     from treespec.drafters.checkpoint import CheckpointMismatch
     from treespec.targets.loader import load_qwen_coder_0_5b
 
-    if weights is not None and (weights != "int4" or target.dtype not in INT4_DTYPES):   # before 2 GB are loaded
-        raise ValueError(f"weights must be None or 'int4' (4-bit drafter layers, with a bf16 or fp16 target), got "
-                         f"{weights!r} with a {str(target.dtype).removeprefix('torch.')} target: load the target "
-                         "with dtype='bfloat16' or drop weights")
+    if weights is not None:   # refused before 2 GB are loaded
+        if weights != "int4":
+            raise ValueError(f"weights must be None (the model's own) or 'int4', got {weights!r}")
+        check_int4_dtype(target.dtype, f"the target {target.name}, whose dtype the drafter takes,")
     if target.vocab_size != QWEN_VOCAB:   # refused before 2 GB are loaded
         raise CheckpointMismatch(f"qwen2.5-coder-0.5b drafts in Qwen2.5's {QWEN_VOCAB}-token vocabulary; "
                                  f"{target.name} has {target.vocab_size} (use it with qwen2.5-coder-1.5b)")

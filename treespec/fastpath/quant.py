@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GROUP", "INT4_MAX_ROWS", "Int4Linear", "QuantReport", "dequantize", "quantize_linears", "quantize_weight"]
+__all__ = ["GROUP", "INT4_MAX_ROWS", "Int4Linear", "QuantReport", "check_int4_dtype", "dequantize", "quantize_linears",
+           "quantize_weight"]
 
 GROUP = 32          # k values per scale/offset pair
 ROW_MULTIPLE = 16   # the kernel's layout packs output rows 16 at a time (fewer are zero-padded)
@@ -36,6 +37,16 @@ _INNER_K_TILES = 2  # PyTorch's CPU int4 packing parameter (k tiles of 16 per in
 # 181 for 10 on int4, 154-161 ms dense (benchmarks/results/quant_drafter.md): up to 8 rows on int4.
 INT4_MAX_ROWS = 8
 INT4_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_int4_dtype(dtype: torch.dtype, what: str) -> None:
+    """Refuse int4 weights for ``what`` (a layer, a model, a target) whose dtype is ``dtype``
+    unless it is bf16 or fp16: the one reason, said once for every caller."""
+    if dtype not in INT4_DTYPES:
+        raise ValueError(f"int4 drafter weights need a bf16 or fp16 model: {what} is {dtype}. PyTorch's CPU int4 "
+                         "kernel runs fp32 inputs an order of magnitude slower than the fp32 layers it would "
+                         "replace (benchmarks/results/quant_drafter.md): run it with dtype='bfloat16' or drop "
+                         "weights='int4'")
 
 
 def quantize_weight(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,11 +87,7 @@ class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, group: int = GROUP, max_rows: int = INT4_MAX_ROWS):
         super().__init__()
         weight = linear.weight
-        if weight.dtype not in INT4_DTYPES:
-            raise ValueError(f"int4 weights need {' or '.join(map(str, INT4_DTYPES))} activations, the layer is "
-                             f"{weight.dtype}: the CPU int4 kernel runs fp32 inputs an order of magnitude slower than "
-                             "the fp32 layer it would replace (benchmarks/results/quant_drafter.md); keep such a model "
-                             "dense")
+        check_int4_dtype(weight.dtype, "the layer")
         self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
         self.max_rows = max_rows
         self.dtype = weight.dtype
@@ -149,10 +156,8 @@ def quantize_linears(model: nn.Module, group: int = GROUP, skip: tuple[nn.Module
     if weight is not None and weight.device.type != "cpu":
         raise ValueError(f"int4 drafter weights run on the CPU kernel only; the model is on {weight.device}: "
                          "drop the quantization there")
-    if weight is not None and weight.dtype not in INT4_DTYPES:
-        raise ValueError(f"int4 drafter weights need a bf16 or fp16 model, this one is {weight.dtype}: the CPU "
-                         "int4 kernel runs fp32 inputs an order of magnitude slower than the fp32 layers it would "
-                         "replace; load the drafter in bf16 (dtype='bfloat16') or keep it dense")
+    if weight is not None:   # before any layer is replaced
+        check_int4_dtype(weight.dtype, "the model")
     count, before, after, skipped = 0, 0, 0, []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
