@@ -83,6 +83,39 @@ def test_a_calibrated_drafter_brings_its_own_pass_times_and_acceptance():
     assert auto_builder(target, drafter, sure, acceptance=(0.05,)).budget == small.budget
 
 
+def test_a_calibration_of_the_plain_drafter_does_not_plan_one_loaded_with_options():
+    """early-exit over 1 layer is not early-exit over the default layers: it is keyed by its
+    option, planned from the generic pass until a calibration measures it under that key."""
+    from treespec.drafters import load_drafter
+
+    target = tiny_target(vocab_size=16)
+    plain, shallow = load_drafter("early-exit", target), load_drafter("early-exit", target, num_layers=1)
+    assert shallow.registry_name == "early-exit[num_layers=1]"
+    ns = (1, 2, 4, 8, 16, 32, 64)
+    flat = _calibration(lambda n: 1.0, drafter_s=5.0)       # generic early-exit pass: costly
+    cheap = Curve.fit(ns, [1e-6] * len(ns))
+    sure = Calibration(**{**vars(flat), "drafters": {**flat.drafters, "early-exit": cheap},
+                          "acceptance": {"early-exit": (0.9, 0.05)}})
+    assert auto_builder(target, plain, sure).budget > 16
+    assert auto_builder(target, shallow, sure).budget == 1         # not its measurement
+    its_own = Calibration(**{**vars(flat), "drafters": {**flat.drafters, shallow.registry_name: cheap},
+                             "acceptance": {shallow.registry_name: (0.9, 0.05)}})
+    assert auto_builder(target, shallow, its_own).budget > 16
+    assert auto_builder(target, plain, its_own).budget == 1
+
+
+def test_calibrate_drafter_measures_a_drafter_with_options_under_its_key():
+    from treespec.calibrate.passes import calibrate
+    from treespec.calibrate.drafters import calibrate_drafter
+
+    target = tiny_target(vocab_size=16, seed=1)
+    cal = calibrate(target.model, "tiny", ns=(1, 4), context=4, early_exit_layers=1, n_warmup=0, n_rep=1)
+    out = calibrate_drafter(cal, "early-exit[num_layers=1]", target, [[1, 2, 3, 4, 5]], widths=(2,),
+                            acceptance_width=2, max_new_tokens=4, temperatures=(0.0,))
+    assert "early-exit[num_layers=1]" in out.drafters and "early-exit" not in out.drafters
+    assert len(out.acceptance["early-exit[num_layers=1]"]) == 2
+
+
 def test_calibrate_drafter_measures_pass_times_and_acceptance(tmp_path):
     from treespec.calibrate.passes import calibrate
     from treespec.calibrate.drafters import calibrate_drafter

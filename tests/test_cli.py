@@ -50,6 +50,42 @@ def test_load_drafter_refuses_an_option_its_factory_does_not_take():
         load_drafter("lookup", target, ngram=3)
 
 
+def test_a_drafter_loaded_with_options_is_keyed_by_them():
+    """Options change a drafter's costs and acceptance (4-bit weights, a lookup's n-grams), so
+    calibrations key it by name and options, and the key loads the same drafter again."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from treespec import load_drafter
+    from treespec.drafters import drafter_key, split_drafter_key
+    from treespec.drafters.base import drafter_names
+
+    target = SimpleNamespace(vocab_size=50, model=torch.nn.Linear(2, 2))
+    assert load_drafter("lookup", target).registry_name == "lookup"
+    keyed = load_drafter("lookup", target, min_ngram=3, max_matches=4)
+    assert keyed.registry_name == "lookup[max_matches=4,min_ngram=3]"
+    again = load_drafter(keyed.registry_name, target)
+    assert again.config == keyed.config and again.registry_name == keyed.registry_name
+    assert load_drafter("lookup[min_ngram=3]", target, max_matches=4).registry_name == keyed.registry_name
+    with pytest.raises(ValueError, match="'min_ngram' given both in the name and as an argument"):
+        load_drafter("lookup[min_ngram=3]", target, min_ngram=2)
+    with pytest.raises(ValueError, match="takes no option 'ngram'"):
+        load_drafter("lookup[ngram=3]", target)
+
+    assert drafter_key("eagle3", {"checkpoint": "runs/x.safetensors"}) == "eagle3"   # the checksum tells
+    assert drafter_key("x", {"flag": True, "s": "int4", "f": 0.5}) == "x[f=0.5,flag=true,s=int4]"
+    assert split_drafter_key("x[f=0.5,flag=true,s=int4]") == ("x", {"f": 0.5, "flag": True, "s": "int4"})
+    for unkeyable in (object(), "3", "a,b", "", torch.ones(2)):
+        assert drafter_key("x", {"v": unkeyable}) is None, unkeyable
+    for bad in ("x[a=1", "x[a]", "x[a=1,a=2]", "[a=1]", "x[a=[1]]"):
+        with pytest.raises(ValueError, match="drafter"):
+            split_drafter_key(bad)
+    assert drafter_names("eagle3,q[weights=int4,x=1],lookup") == ["eagle3", "q[weights=int4,x=1]", "lookup"]
+    with pytest.raises(ValueError, match="single commas"):
+        drafter_names("eagle3,,lookup")
+
+
 def test_flags_that_cannot_apply_fail_before_the_model_loads(capsys, monkeypatch):
     from treespec.cli import main as cli
 

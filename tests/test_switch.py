@@ -102,7 +102,9 @@ def test_bad_heads_and_registry() -> None:
     with pytest.raises(TypeError, match="LookupConfig"):
         SwitchDrafter(NoisyTargetDrafter(target.model), HybridConfig())
     drafter = load_drafter("switch", target, head=NoisyTargetDrafter(target.model), min_ngram=2)
-    assert isinstance(drafter, SwitchDrafter) and drafter.registry_name == "switch"
+    # a head passed as an object: no name rebuilds this drafter, so none keys its calibration
+    assert isinstance(drafter, SwitchDrafter) and drafter.registry_name is None
+    assert load_drafter("switch", target, head="target").registry_name == "switch[head=target]"
     assert drafter.lookup.config.min_ngram == 2 and drafter.vocab_size == 8
 
 

@@ -130,20 +130,16 @@ def _build_generator(args, target=None):
 
 
 def drafter_options(pairs: Sequence[str]) -> dict[str, object]:
-    """``["min_ngram=3", ...]`` -> ``{"min_ngram": 3}`` (ints, then floats, else strings)."""
+    """``["min_ngram=3", ...]`` -> ``{"min_ngram": 3}`` (ints, then floats, then true / false,
+    else strings)."""
+    from treespec.drafters.base import parse_option_value
+
     out: dict[str, object] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--drafter-option takes KEY=VALUE (e.g. min_ngram=3), got {pair!r}")
-        value: object = raw.strip()
-        for cast in (int, float):
-            try:
-                value = cast(raw)
-                break
-            except ValueError:
-                continue
-        out[key.strip()] = value
+        out[key.strip()] = parse_option_value(raw)
     return out
 
 
@@ -263,11 +259,12 @@ def _cached_calibration(path, target):
 def _drafter_unmeasured(cal, target, drafter_name: str) -> str:
     """Why ``cal`` cannot serve ``drafter_name`` as it is now ("" if it can): never measured, or
     measured with weights other than the shipped checkpoint it loads today (a new head)."""
+    from treespec.drafters import split_drafter_key
     from treespec.drafters.feature import shipped_checksum
 
     if drafter_name not in cal.acceptance:
         return f"the cached calibration of {target.name} has no measurement of drafter {drafter_name!r}"
-    now, then = shipped_checksum(target, drafter_name), cal.weights.get(drafter_name)
+    now, then = shipped_checksum(target, split_drafter_key(drafter_name)[0]), cal.weights.get(drafter_name)
     if now is not None and then != now:
         was = f"checkpoint {then[:12]}" if then else "weights it did not record"
         return (f"the cached calibration of {target.name} measured drafter {drafter_name!r} with {was}; "
@@ -349,8 +346,15 @@ def cmd_demo(args) -> int:
                          f"questions), got {args.question}")
     q = questions[args.question]
     target = _load_target(args)
-    if args.budget == "auto":
-        ensure_calibration(target, args.drafter)
+    if args.budget == "auto":   # calibrate the drafter as loaded: its options change its costs
+        from treespec.drafters import drafter_key, split_drafter_key
+
+        name, named = split_drafter_key(args.drafter)
+        key = drafter_key(name, {**named, **drafter_options(args.drafter_option)})
+        if key is None:
+            raise ValueError(f"--drafter-option: {args.drafter_option} cannot name a calibration (a value with "
+                             f"one of [],=); give --budget a number instead of auto")
+        ensure_calibration(target, key)
     target, gen = _build_generator(args, target)
     print(f"MT-bench #{q.question_id} ({q.category}): {q.turns[0]}\n", flush=True)
     ids = gen.encode(q.turns[0])

@@ -98,7 +98,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="wall: elapsed time (what the engine sees); thread: this thread's CPU time, "
                           "robust on a shared machine (needs --threads 1)")
     cal.add_argument("--drafter", default=None,
-                     help="comma-separated registered drafters to measure for real (pass times by width and "
+                     help="comma-separated registered drafters to measure for real, each with its options if it "
+                          "has any, as name[key=value,...] (e.g. qwen2.5-coder-0.5b[weights=int4]) (pass times by width and "
                           "positional acceptance on the 8 last MT-bench prompts); implies --weights pretrained. "
                           "builder='auto' then uses them")
     add_target_args(cal)
@@ -195,7 +196,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     from treespec.fastpath.device import resolve_device
 
     device = resolve_device(args.device)
-    drafters = [d for d in (args.drafter or "").split(",") if d]
+    from treespec.drafters.base import drafter_names
+
+    drafters = drafter_names(args.drafter or "")
     target = None
     if drafters or args.weights == "pretrained":
         from treespec.targets.loader import load_target

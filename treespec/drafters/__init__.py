@@ -8,7 +8,8 @@ import inspect
 import torch
 
 from treespec.drafters.base import (
-    Drafter, PartialTree, TargetFeatures, drafter_factory, register_drafter, registered_drafters,
+    Drafter, PartialTree, TargetFeatures, drafter_factory, drafter_key, register_drafter, registered_drafters,
+    split_drafter_key,
 )
 from treespec.drafters.batched import BatchDrafter, LoopBatchDrafter, as_batch_drafter
 from treespec.drafters.lookup import LookupConfig, LookupDrafter
@@ -22,15 +23,23 @@ __all__ = [
     "BatchDrafter", "LoopBatchDrafter", "as_batch_drafter",
     "Drafter", "EagleDrafter", "HybridConfig", "HybridDrafter", "LookupConfig", "LookupDrafter", "ModelDrafter",
     "SwitchDrafter",
-    "PartialTree", "TargetFeatures", "drafter_factory",
+    "PartialTree", "TargetFeatures", "drafter_factory", "drafter_key", "split_drafter_key",
     "early_exit_model", "load_drafter", "register_drafter", "registered_drafters",
 ]
 
 
 def load_drafter(name: str, target, **options) -> Drafter:
-    """Build the registered drafter ``name`` for ``target`` (a treespec.Target). The drafter
-    remembers ``name`` as ``registry_name`` (calibrations are keyed by it). ``options`` go to
-    the factory (e.g. lookup's ``min_ngram``); a name it does not take is a ValueError."""
+    """Build the registered drafter ``name`` for ``target`` (a treespec.Target). ``options`` go
+    to the factory (e.g. lookup's ``min_ngram``); a name it does not take is a ValueError.
+    ``name`` may carry options itself, as ``"qwen2.5-coder-0.5b[weights=int4]"``.
+
+    The drafter remembers ``drafter_key(name, options)`` as ``registry_name``: calibrations
+    are keyed by it, so a drafter loaded with other options is measured on its own."""
+    name, named = split_drafter_key(name)
+    if twice := sorted(set(named) & set(options)):
+        raise ValueError(f"drafter option {', '.join(map(repr, twice))} given both in the name and as an "
+                         "argument; give it once")
+    options = {**named, **options}
     factory = drafter_factory(name)
     params = inspect.signature(factory).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -42,7 +51,7 @@ def load_drafter(name: str, target, **options) -> Drafter:
     drafter = factory(target, **options)
     _pack_like_target(drafter, target)
     try:
-        drafter.registry_name = name
+        drafter.registry_name = drafter_key(name, options)
     except AttributeError:  # a drafter with __slots__ or a read-only name: keyed by cost kind
         pass
     return drafter

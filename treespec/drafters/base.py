@@ -27,6 +27,7 @@ any other drafter is looped per request.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
@@ -245,6 +246,85 @@ def drafter_factory(name: str) -> Callable[..., Drafter]:
         return _REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown drafter {name!r}; registered: {', '.join(registered_drafters())}") from None
+
+
+# A drafter loaded with options is calibrated under a key that names them, because options
+# such as ``weights="int4"`` or a draft vocabulary change its pass times and acceptance: a
+# calibration of the plain drafter is not one of that drafter. The key is a name too:
+# ``load_drafter(key, target)`` builds the same drafter again, which is how calibration
+# rebuilds what it measures.
+_KEY_SPECIALS = "[],="
+
+
+def parse_option_value(raw: str) -> object:
+    """A drafter option's text as its value: an int, else a float, else ``true`` / ``false``
+    as a bool, else the text itself."""
+    raw = raw.strip()
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            continue
+    return {"true": True, "false": False}.get(raw.lower(), raw)
+
+
+def _option_text(value: object) -> str | None:
+    """``value`` as key text that ``parse_option_value`` reads back equal; None if none does."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str) and value and not any(c in value for c in _KEY_SPECIALS) \
+            and parse_option_value(value) == value:
+        return value
+    return None
+
+
+def drafter_key(name: str, options: dict[str, object]) -> str | None:
+    """The name ``load_drafter(name, target, **options)`` is calibrated under: ``name`` alone
+    without options, else ``name[key=value,...]``, keys sorted (``qwen2.5-coder-0.5b[weights=int4]``).
+
+    ``checkpoint`` stays out: a calibration records the checkpoint's tensor checksum, and
+    ``builder="auto"`` already refuses acceptance measured on other weights. None when an
+    option has no text that reads back as itself (a head passed as a Drafter object): no name
+    rebuilds that drafter, so no calibration can be keyed by one."""
+    parts = []
+    for key in sorted(options):
+        if key == "checkpoint":
+            continue
+        text = _option_text(options[key])
+        if text is None:
+            return None
+        parts.append(f"{key}={text}")
+    return f"{name}[{','.join(parts)}]" if parts else name
+
+
+def split_drafter_key(key: str) -> tuple[str, dict[str, object]]:
+    """``drafter_key``'s inverse: ``"name[a=1,b=x]"`` -> ``("name", {"a": 1, "b": "x"})``; a
+    plain name -> ``(name, {})``."""
+    name, bracket, rest = key.partition("[")
+    if not bracket:
+        return key, {}
+    if not rest.endswith("]") or "[" in rest or not name:
+        raise ValueError(f"drafter {key!r}: write options as name[key=value,...], e.g. "
+                         "'qwen2.5-coder-0.5b[weights=int4]'")
+    options: dict[str, object] = {}
+    for pair in rest[:-1].split(","):
+        option, sep, raw = pair.partition("=")
+        if not sep or not option.strip() or option.strip() in options:
+            raise ValueError(f"drafter {key!r}: each option is key=value, once (e.g. weights=int4); got {pair!r}")
+        options[option.strip()] = parse_option_value(raw)
+    return name, options
+
+
+def drafter_names(text: str) -> list[str]:
+    """A comma-separated list of drafter keys, whose own options are comma-separated inside
+    brackets: ``"eagle3,qwen2.5-coder-0.5b[weights=int4,x=1]"`` -> the two keys."""
+    names = re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text)
+    if ",".join(names) != text:
+        raise ValueError(f"drafters {text!r}: give names separated by single commas, each with its options in "
+                         "closed brackets (e.g. eagle3,qwen2.5-coder-0.5b[weights=int4])")
+    return names
 
 
 def as_draft_tree(partial: PartialTree, draft_probs: torch.Tensor | None, sampling: str) -> DraftTree:
