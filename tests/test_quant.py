@@ -53,6 +53,14 @@ def test_both_paths_multiply_by_the_same_4bit_weights(out_features, bias) -> Non
         assert float((got.float() - want).abs().max() / want.abs().max()) < 8e-3, rows
 
 
+def test_packing_a_head_already_in_4_bits_leaves_it_as_it_is() -> None:
+    """load_drafter packs a drafter's modules like its target's; a sliced head already made of
+    Int4Linear holds buffers only, and packing passes over it (it raised StopIteration)."""
+    head = nn.Sequential(Int4Linear(nn.Linear(GROUP, 16).to(torch.bfloat16)))
+    report = pack_linears(head)
+    assert report.packed == 0 and isinstance(head[0], Int4Linear)
+
+
 def test_quantize_linears_replaces_plain_and_packed_layers_and_names_what_it_left() -> None:
     model = nn.Sequential(nn.Linear(GROUP, 32), nn.Linear(32, 48), nn.Linear(48, 16)).to(torch.bfloat16)
     pack_linears(model)   # packed where this CPU has native bf16, left stock elsewhere

@@ -409,7 +409,9 @@ def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = N
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not enabled:
         return PackReport(0, "stock", "packing turned off")
-    weight = next(model.parameters())
+    weight = next(model.parameters(), None)
+    if weight is None:   # e.g. a head already quantized to Int4Linear (buffers only)
+        return PackReport(0, "stock", "no parameters to pack")
     plan = _packing_plan(weight.dtype, weight.device, cpu if cpu is not None else cpu_info(), kernel)
     if isinstance(plan, str):
         return PackReport(0, "stock", plan)
