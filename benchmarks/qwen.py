@@ -19,9 +19,11 @@ all methods alike):
   ShareGPT replies use most (``ModelDrafter(draft_vocab=...)``: its LM head reads a fifth of the
   rows); not in the default set.
 - ``... int4``: a second copy of the 0.5B with its linear layers in 4 bits
-  (``load_drafter(..., weights="int4")``, bf16 targets only) drafting for treespec's chain, tree
-  and ``switch``, and as HF assisted generation's assistant (``hf-assisted int4``: the same
-  drafter on both sides); not in the default set.
+  (``load_drafter(..., weights="int4")``, bf16 targets only) drafting for treespec's chain, tree,
+  ``switch`` (also with its head over 32k ids: ``... int4 vocab32k``) and ``builder="auto"``
+  (``0.5b auto int4``, planned from its own calibration: ``--calibrate-int4`` adds it), and as HF
+  assisted generation's assistant (``hf-assisted int4``: the same drafter on both sides); not in
+  the default set.
 
 Reported per (method, T), over all prompts and per prompt kind: tokens/s (new tokens / (prefill +
 decode) seconds, pooled), τ, the draft / verify time split, speedup over ``hf`` and over
@@ -115,7 +117,7 @@ ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "0.5b chain4", "0.
                "lookup chain10 conf0.1", "hybrid best16", "switch chain16 head4", "0.5b auto",
                "0.5b chain4 vocab32k", "switch chain16 head4 vocab32k",
                "hf-assisted int4", "0.5b chain4 int4", "0.5b tree16 int4", "switch chain16 head4 int4",
-               "switch chain16 head8 int4")
+               "switch chain16 head8 int4", "switch chain16 head8 int4 vocab32k", "switch best17 head8 int4", "0.5b auto int4")
 DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not m.endswith(("vocab32k", "int4")))
 DRAFT_VOCAB = 32_768    # the "vocab32k" rows: the 0.5B drafts over the ids ShareGPT replies use most
 
@@ -195,7 +197,17 @@ def main() -> None:
     ap.add_argument("--merge", default=None, metavar="OUT1,OUT2,...",
                     help="comma-separated --out paths of one run's shards: write their sum to --out; measure nothing")
     ap.add_argument("--render", action="store_true", help="rewrite the Markdown from the JSON; measure nothing")
+    ap.add_argument("--calibrate-int4", action="store_true",
+                    help="add the int4 0.5B to this machine's calibration of the target (what the "
+                         "'0.5b auto int4' row plans from; the target's timings kept); measure nothing else")
     args = ap.parse_args()
+    if args.calibrate_int4:
+        from treespec.cli.main import ensure_calibration
+
+        torch.set_num_threads(args.threads)
+        target = treespec.load_target(TARGET, dtype=args.dtype)
+        print(ensure_calibration(target, treespec.drafters.drafter_key(DRAFT, {"weights": "int4"})))
+        return
     if args.render:
         out = Path(args.out)
         save(out, json.loads(out.with_suffix(".json").read_text()))
@@ -266,7 +278,30 @@ def main() -> None:
         methods["switch chain16 head8 int4"] = treespec.SpeculativeGenerator(
             target, SwitchDrafter(ModelDrafter(small4.model, target.vocab_size), head_depth=8),
             treespec.ChainBuilder(16, min_confidence=0.4))
+        # the same drafts kept as a tree: best-first expanding one node per drafter call (a 1-row
+        # pass, the int4 kernel's best case) while the path's confidence is >= 0.4, as the chain
+        # does, with the runners-up the 0.5B already scored kept as leaves up to 17 nodes: where
+        # the chain's draft is rejected, the target's token may be one of them (a pass over 17
+        # tokens costs about one over 9)
+        methods["switch best17 head8 int4"] = treespec.SpeculativeGenerator(
+            target, SwitchDrafter(ModelDrafter(small4.model, target.vocab_size), head_depth=8),
+            treespec.BestFirstBuilder(17, max_width=1, max_rounds=16, min_confidence=0.4))
+        if "switch chain16 head8 int4 vocab32k" in chosen:   # a third 0.5B: its 4-bit head over 32k rows
+            small4v = treespec.load_drafter(DRAFT, target, weights="int4", draft_vocab=DRAFT_VOCAB)
+            methods["switch chain16 head8 int4 vocab32k"] = treespec.SpeculativeGenerator(
+                target, SwitchDrafter(small4v, head_depth=8), treespec.ChainBuilder(16, min_confidence=0.4))
     missing: dict[str, str] = {}
+    if "0.5b auto int4" in chosen:   # keyed "qwen2.5-coder-0.5b[weights=int4]": its own calibration
+        key = small4.registry_name
+        try:
+            measured = key in treespec.runtime.generator.target_calibration(target).drafters
+        except ValueError as e:                  # no calibration of the target on this machine
+            measured, missing["0.5b auto int4"] = False, str(e)
+        if measured:
+            methods["0.5b auto int4"] = treespec.SpeculativeGenerator(target, small4, "auto")
+        else:
+            missing.setdefault("0.5b auto int4", f"the calibration of {TARGET} has no measurement of {key}: "
+                                                 "run `python benchmarks/qwen.py --calibrate-int4` once")
     if "0.5b auto" in chosen:
         auto_drafter = ModelDrafter(small.model, target.vocab_size)
         auto_drafter.registry_name = DRAFT          # its calibration is keyed by the registered name
