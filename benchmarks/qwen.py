@@ -119,6 +119,15 @@ ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "0.5b chain4", "0.
                "hf-assisted int4", "0.5b chain4 int4", "0.5b tree16 int4", "switch chain16 head4 int4",
                "switch chain16 head8 int4", "switch chain16 head8 int4 vocab32k", "switch best17 head8 int4", "0.5b auto int4")
 DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not m.endswith(("vocab32k", "int4")))
+
+
+def drafts_with_the_0_5b(method: str) -> bool:
+    """Whether a row drafts with the 0.5B as loaded (the others: lookup alone, or the int4 copy),
+    which is then loaded: 1 GB less to hold per process where none does."""
+    words = method.split()
+    return "int4" not in words and (words[0] in ("0.5b", "hybrid", "switch", "hf-assisted"))
+
+
 DRAFT_VOCAB = 32_768    # the "vocab32k" rows: the 0.5B drafts over the ids ShareGPT replies use most
 
 
@@ -232,32 +241,36 @@ def main() -> None:
     run = options(args, chosen)
 
     target = treespec.load_target(TARGET, dtype=args.dtype)           # packed where the CPU gains
-    small = treespec.load_drafter(DRAFT, target)                      # ModelDrafter, in the target's dtype
     eos = list(target.eos_token_ids)
     methods: dict[str, object] = {
-        "0.5b chain4": treespec.SpeculativeGenerator(target, small, treespec.ChainBuilder(4)),
-        "0.5b tree16": treespec.SpeculativeGenerator(
-            target, ModelDrafter(small.model, target.vocab_size), treespec.DynamicTreeBuilder(16, 5, 4)),
-        # a chain that stops where the 0.5B's own probability of its draft falls under 0.4 (what HF
-        # assisted generation's assistant_confidence_threshold does), up to 8 drafts
-        "0.5b chain8 conf0.4": treespec.SpeculativeGenerator(
-            target, ModelDrafter(small.model, target.vocab_size), treespec.ChainBuilder(8, min_confidence=0.4)),
         # up to 10 drafts, as HF prompt lookup takes; the chain stops where no suffix recurs (q is
         # uniform there) or split votes bring the path's confidence under 0.1, so a step without a
         # match verifies one token, not 10 guesses (on the 1.5B a pass over 11 tokens costs ~1.25
         # of a pass over one)
         "lookup chain10 conf0.1": treespec.SpeculativeGenerator(
             target, "lookup", treespec.ChainBuilder(10, min_confidence=0.1)),
-        "hybrid best16": treespec.SpeculativeGenerator(
-            target, HybridDrafter(ModelDrafter(small.model, target.vocab_size)),
-            treespec.BestFirstBuilder(budget=16, max_width=4, max_rounds=7)),
-        # a lookup chain of up to 16 where the text repeats (a 3-gram recurs), a 0.5B chain of up
-        # to 4 elsewhere; both stop where q's confidence in the draft falls under 0.4
-        "switch chain16 head4": treespec.SpeculativeGenerator(
-            target, SwitchDrafter(ModelDrafter(small.model, target.vocab_size), head_depth=4),
-            treespec.ChainBuilder(16, min_confidence=0.4)),
     }
-    if any(name.endswith("vocab32k") for name in chosen):
+    small = None   # the 0.5B as loaded (bf16 where the target is), only where a row drafts with it
+    if any(drafts_with_the_0_5b(name) for name in chosen):
+        small = treespec.load_drafter(DRAFT, target)                  # ModelDrafter, in the target's dtype
+        methods |= {
+            "0.5b chain4": treespec.SpeculativeGenerator(target, small, treespec.ChainBuilder(4)),
+            "0.5b tree16": treespec.SpeculativeGenerator(
+                target, ModelDrafter(small.model, target.vocab_size), treespec.DynamicTreeBuilder(16, 5, 4)),
+            # a chain that stops where the 0.5B's own probability of its draft falls under 0.4 (what
+            # HF assisted generation's assistant_confidence_threshold does), up to 8 drafts
+            "0.5b chain8 conf0.4": treespec.SpeculativeGenerator(
+                target, ModelDrafter(small.model, target.vocab_size), treespec.ChainBuilder(8, min_confidence=0.4)),
+            "hybrid best16": treespec.SpeculativeGenerator(
+                target, HybridDrafter(ModelDrafter(small.model, target.vocab_size)),
+                treespec.BestFirstBuilder(budget=16, max_width=4, max_rounds=7)),
+            # a lookup chain of up to 16 where the text repeats (a 3-gram recurs), a 0.5B chain of
+            # up to 4 elsewhere; both stop where q's confidence in the draft falls under 0.4
+            "switch chain16 head4": treespec.SpeculativeGenerator(
+                target, SwitchDrafter(ModelDrafter(small.model, target.vocab_size), head_depth=4),
+                treespec.ChainBuilder(16, min_confidence=0.4)),
+        }
+    if any(name in ("0.5b chain4 vocab32k", "switch chain16 head4 vocab32k") for name in chosen):
         kept = frequent_vocab(target.tokenizer, DRAFT_VOCAB, eos)
         methods["0.5b chain4 vocab32k"] = treespec.SpeculativeGenerator(
             target, ModelDrafter(small.model, target.vocab_size, draft_vocab=kept), treespec.ChainBuilder(4))
@@ -265,7 +278,7 @@ def main() -> None:
             target, SwitchDrafter(ModelDrafter(small.model, target.vocab_size, draft_vocab=kept), head_depth=4),
             treespec.ChainBuilder(16, min_confidence=0.4))
     small4 = None
-    if any(name.endswith("int4") for name in chosen):   # a second 0.5B, its linear layers in 4 bits
+    if any("int4" in name.split() for name in chosen):   # a 0.5B with its linear layers in 4 bits
         small4 = treespec.load_drafter(DRAFT, target, weights="int4")
         print(f"[0.5B int4: {small4.quant_report}]", file=sys.stderr, flush=True)
         methods["0.5b chain4 int4"] = treespec.SpeculativeGenerator(target, small4, treespec.ChainBuilder(4))
@@ -286,7 +299,7 @@ def main() -> None:
         methods["switch best17 head8 int4"] = treespec.SpeculativeGenerator(
             target, SwitchDrafter(ModelDrafter(small4.model, target.vocab_size), head_depth=8),
             treespec.BestFirstBuilder(17, max_width=1, max_rounds=16, min_confidence=0.4))
-        if "switch chain16 head8 int4 vocab32k" in chosen:   # a third 0.5B: its 4-bit head over 32k rows
+        if "switch chain16 head8 int4 vocab32k" in chosen:   # one more 0.5B: its 4-bit head over 32k rows
             small4v = treespec.load_drafter(DRAFT, target, weights="int4", draft_vocab=DRAFT_VOCAB)
             methods["switch chain16 head8 int4 vocab32k"] = treespec.SpeculativeGenerator(
                 target, SwitchDrafter(small4v, head_depth=8), treespec.ChainBuilder(16, min_confidence=0.4))
@@ -310,7 +323,7 @@ def main() -> None:
         except (ValueError, FileNotFoundError) as e:
             missing["0.5b auto"] = str(e)
     methods = {name: gen for name, gen in methods.items() if name in chosen}
-    peers = [(name, extra) for name, extra in (("hf-packed", {}), ("hf-assisted", {"assistant_model": small.model}),
+    peers = [(name, extra) for name, extra in (("hf-packed", {}), ("hf-assisted", {"assistant_model": getattr(small, "model", None)}),
                                                 ("hf-assisted int4", {"assistant_model": getattr(small4, "model", None)}),
                                                 ("hf-lookup", {"prompt_lookup_num_tokens": 10})) if name in chosen]
 
