@@ -53,6 +53,29 @@ def test_both_paths_multiply_by_the_same_4bit_weights(out_features, bias) -> Non
         assert float((got.float() - want).abs().max() / want.abs().max()) < 8e-3, rows
 
 
+def test_a_draft_vocab_over_a_quantized_tied_head_slices_the_tied_rows() -> None:
+    """Two drafters over one 4-bit model (one full head, one over 32k ids, as the Qwen
+    benchmark keeps them): a tied head already in 4 bits is sliced from the input embeddings,
+    which hold its rows, and gives the head a fresh model with the same ids gets."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = [1, 5, 17, 33]
+    fresh = ModelDrafter(copy.deepcopy(model), 40, draft_vocab=ids, weights="int4")
+    full = ModelDrafter(model, 40, weights="int4")
+    assert isinstance(model.get_output_embeddings(), Int4Linear)
+    sliced = ModelDrafter(full.model, 40, draft_vocab=ids, weights="int4")
+    torch.testing.assert_close(sliced.vocab_head[0].dense_weight, fresh.vocab_head[0].dense_weight, atol=0, rtol=0)
+    untied = LlamaForCausalLM(LlamaConfig(**{**cfg.to_dict(), "tie_word_embeddings": False})).to(torch.bfloat16)
+    quantize_linears(untied)
+    with pytest.raises(ValueError, match="draft_vocab needs a plain linear LM head"):
+        ModelDrafter(untied, 40, draft_vocab=ids)
+
+
 def test_packing_a_head_already_in_4_bits_leaves_it_as_it_is() -> None:
     """load_drafter packs a drafter's modules like its target's; a sliced head already made of
     Int4Linear holds buffers only, and packing passes over it (it raised StopIteration)."""

@@ -194,6 +194,10 @@ class ModelDrafter:
         scaled = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(cfg, k, None) not in (None, 1.0)]
         weight = getattr(model.get_output_embeddings(), "weight", None)      # nn.Linear or PackedLinear
         bias = getattr(model.get_output_embeddings(), "bias", None)
+        if weight is None and getattr(cfg, "tie_word_embeddings", False):
+            # a tied head already replaced (a model quantized by weights="int4"): the input
+            # embeddings still hold its rows, unquantized
+            weight, bias = model.get_input_embeddings().weight, None
         if scaled or weight is None or weight.dim() != 2 or not hasattr(model, "get_decoder"):
             has = f"its logits scaled ({', '.join(scaled)})" if scaled else "no linear LM head after a decoder"
             raise ValueError(f"draft_vocab needs a plain linear LM head after the decoder; {type(model).__name__} "
