@@ -118,7 +118,7 @@ ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "0.5b chain4", "0.
                "0.5b chain4 vocab32k", "switch chain16 head4 vocab32k",
                "hf-assisted int4", "0.5b chain4 int4", "0.5b tree16 int4", "switch chain16 head4 int4",
                "switch chain16 head8 int4", "switch chain16 head8 int4 vocab32k", "switch best17 head8 int4",
-               "switch best16 head8 int4", "0.5b auto int4")
+               "switch best16 head8 int4", "switch best16 head8 int4 vocab32k", "0.5b auto int4")
 DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not m.endswith(("vocab32k", "int4")))
 
 
@@ -303,10 +303,16 @@ def main() -> None:
             methods[f"switch best{budget} head8 int4"] = treespec.SpeculativeGenerator(
                 target, SwitchDrafter(ModelDrafter(small4.model, target.vocab_size), head_depth=8),
                 treespec.BestFirstBuilder(budget, max_width=1, max_rounds=16, min_confidence=0.4))
-        if "switch chain16 head8 int4 vocab32k" in chosen:   # one more 0.5B: its 4-bit head over 32k rows
-            small4v = treespec.load_drafter(DRAFT, target, weights="int4", draft_vocab=DRAFT_VOCAB)
+        if any("int4" in name.split() and name.endswith("vocab32k") for name in chosen):
+            # the same 4-bit 0.5B with a 4-bit head over 32k ids (sliced from its tied embeddings)
+            kept = frequent_vocab(target.tokenizer, DRAFT_VOCAB, eos)
+            small4v = ModelDrafter(small4.model, target.vocab_size, draft_vocab=kept, weights="int4")
             methods["switch chain16 head8 int4 vocab32k"] = treespec.SpeculativeGenerator(
                 target, SwitchDrafter(small4v, head_depth=8), treespec.ChainBuilder(16, min_confidence=0.4))
+            methods["switch best16 head8 int4 vocab32k"] = treespec.SpeculativeGenerator(
+                target, SwitchDrafter(ModelDrafter(small4.model, target.vocab_size, draft_vocab=kept, weights="int4"),
+                                      head_depth=8),
+                treespec.BestFirstBuilder(16, max_width=1, max_rounds=16, min_confidence=0.4))
     missing: dict[str, str] = {}
     if "0.5b auto int4" in chosen:   # keyed "qwen2.5-coder-0.5b[weights=int4]": its own calibration
         key = small4.registry_name
