@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter, tree_slot_mask
 from treespec.fastpath.packing import is_packed, pack_linears
-from treespec.fastpath.quant import check_int4_dtype, quantize_linears
+from treespec.fastpath.quant import Int4Linear, check_int4_dtype, quantize_linears
 from treespec.core.masks import attn_implementation_of
 
 
@@ -192,12 +192,16 @@ class ModelDrafter:
                              "drafter's vocabulary")
         cfg = model.config
         scaled = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(cfg, k, None) not in (None, 1.0)]
-        weight = getattr(model.get_output_embeddings(), "weight", None)      # nn.Linear or PackedLinear
-        bias = getattr(model.get_output_embeddings(), "bias", None)
+        out = model.get_output_embeddings()
+        weight, bias = getattr(out, "weight", None), getattr(out, "bias", None)   # nn.Linear or PackedLinear
         if weight is None and getattr(cfg, "tie_word_embeddings", False):
-            # a tied head already replaced (a model quantized by weights="int4"): the input
+            # a tied head already in 4 bits (a model quantized by weights="int4"): the input
             # embeddings still hold its rows, unquantized
             weight, bias = model.get_input_embeddings().weight, None
+        elif weight is None and isinstance(out, Int4Linear):
+            # an untied one: its dense copy of the 4-bit weights (weights="int4" quantizes the
+            # slice again, to the same groups up to bf16 rounding)
+            weight = out.dense_weight
         if scaled or weight is None or weight.dim() != 2 or not hasattr(model, "get_decoder"):
             has = f"its logits scaled ({', '.join(scaled)})" if scaled else "no linear LM head after a decoder"
             raise ValueError(f"draft_vocab needs a plain linear LM head after the decoder; {type(model).__name__} "
