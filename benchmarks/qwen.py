@@ -333,7 +333,8 @@ def main() -> None:
         except (ValueError, FileNotFoundError) as e:
             missing["0.5b auto"] = str(e)
     methods = {name: gen for name, gen in methods.items() if name in chosen}
-    peers = [(name, extra) for name, extra in (("hf-packed", {}), ("hf-assisted", {"assistant_model": getattr(small, "model", None)}),
+    peers = [(name, extra) for name, extra in (("hf-packed", {}),
+                                                ("hf-assisted", {"assistant_model": getattr(small, "model", None)}),
                                                 ("hf-assisted int4", {"assistant_model": getattr(small4, "model", None)}),
                                                 ("hf-lookup", {"prompt_lookup_num_tokens": 10})) if name in chosen]
 

@@ -98,10 +98,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="wall: elapsed time (what the engine sees); thread: this thread's CPU time, "
                           "robust on a shared machine (needs --threads 1)")
     cal.add_argument("--drafter", default=None,
-                     help="comma-separated registered drafters to measure for real, each with its options if it "
-                          "has any, as name[key=value,...] (e.g. qwen2.5-coder-0.5b[weights=int4]) (pass times by width and "
-                          "positional acceptance on the 8 last MT-bench prompts); implies --weights pretrained. "
-                          "builder='auto' then uses them")
+                     help="comma-separated registered drafters to measure for real (pass times by width and "
+                          "positional acceptance on the 8 last MT-bench prompts), each with its options if it has "
+                          "any, as name[key=value,...] (e.g. qwen2.5-coder-0.5b[weights=int4]); implies --weights "
+                          "pretrained. builder='auto' then uses them")
     add_target_args(cal)
     cal.add_argument("--batch-sizes", type=_ints, default=[],
                      help="also measure the batched verify pass at these batch sizes (e.g. 2,4,8,16) for "
