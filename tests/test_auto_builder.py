@@ -63,6 +63,13 @@ def test_a_calibration_of_other_weights_is_refused(tmp_path, monkeypatch):
         SpeculativeGenerator(target, LookupDrafter(16), "auto")
 
 
+def _measured(calibration: Calibration, name: str, acceptance: tuple[float, ...]) -> Calibration:
+    """``calibration`` with drafter ``name`` measured: nearly free passes and ``acceptance``."""
+    ns = (1, 2, 4, 8, 16, 32, 64)
+    return Calibration(**{**vars(calibration), "drafters": {**calibration.drafters, name: Curve.fit(ns, [1e-6] * 7)},
+                          "acceptance": {name: acceptance}})
+
+
 def test_a_calibrated_drafter_brings_its_own_pass_times_and_acceptance():
     """Keyed by the registered name: the measured vector replaces the kind's default β, and the
     measured pass times replace the generic early-exit pass."""
@@ -71,12 +78,9 @@ def test_a_calibrated_drafter_brings_its_own_pass_times_and_acceptance():
     target = tiny_target(vocab_size=16)
     drafter = load_drafter("early-exit", target)
     assert drafter.registry_name == "early-exit"
-    ns = (1, 2, 4, 8, 16, 32, 64)
     flat = _calibration(lambda n: 1.0, drafter_s=5.0)       # generic early-exit pass: costly
-    cheap = Curve.fit(ns, [1e-6] * len(ns))
-    sure = Calibration(**{**vars(flat), "drafters": {**flat.drafters, "early-exit": cheap},
-                          "acceptance": {"early-exit": (0.9, 0.05)}})
-    unsure = Calibration(**{**vars(sure), "acceptance": {"early-exit": (0.05,)}})
+    sure = _measured(flat, "early-exit", (0.9, 0.05))
+    unsure = _measured(flat, "early-exit", (0.05,))
     assert auto_builder(target, drafter, flat).budget == 1          # generic pass: no speculation
     big, small = auto_builder(target, drafter, sure), auto_builder(target, drafter, unsure)
     assert big.budget > 16 and big.budget > small.budget
@@ -91,15 +95,11 @@ def test_a_calibration_of_the_plain_drafter_does_not_plan_one_loaded_with_option
     target = tiny_target(vocab_size=16)
     plain, shallow = load_drafter("early-exit", target), load_drafter("early-exit", target, num_layers=1)
     assert shallow.registry_name == "early-exit[num_layers=1]"
-    ns = (1, 2, 4, 8, 16, 32, 64)
     flat = _calibration(lambda n: 1.0, drafter_s=5.0)       # generic early-exit pass: costly
-    cheap = Curve.fit(ns, [1e-6] * len(ns))
-    sure = Calibration(**{**vars(flat), "drafters": {**flat.drafters, "early-exit": cheap},
-                          "acceptance": {"early-exit": (0.9, 0.05)}})
+    sure = _measured(flat, "early-exit", (0.9, 0.05))
     assert auto_builder(target, plain, sure).budget > 16
     assert auto_builder(target, shallow, sure).budget == 1         # not its measurement
-    its_own = Calibration(**{**vars(flat), "drafters": {**flat.drafters, shallow.registry_name: cheap},
-                             "acceptance": {shallow.registry_name: (0.9, 0.05)}})
+    its_own = _measured(flat, shallow.registry_name, (0.9, 0.05))
     assert auto_builder(target, shallow, its_own).budget > 16
     assert auto_builder(target, plain, its_own).budget == 1
 
