@@ -23,7 +23,8 @@ all methods alike):
   ``switch`` (also with its head over 32k ids: ``... int4 vocab32k``) and ``builder="auto"``
   (``0.5b auto int4``, planned from its own calibration: ``--calibrate-int4`` adds it), and as HF
   assisted generation's assistant (``hf-assisted int4``: the same drafter on both sides); not in
-  the default set.
+  the default set. ``switch best16 / best17 head8 int4`` keep the int4 switch's drafts as a
+  best-first tree (one node per 1-row pass, the runners-up as leaves, 16 or 17 nodes).
 
 Reported per (method, T), over all prompts and per prompt kind: tokens/s (new tokens / (prefill +
 decode) seconds, pooled), τ, the draft / verify time split, speedup over ``hf`` and over
