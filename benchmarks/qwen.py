@@ -283,37 +283,37 @@ def main() -> None:
     if any("int4" in name.split() for name in chosen):   # a 0.5B with its linear layers in 4 bits
         small4 = treespec.load_drafter(DRAFT, target, weights="int4")
         print(f"[0.5B int4: {small4.quant_report}]", file=sys.stderr, flush=True)
+        def int4(**options) -> ModelDrafter:   # one more drafter (its own cache) over the int4 weights
+            return ModelDrafter(small4.model, target.vocab_size, **options)
+
+        def best_first(budget: int) -> treespec.BestFirstBuilder:
+            # the switch's drafts kept as a tree: one node expanded per drafter call (a 1-row pass,
+            # the int4 kernel's best case) while the path's confidence is >= 0.4, as the chain
+            # stops, and the runners-up the 0.5B already scored kept as leaves: where the chain's
+            # draft is rejected, the target's token may be one of them. 16 nodes: the target's
+            # pass over 17-24 tokens costs ~20 % more than over 16 (the calibration's t(n)),
+            # which best17 pays at every step
+            return treespec.BestFirstBuilder(budget, max_width=1, max_rounds=16, min_confidence=0.4)
+
+        chain16 = treespec.ChainBuilder(16, min_confidence=0.4)
         methods["0.5b chain4 int4"] = treespec.SpeculativeGenerator(target, small4, treespec.ChainBuilder(4))
         methods["0.5b tree16 int4"] = treespec.SpeculativeGenerator(
-            target, ModelDrafter(small4.model, target.vocab_size), treespec.DynamicTreeBuilder(16, 5, 4))
+            target, int4(), treespec.DynamicTreeBuilder(16, 5, 4))
         methods["switch chain16 head4 int4"] = treespec.SpeculativeGenerator(
-            target, SwitchDrafter(ModelDrafter(small4.model, target.vocab_size), head_depth=4),
-            treespec.ChainBuilder(16, min_confidence=0.4))
+            target, SwitchDrafter(int4(), head_depth=4), chain16)
         # cheaper passes may pay for longer 0.5B chains (HF assisted drafts up to 20, stopped at 0.4)
         methods["switch chain16 head8 int4"] = treespec.SpeculativeGenerator(
-            target, SwitchDrafter(ModelDrafter(small4.model, target.vocab_size), head_depth=8),
-            treespec.ChainBuilder(16, min_confidence=0.4))
-        # the same drafts kept as a tree: best-first expanding one node per drafter call (a 1-row
-        # pass, the int4 kernel's best case) while the path's confidence is >= 0.4, as the chain
-        # does, with the runners-up the 0.5B already scored kept as leaves up to 17 nodes: where
-        # the chain's draft is rejected, the target's token may be one of them (a pass over 17
-        # tokens costs about one over 9)
-        # 16 nodes: a tile of AMX rows; the target's pass over 17-24 tokens costs ~20 % more than
-        # over 16 (the calibration's t(n)), which best17 paid at every step
+            target, SwitchDrafter(int4(), head_depth=8), chain16)
         for budget in (16, 17):
             methods[f"switch best{budget} head8 int4"] = treespec.SpeculativeGenerator(
-                target, SwitchDrafter(ModelDrafter(small4.model, target.vocab_size), head_depth=8),
-                treespec.BestFirstBuilder(budget, max_width=1, max_rounds=16, min_confidence=0.4))
+                target, SwitchDrafter(int4(), head_depth=8), best_first(budget))
         if any("int4" in name.split() and name.endswith("vocab32k") for name in chosen):
-            # the same 4-bit 0.5B with a 4-bit head over 32k ids (sliced from its tied embeddings)
+            # the same 4-bit decoder under a 4-bit head over 32k ids (sliced from the full head)
             kept = frequent_vocab(target.tokenizer, DRAFT_VOCAB, eos)
-            small4v = ModelDrafter(small4.model, target.vocab_size, draft_vocab=kept, weights="int4")
             methods["switch chain16 head8 int4 vocab32k"] = treespec.SpeculativeGenerator(
-                target, SwitchDrafter(small4v, head_depth=8), treespec.ChainBuilder(16, min_confidence=0.4))
+                target, SwitchDrafter(int4(draft_vocab=kept, weights="int4"), head_depth=8), chain16)
             methods["switch best16 head8 int4 vocab32k"] = treespec.SpeculativeGenerator(
-                target, SwitchDrafter(ModelDrafter(small4.model, target.vocab_size, draft_vocab=kept, weights="int4"),
-                                      head_depth=8),
-                treespec.BestFirstBuilder(16, max_width=1, max_rounds=16, min_confidence=0.4))
+                target, SwitchDrafter(int4(draft_vocab=kept, weights="int4"), head_depth=8), best_first(16))
     missing: dict[str, str] = {}
     if "0.5b auto int4" in chosen:   # keyed "qwen2.5-coder-0.5b[weights=int4]": its own calibration
         key = small4.registry_name

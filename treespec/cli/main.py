@@ -347,10 +347,9 @@ def cmd_demo(args) -> int:
     q = questions[args.question]
     target = _load_target(args)
     if args.budget == "auto":   # calibrate the drafter as loaded: its options change its costs
-        from treespec.drafters import drafter_key, split_drafter_key
+        from treespec.drafters.base import drafter_key, merged_options
 
-        name, named = split_drafter_key(args.drafter)
-        key = drafter_key(name, {**named, **drafter_options(args.drafter_option)})
+        key = drafter_key(*merged_options(args.drafter, drafter_options(args.drafter_option)))
         if key is None:
             raise ValueError(f"--drafter-option: {args.drafter_option} cannot name a calibration (a value with "
                              f"one of [],=); give --budget a number instead of auto")

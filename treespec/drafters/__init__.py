@@ -8,8 +8,8 @@ import inspect
 import torch
 
 from treespec.drafters.base import (
-    Drafter, PartialTree, TargetFeatures, drafter_factory, drafter_key, register_drafter, registered_drafters,
-    split_drafter_key,
+    Drafter, PartialTree, TargetFeatures, drafter_factory, drafter_key, merged_options, register_drafter,
+    registered_drafters, split_drafter_key,
 )
 from treespec.drafters.batched import BatchDrafter, LoopBatchDrafter, as_batch_drafter
 from treespec.drafters.lookup import LookupConfig, LookupDrafter
@@ -35,11 +35,7 @@ def load_drafter(name: str, target, **options) -> Drafter:
 
     The drafter remembers ``drafter_key(name, options)`` as ``registry_name``: calibrations
     are keyed by it, so a drafter loaded with other options is measured on its own."""
-    name, named = split_drafter_key(name)
-    if twice := sorted(set(named) & set(options)):
-        raise ValueError(f"drafter option {', '.join(map(repr, twice))} given both in the name and as an "
-                         "argument; give it once")
-    options = {**named, **options}
+    name, options = merged_options(name, options)
     factory = drafter_factory(name)
     params = inspect.signature(factory).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):

@@ -317,6 +317,17 @@ def split_drafter_key(key: str) -> tuple[str, dict[str, object]]:
     return name, options
 
 
+def merged_options(name: str, options: dict[str, object]) -> tuple[str, dict[str, object]]:
+    """(the registered name, every option) of ``load_drafter(name, target, **options)``, where
+    ``name`` may carry options too (``"lookup[min_ngram=3]"``); an option given both ways is a
+    ValueError."""
+    name, named = split_drafter_key(name)
+    if twice := sorted(set(named) & set(options)):
+        raise ValueError(f"drafter option {', '.join(map(repr, twice))} given both in the name and as an "
+                         "argument; give it once")
+    return name, {**named, **options}
+
+
 def drafter_names(text: str) -> list[str]:
     """A comma-separated list of drafter keys, whose own options are comma-separated inside
     brackets: ``"eagle3,qwen2.5-coder-0.5b[weights=int4,x=1]"`` -> the two keys."""

@@ -48,6 +48,14 @@ def output_vocab_size(model: torch.nn.Module) -> int:
     return int(model.config.vocab_size)
 
 
+def check_weights(weights: str | None) -> str | None:
+    """``weights`` if it is a value ``ModelDrafter`` takes (None: the model's own, "int4"), else
+    a ValueError."""
+    if weights not in (None, "int4"):
+        raise ValueError(f"weights must be None (the model's own) or 'int4', got {weights!r}")
+    return weights
+
+
 class ModelDrafter:
     """Drafts with an independent HF causal LM (see module docstring)."""
 
@@ -222,10 +230,8 @@ class ModelDrafter:
 
     def _quantize(self, weights: str | None):
         """(weights, the quantizer's report) for ``weights`` None (as loaded) or "int4"."""
-        if weights is None:
+        if check_weights(weights) is None:
             return None, None
-        if weights != "int4":
-            raise ValueError(f"weights must be None (the model's own) or 'int4', got {weights!r}")
         if self.vocab_head is None:
             return weights, quantize_linears(self.model)     # checks the dtype and device first
         report = quantize_linears(self.model, skip=(self.model.get_output_embeddings(),))   # unused: sliced
@@ -332,9 +338,7 @@ def _qwen_coder_small_factory(target, draft_vocab: int | None = None, weights: s
     from treespec.drafters.checkpoint import CheckpointMismatch
     from treespec.targets.loader import load_qwen_coder_0_5b
 
-    if weights is not None:   # refused before 2 GB are loaded
-        if weights != "int4":
-            raise ValueError(f"weights must be None (the model's own) or 'int4', got {weights!r}")
+    if check_weights(weights) is not None:   # refused before 2 GB are loaded
         check_int4_dtype(target.dtype, f"the target {target.name}, whose dtype the drafter takes,")
     if target.vocab_size != QWEN_VOCAB:   # refused before 2 GB are loaded
         raise CheckpointMismatch(f"qwen2.5-coder-0.5b drafts in Qwen2.5's {QWEN_VOCAB}-token vocabulary; "
