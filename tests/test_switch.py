@@ -7,7 +7,9 @@
   Llama, V = 8, exact law of the first 3 tokens, pooled chi-square on seeded runs), with a
   repeating prompt so that both kinds of tree are drafted;
 - greedy: token-identical to HF ``generate`` on a tiny model, with an independent tiny model as
-  the head (a ``ModelDrafter``: the head's KV cache skips the lookup trees and catches up).
+  the head (a ``ModelDrafter``: the head's KV cache skips the lookup trees and catches up);
+- ``SwitchBuilder``: each kind of tree built by its own builder, chosen before the tree from the
+  committed text (``next_mode``), and its errors.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import pytest
 import torch
 
 from treespec import SpeculativeGenerator, load_drafter
-from treespec.builders import BestFirstBuilder, ChainBuilder, DynamicTreeBuilder
+from treespec.builders import BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SwitchBuilder
+from treespec.core.sampling import SamplingConfig
 from treespec.drafters import HybridConfig, HybridDrafter, LookupConfig, ModelDrafter, PartialTree, SwitchDrafter
 from treespec.drafters import TargetFeatures
 from treespec.targets.loader import tiny_llama
@@ -108,12 +111,49 @@ def test_bad_heads_and_registry() -> None:
     assert drafter.lookup.config.min_ngram == 2 and drafter.vocab_size == 8
 
 
+def test_next_mode_says_who_drafts_the_next_tree_without_counting_it() -> None:
+    lookup, _ = switch_of([4, 7, 2, 9, 4, 7])
+    head, _ = switch_of([4, 7, 2, 9, 3, 8])
+    assert (lookup.next_mode(), head.next_mode()) == ("lookup", "head")
+    assert lookup.lookup_trees == head.head_trees == 0
+    with pytest.raises(RuntimeError, match="begin"):
+        SwitchDrafter(TableDrafter(10, seed=0)).next_mode()
+
+
+# ---------------------------------------------------------------- SwitchBuilder
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def test_switch_builder_builds_each_kind_of_tree_with_its_own_builder() -> None:
+    builder = SwitchBuilder(head=ChainBuilder(2), lookup=ChainBuilder(6))
+    assert builder.budget == 7
+    lookup, head_of_lookup = switch_of([4, 7, 2, 9, 4, 7, 2, 9, 4, 7])     # the text repeats: 2 9 4 7 ...
+    built = builder.build(lookup, 7, GREEDY, None)
+    assert lookup.mode == "lookup" and head_of_lookup.calls == 0
+    assert built.tree.tokens.tolist() == [7, 2, 9, 4, 7, 2, 9]             # the lookup's chain of 6
+    head, table = switch_of([4, 7, 2, 9, 3, 8])
+    built = builder.build(head, 8, GREEDY, None)
+    assert head.mode == "head" and table.calls == 2 and built.tree.num_nodes == 3   # the head's chain of 2
+
+
+def test_switch_builder_refuses_other_drafters_and_non_builders() -> None:
+    with pytest.raises(TypeError, match="SwitchDrafter"):
+        SwitchBuilder(ChainBuilder(2), ChainBuilder(4)).build(TableDrafter(10, seed=0), 3, GREEDY, None)
+    with pytest.raises(TypeError, match="lookup must be a tree builder"):
+        SwitchBuilder(ChainBuilder(2), object())
+    with pytest.raises(TypeError, match="plain builder"):
+        SwitchBuilder(SwitchBuilder(ChainBuilder(2), ChainBuilder(4)), ChainBuilder(4))
+
+
 # ---------------------------------------------------------------- sampling exactness, end to end
 BUILDERS = {
     "chain": lambda mode: ChainBuilder(k=3, mode=mode),
     "chain_conf": lambda mode: ChainBuilder(k=5, mode=mode, min_confidence=0.4),
     "dynamic": lambda mode: DynamicTreeBuilder(budget=10, depth=3, top_k=3, mode=mode),
     "best_first": lambda mode: BestFirstBuilder(budget=10, max_width=3, max_rounds=3, mode=mode),
+    # head trees best-first, lookup trees a longer chain
+    "switch": lambda mode: SwitchBuilder(BestFirstBuilder(budget=6, max_width=2, max_rounds=2, mode=mode),
+                                         ChainBuilder(k=5, mode=mode, min_confidence=0.4)),
 }
 PROMPT = [5, 1, 5, 1, 5]  # "1 5" recurs: the first tree is a lookup tree
 CASES = [  # (builder, draft mode, sampling, verification rule)
@@ -121,6 +161,7 @@ CASES = [  # (builder, draft mode, sampling, verification rule)
     ("chain_conf", "deterministic", "T0.7_top_p0.8", "token"),
     ("dynamic", "without_replacement", "T1", "token"),
     ("best_first", "with_replacement", "T1", "traversal"),
+    ("switch", "without_replacement", "T0.7_top_p0.8", "token"),
 ]
 
 
@@ -148,6 +189,10 @@ def test_switch_first_tokens_follow_the_target_law(case) -> None:
 
 def test_switch_first_tokens_follow_the_target_law_smoke() -> None:
     check_law("dynamic", "without_replacement", "T1", "token", SMOKE_SAMPLES, seed0=0)
+
+
+def test_switch_builder_first_tokens_follow_the_target_law_smoke() -> None:
+    check_law("switch", "with_replacement", "T1", "traversal", SMOKE_SAMPLES, seed0=1)
 
 
 # ---------------------------------------------------------------- greedy = HF generate

@@ -8,7 +8,7 @@ except _NotInstalled:  # a source checkout on sys.path without `pip install -e .
     __version__ = "0+unknown"
 
 from treespec.builders import (
-    BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder,
+    BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SequoiaBuilder, StaticTreeBuilder, SwitchBuilder,
 )
 from treespec.core import (
     Acceptance, DraftTree, RequestAcceptance, SamplingConfig, TreeBatch, VerifyInputs, accept, accept_batch,
@@ -37,6 +37,7 @@ __all__ = [
     "BestFirstBuilder",
     "SequoiaBuilder",
     "StaticTreeBuilder",
+    "SwitchBuilder",
     "optimal_tree",
     "ChainBuilder",
     "DraftTree",

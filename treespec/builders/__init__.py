@@ -9,6 +9,8 @@ drafter call per depth level (per round for best-first), never one per node.
     DynamicTreeBuilder(budget, depth, top_k)    EAGLE-2: expand the best frontier, rerank
     BestFirstBuilder(budget, max_width, max_rounds)   SpecExec: best-first rounds, early stop
     SequoiaBuilder(budget, depth, acceptance)   Sequoia's DP-optimal static topology
+    SwitchBuilder(head, lookup)                 a SwitchDrafter's head trees by one builder,
+                                                its lookup trees by another
 
 ``mode`` = "deterministic" (ranked candidates) | "with_replacement" (i.i.d. draws from q) |
 "without_replacement" (sequential draws); each mode is verified with its exact rule. A greedy
@@ -27,9 +29,10 @@ from treespec.builders.chain import ChainBuilder
 from treespec.builders.dynamic import DynamicTreeBuilder
 from treespec.builders.sequoia import SequoiaBuilder
 from treespec.builders.static import StaticTreeBuilder, default_choices
+from treespec.builders.switch import SwitchBuilder
 
 __all__ = [
     "BestFirstBuilder", "BuildJob", "BuiltTree", "ChainBuilder", "ExpandCall", "build_batch",
     "run_alone", "DynamicTreeBuilder", "SequoiaBuilder",
-    "StaticTreeBuilder", "TreeBuilder", "default_choices", "draw_children",
+    "StaticTreeBuilder", "SwitchBuilder", "TreeBuilder", "default_choices", "draw_children",
 ]

@@ -337,10 +337,18 @@ class SwitchDrafter:
         if not history or tree.tokens[0] != history[-1]:
             raise ValueError("the tree's root is not the last committed token: call begin() before "
                              "expand(), and commit() after every verified tree")
-        if self.lookup._votes(np.asarray(history, dtype=np.int64)):
+        if self.next_mode() == "lookup":
             self.mode, self.lookup_trees = "lookup", self.lookup_trees + 1
         else:
             self.mode, self.head_trees = "head", self.head_trees + 1
+
+    def next_mode(self) -> str:
+        """"lookup" or "head": which drafter drafts the next tree, from the committed text alone
+        (the lookup where its last ``min_ngram`` or more tokens occurred earlier)."""
+        history = self.lookup.history
+        if not history:
+            raise RuntimeError("call begin() before asking which drafter drafts the next tree")
+        return "lookup" if self.lookup._votes(np.asarray(history, dtype=np.int64)) else "head"
 
 
 @register_drafter("hybrid")
