@@ -2,7 +2,8 @@
 kept ids and 30 below the row's lowest kept logit elsewhere (full support, argmax always kept);
 decoding with it stays exact (greedy = HF ``generate``; the first tokens' law at T = 1 is the
 target's, by a seeded chi-square test); its errors name the fix; and the ranking it is built from
-counts the replies' tokens."""
+counts the replies' tokens. ``context_vocab``: the prompt's ids and those committed since get the
+model's own logits too, and decoding stays exact."""
 
 from __future__ import annotations
 
@@ -129,3 +130,65 @@ def test_a_head_with_scaled_logits_is_refused() -> None:
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         ModelDrafter(model, 16, draft_vocab=[1, 2])
+
+
+# ---------------------------------------------------------------- context_vocab
+def test_context_vocab_scores_the_prompts_and_the_committed_ids_with_the_model() -> None:
+    model = peaky_llama(16, seed=3, hidden_size=32, num_layers=2, std=0.3)
+    full, grown = ModelDrafter(model, 16), ModelDrafter(model, 16, draft_vocab=[1, 4], context_vocab=True)
+    prompt = torch.tensor([3, 8, 1, 6, 3])
+    for d in (full, grown):
+        d.begin(prompt, TargetFeatures.empty())
+    assert grown.context_ids == [3, 8, 6]            # the prompt's ids outside draft_vocab, first use first
+    tree = PartialTree.rooted(3)
+    want, got = full.expand(tree, [0]), grown.expand(tree, [0])
+    scored = [1, 3, 4, 6, 8]
+    torch.testing.assert_close(got[:, scored], want[:, scored], atol=1e-5, rtol=0)
+    rest = [t for t in range(16) if t not in scored]
+    floor = want[:, scored].amin(-1, keepdim=True) - 30.0
+    torch.testing.assert_close(got[:, rest], floor.expand(-1, len(rest)), atol=1e-5, rtol=0)
+    # a committed token new to the context (11, the bonus) is scored from the next tree on
+    for d in (full, grown):
+        d.commit(torch.tensor([], dtype=torch.long), torch.tensor([11]), TargetFeatures.empty())
+    assert grown.context_ids == [3, 8, 6, 11]
+    tree = PartialTree.rooted(11)
+    want, got = full.expand(tree, [0]), grown.expand(tree, [0])
+    torch.testing.assert_close(got[:, scored + [11]], want[:, scored + [11]], atol=1e-5, rtol=0)
+    grown.begin(torch.tensor([2, 6]), TargetFeatures.empty())       # a new request starts afresh
+    assert grown.context_ids == [2, 6]
+
+
+def test_context_vocab_greedy_output_equals_hf_generate_and_drafts_the_committed_ids() -> None:
+    target = peaky_target(16, seed=7, std=0.3, num_layers=2)
+    target.model.generation_config.eos_token_id = 15
+    prompt = torch.tensor([3, 8, 1, 3, 8])
+    ref = hf_greedy(target.model, prompt, target.eos_token_ids, 24)
+    assert ref[3:] == [5] * 21            # the reply repeats an id neither the prompt nor [0, 2] holds
+    accepted = {}
+    for context_vocab in (False, True):
+        drafter = ModelDrafter(noisy_copy(target.model, 0.02), 16, draft_vocab=[0, 2], context_vocab=context_vocab)
+        res = SpeculativeGenerator(target, drafter, DynamicTreeBuilder(budget=8, depth=3, top_k=3)).generate(
+            prompt, 24, temperature=0.0)
+        assert res.token_ids.tolist() == ref, context_vocab
+        accepted[context_vocab] = sum(res.stats.depth_accepts)
+    # draft_vocab alone can never propose 5; once committed, the context's ids include it
+    assert accepted == {False: 0, True: accepted[True]} and accepted[True] >= 10, accepted
+
+
+def test_context_vocab_first_tokens_follow_the_target_law_at_t1() -> None:
+    target = peaky_target(8, seed=1, std=0.3)
+    drafter = ModelDrafter(noisy_copy(target.model, 0.2), 8, draft_vocab=[0, 2], context_vocab=True)
+    gen = SpeculativeGenerator(target, drafter, DynamicTreeBuilder(budget=10, depth=2, top_k=3))
+    sampling = SamplingConfig(temperature=1.0)
+    law = exact_law(target.model, [5, 1], sampling)
+    counts, _, attempts, accepts = sample_counts(gen, [5, 1], sampling, 1_500, seed0=11)
+    assert 0 < accepts < attempts
+    pvalue, cells = pooled_chisquare(counts, law)
+    assert pvalue > P_MIN, f"chi-square p = {pvalue:.2e} over {cells} cells"
+
+
+def test_context_vocab_needs_a_draft_vocab_and_a_bool() -> None:
+    with pytest.raises(ValueError, match="pass draft_vocab"):
+        ModelDrafter(peaky_llama(16), 16, context_vocab=True)
+    with pytest.raises(TypeError, match="context_vocab must be a bool"):
+        ModelDrafter(peaky_llama(16), 16, draft_vocab=[1, 2], context_vocab=1)

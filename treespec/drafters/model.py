@@ -15,6 +15,11 @@ other token gets a logit 30 below the row's lowest kept logit, so q keeps full s
 e^-30 of the mass per token) and the argmax is always a kept id. Lossless as every drafter is:
 acceptance reads the q the tokens were drafted from; only the chance of proposing a rare token
 is given up (:func:`treespec.data.reply_token_ranking` ranks ids by how often replies use them).
+With ``context_vocab=True`` the kept ids also grow by every id of the prompt and of the text
+committed since: the identifiers a code prompt restates are rare in general and common in its
+reply. Their rows are read from the full head (unsliced, as loaded) into a small extra head at
+``begin`` and ``commit``; q stays a function of the committed text and the path, so exactness
+is untouched.
 
 **4-bit weights.** ``weights="int4"`` replaces the drafter model's linear layers, in place, by
 :class:`treespec.fastpath.quant.Int4Linear` (4-bit groups of 32, bf16 activations): a one-token
@@ -64,7 +69,8 @@ class ModelDrafter:
     path_independent = False
 
     def __init__(self, model: torch.nn.Module, target_vocab_size: int | None = None,
-                 cost_kind: str = "early_exit", draft_vocab=None, weights: str | None = None):
+                 cost_kind: str = "early_exit", draft_vocab=None, weights: str | None = None,
+                 context_vocab: bool = False):
         from treespec.targets.loader import check_architecture, context_limit
 
         check_architecture(model)   # its own tree passes need what the target's do
@@ -85,6 +91,17 @@ class ModelDrafter:
         self._slices_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # [K] kept token ids, ascending, and the head over them (None: the model's own head)
         self.draft_vocab, self.vocab_head = self._sliced_head(model, draft_vocab)
+        if not isinstance(context_vocab, bool):
+            raise TypeError(f"context_vocab must be a bool, got {type(context_vocab).__name__}")
+        if context_vocab and draft_vocab is None:
+            raise ValueError("context_vocab=True adds the context's ids to a draft_vocab; without "
+                             "draft_vocab every id is drafted already: pass draft_vocab or drop context_vocab")
+        self.context_vocab = context_vocab
+        # context_vocab: [E] ids of the context outside draft_vocab, in order of first use, and
+        # their head rows [E, D] (and bias [E]); refilled at begin, grown at commit
+        self.context_ids: list[int] = []
+        self._context_rows: torch.Tensor | None = None
+        self._context_bias: torch.Tensor | None = None
         # looked up once: get_decoder() searches attributes, and _forward runs every draft pass
         self._decoder = model.get_decoder() if self.vocab_head is not None else None
         self.weights, self.quant_report = self._quantize(weights)
@@ -100,6 +117,9 @@ class ModelDrafter:
         self.prefix_len = 0
         self.pending = [int(t) for t in prompt_ids.tolist()]
         self.slots = {}
+        if self.context_vocab:
+            self.context_ids, self._context_rows, self._context_bias = [], None, None
+            self._add_context_ids(self.pending)
 
     @torch.inference_mode()
     def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
@@ -136,6 +156,8 @@ class ModelDrafter:
         self.pending = toks[len(fed) - 1:] if fed else self.pending + toks
         self._keep(fed)
         self.slots = {}
+        if self.context_vocab:
+            self._add_context_ids(toks)
 
     def batched(self):
         """The batched form (``treespec.drafters.batched``): one forward of this drafter's model
@@ -181,10 +203,52 @@ class ModelDrafter:
             return out.logits[0, -1:].float() if last_only else out.logits[0].float()
         hidden = self._decoder(input_ids=ids, position_ids=pos, attention_mask=mask,
                                cache=self.cache, use_cache=True).last_hidden_state
-        kept = self.vocab_head(hidden[0, -1:] if last_only else hidden[0]).float()   # [F, K]
-        out = (kept.amin(-1, keepdim=True) - 30.0).expand(-1, self.vocab_size).clone()   # [F, V]
+        rows = hidden[0, -1:] if last_only else hidden[0]                                  # [F, D]
+        kept = self.vocab_head(rows).float()                                               # [F, K]
+        extra = None
+        if self._context_rows is not None:                                                 # [F, E]
+            extra = torch.nn.functional.linear(rows, self._context_rows, self._context_bias).float()
+        floor = kept.amin(-1, keepdim=True) if extra is None else \
+            torch.minimum(kept.amin(-1, keepdim=True), extra.amin(-1, keepdim=True))
+        out = (floor - 30.0).expand(-1, self.vocab_size).clone()                          # [F, V]
         out[:, self.draft_vocab] = kept
+        if extra is not None:
+            out[:, self._context_index] = extra
         return out
+
+    def _add_context_ids(self, tokens: list[int]) -> None:
+        """Add the ids of ``tokens`` that neither ``draft_vocab`` nor the context holds yet."""
+        have = set(self.context_ids)
+        new = []
+        for t in tokens:
+            if t not in have and t not in self._kept:
+                have.add(t)
+                new.append(t)
+        if not new:
+            return
+        weight, bias = self._head_source(self.model)
+        idx = torch.tensor(new, device=weight.device)
+        rows = weight.index_select(0, idx).to(self.device, self.dtype)
+        self._context_rows = rows if self._context_rows is None else torch.cat([self._context_rows, rows])
+        if bias is not None:
+            b = bias.index_select(0, idx).to(self.device, self.dtype)
+            self._context_bias = b if self._context_bias is None else torch.cat([self._context_bias, b])
+        self.context_ids += new
+        self._context_index = torch.tensor(self.context_ids, device=self.device)
+
+    @staticmethod
+    def _head_source(model: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(weight [V, D], bias [V] or None) of ``model``'s LM head, unquantized where it can be."""
+        out = model.get_output_embeddings()
+        weight, bias = getattr(out, "weight", None), getattr(out, "bias", None)   # nn.Linear or PackedLinear
+        if weight is None and getattr(model.config, "tie_word_embeddings", False):
+            # a tied head already in 4 bits (a model quantized by weights="int4"): the input
+            # embeddings still hold its rows, unquantized
+            weight, bias = model.get_input_embeddings().weight, None
+        elif weight is None and isinstance(out, Int4Linear):
+            # an untied one: its dense copy of the 4-bit weights
+            weight = out.dense_weight
+        return weight, bias
 
     def _sliced_head(self, model: torch.nn.Module, draft_vocab) -> tuple[torch.Tensor | None, torch.nn.Module | None]:
         """(kept ids, a linear layer over their rows of the LM head) for ``draft_vocab``; (None, None)."""
@@ -200,16 +264,9 @@ class ModelDrafter:
                              "drafter's vocabulary")
         cfg = model.config
         scaled = [k for k in ("final_logit_softcapping", "logit_scale") if getattr(cfg, k, None) not in (None, 1.0)]
-        out = model.get_output_embeddings()
-        weight, bias = getattr(out, "weight", None), getattr(out, "bias", None)   # nn.Linear or PackedLinear
-        if weight is None and getattr(cfg, "tie_word_embeddings", False):
-            # a tied head already in 4 bits (a model quantized by weights="int4"): the input
-            # embeddings still hold its rows, unquantized
-            weight, bias = model.get_input_embeddings().weight, None
-        elif weight is None and isinstance(out, Int4Linear):
-            # an untied one: its dense copy of the 4-bit weights (weights="int4" quantizes the
-            # slice again, to the same groups up to bf16 rounding)
-            weight = out.dense_weight
+        # a 4-bit head's rows come from its dense copy (weights="int4" quantizes the slice again,
+        # to the same groups up to bf16 rounding) or, tied, from the input embeddings
+        weight, bias = self._head_source(model)
         if scaled or weight is None or weight.dim() != 2 or not hasattr(model, "get_decoder"):
             has = f"its logits scaled ({', '.join(scaled)})" if scaled else "no linear LM head after a decoder"
             raise ValueError(f"draft_vocab needs a plain linear LM head after the decoder; {type(model).__name__} "
@@ -226,6 +283,7 @@ class ModelDrafter:
         head = torch.nn.Sequential(sliced).requires_grad_(False).eval()
         if is_packed(model):
             pack_linears(head)
+        self._kept = set(ids.tolist())
         return ids.to(self.device), head
 
     def _quantize(self, weights: str | None):
@@ -329,12 +387,14 @@ def frequent_vocab(tokenizer, size: int, always=()) -> list[int]:
 
 
 @register_drafter("qwen2.5-coder-0.5b")
-def _qwen_coder_small_factory(target, draft_vocab: int | None = None, weights: str | None = None) -> ModelDrafter:
+def _qwen_coder_small_factory(target, draft_vocab: int | None = None, weights: str | None = None,
+                              context_vocab: bool = False) -> ModelDrafter:
     """Qwen2.5-Coder-0.5B-Instruct drafting for a target with its tokenizer (the 1.5B), in the
     target's dtype and on its device; parts installed by ``make models-qwen``. ``draft_vocab``:
     draft over that many of the most used ids only (:func:`frequent_vocab`; its LM head is about
     a quarter of the 0.5B's bytes at the full 151,936). ``weights="int4"``: the 0.5B's linear
-    layers in 4 bits (a bf16 target only; see :class:`ModelDrafter`)."""
+    layers in 4 bits (a bf16 target only; see :class:`ModelDrafter`). ``context_vocab``: with
+    ``draft_vocab``, also draft every id of the prompt and of the committed text."""
     from treespec.drafters.checkpoint import CheckpointMismatch
     from treespec.targets.loader import load_qwen_coder_0_5b
 
@@ -349,4 +409,5 @@ def _qwen_coder_small_factory(target, draft_vocab: int | None = None, weights: s
     if target.tokenizer is not None and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise ValueError(f"qwen2.5-coder-0.5b's tokenizer differs from {target.name}'s: an independent drafter "
                          "must share the target's vocabulary (use it with qwen2.5-coder-1.5b)")
-    return ModelDrafter(draft.model, target.vocab_size, draft_vocab=kept, weights=weights)
+    return ModelDrafter(draft.model, target.vocab_size, draft_vocab=kept, weights=weights,
+                        context_vocab=context_vocab)
