@@ -25,6 +25,9 @@ all methods alike):
   assisted generation's assistant (``hf-assisted int4``: the same drafter on both sides); not in
   the default set. ``switch best16 / best17 head8 int4`` keep the int4 switch's drafts as a
   best-first tree (one node per 1-row pass, the runners-up as leaves, 16 or 17 nodes).
+  ``... vocab32k ctx``: the 32k ids plus every id of the prompt and of the reply so far
+  (``context_vocab=True``), in a best-first tree of 16 or 12 nodes; ``switch best16 lookup32 ...`` builds its lookup trees up to 32
+  nodes (``SwitchBuilder``: lookup drafts are free) and its head trees as ``best16``.
 
 Reported per (method, T), over all prompts and per prompt kind: tokens/s (new tokens / (prefill +
 decode) seconds, pooled), τ, the draft / verify time split, speedup over ``hf`` and over
@@ -119,8 +122,10 @@ ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "0.5b chain4", "0.
                "0.5b chain4 vocab32k", "switch chain16 head4 vocab32k",
                "hf-assisted int4", "0.5b chain4 int4", "0.5b tree16 int4", "switch chain16 head4 int4",
                "switch chain16 head8 int4", "switch chain16 head8 int4 vocab32k", "switch best17 head8 int4",
-               "switch best16 head8 int4", "switch best16 head8 int4 vocab32k", "0.5b auto int4")
-DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not m.endswith(("vocab32k", "int4")))
+               "switch best16 head8 int4", "switch best16 head8 int4 vocab32k", "0.5b auto int4",
+               "switch best16 head8 int4 vocab32k ctx", "switch best12 head8 int4 vocab32k ctx",
+               "switch best16 lookup32 head8 int4 vocab32k ctx")
+DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not {"vocab32k", "int4"} & set(m.split()))
 
 
 def drafts_with_the_0_5b(method: str) -> bool:
@@ -307,13 +312,24 @@ def main() -> None:
         for budget in (16, 17):
             methods[f"switch best{budget} head8 int4"] = treespec.SpeculativeGenerator(
                 target, SwitchDrafter(int4(), head_depth=8), best_first(budget))
-        if any("int4" in name.split() and name.endswith("vocab32k") for name in chosen):
+        if any("int4" in name.split() and "vocab32k" in name.split() for name in chosen):
             # the same 4-bit decoder under a 4-bit head over 32k ids (sliced from the full head)
             kept = frequent_vocab(target.tokenizer, DRAFT_VOCAB, eos)
             methods["switch chain16 head8 int4 vocab32k"] = treespec.SpeculativeGenerator(
                 target, SwitchDrafter(int4(draft_vocab=kept, weights="int4"), head_depth=8), chain16)
             methods["switch best16 head8 int4 vocab32k"] = treespec.SpeculativeGenerator(
                 target, SwitchDrafter(int4(draft_vocab=kept, weights="int4"), head_depth=8), best_first(16))
+            # ... and the ids of the prompt and of the reply so far scored too (context_vocab:
+            # a code prompt's identifiers are rare in ShareGPT's replies, common in its own)
+            for budget in (12, 16):    # 12: four fewer of the least likely leaves, ~10 ms less to verify
+                methods[f"switch best{budget} head8 int4 vocab32k ctx"] = treespec.SpeculativeGenerator(
+                    target, SwitchDrafter(int4(draft_vocab=kept, weights="int4", context_vocab=True), head_depth=8),
+                    best_first(budget))
+            # lookup trees (free to draft) up to 32 nodes, the target's next step in cost after 24
+            methods["switch best16 lookup32 head8 int4 vocab32k ctx"] = treespec.SpeculativeGenerator(
+                target, SwitchDrafter(int4(draft_vocab=kept, weights="int4", context_vocab=True), head_depth=8),
+                treespec.SwitchBuilder(best_first(16), treespec.BestFirstBuilder(
+                    32, max_width=4, max_rounds=32, min_confidence=0.4)))
     missing: dict[str, str] = {}
     if "0.5b auto int4" in chosen:   # keyed "qwen2.5-coder-0.5b[weights=int4]": its own calibration
         key = small4.registry_name
