@@ -100,6 +100,18 @@ def sample_counts(gen: SpeculativeGenerator, prompt: list[int], sampling: Sampli
     return counts, steps, attempts, accepts
 
 
+def assert_follows_law(gen: SpeculativeGenerator, prompt: list[int], sampling: SamplingConfig, samples: int,
+                       seed0: int) -> np.ndarray:
+    """Sample ``samples`` seeded runs of ``gen``; assert drafts were both accepted and rejected
+    and the first tokens pass the chi-square test against the target's exact law. -> counts."""
+    law = exact_law(gen.target.model, prompt, sampling)
+    counts, _, attempts, accepts = sample_counts(gen, prompt, sampling, samples, seed0)
+    assert 0 < accepts < attempts, (accepts, attempts)
+    pvalue, cells = pooled_chisquare(counts, law)
+    assert pvalue > P_MIN, f"chi-square p = {pvalue:.2e} over {cells} cells"
+    return counts
+
+
 BUILDERS = {
     "chain": lambda: ChainBuilder(k=2),
     "chain_iid": lambda: ChainBuilder(k=2, mode="with_replacement"),

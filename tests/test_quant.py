@@ -18,7 +18,7 @@ from treespec.fastpath.quant import GROUP, INT4_MAX_ROWS, Int4Linear, dequantize
 
 from _engine_helpers import hf_greedy, one_thread, peaky_target  # noqa: F401
 from test_draft_vocab import noisy_copy
-from test_engine_exactness import P_MIN, exact_law, pooled_chisquare, sample_counts
+from test_engine_exactness import assert_follows_law
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -143,9 +143,4 @@ def test_first_tokens_follow_the_target_law_at_t1() -> None:
     drafter = int4_drafter(target, 0.2, draft_vocab=[0, 2, 3, 5, 7])     # with a sliced (and 4-bit) head too
     assert isinstance(drafter.vocab_head[0], Int4Linear)
     gen = SpeculativeGenerator(target, drafter, DynamicTreeBuilder(budget=10, depth=2, top_k=3))
-    sampling = SamplingConfig(temperature=1.0)
-    law = exact_law(target.model, [5, 1], sampling)
-    counts, _, attempts, accepts = sample_counts(gen, [5, 1], sampling, 1_500, seed0=7)
-    assert 0 < accepts < attempts
-    pvalue, cells = pooled_chisquare(counts, law)
-    assert pvalue > P_MIN, f"chi-square p = {pvalue:.2e} over {cells} cells"
+    assert_follows_law(gen, [5, 1], SamplingConfig(temperature=1.0), 1_500, seed0=7)
