@@ -26,8 +26,9 @@ all methods alike):
   the default set. ``switch best16 / best17 head8 int4`` keep the int4 switch's drafts as a
   best-first tree (one node per 1-row pass, the runners-up as leaves, 16 or 17 nodes).
   ``... vocab32k ctx``: the 32k ids plus every id of the prompt and of the reply so far
-  (``context_vocab=True``), in a best-first tree of 16 or 12 nodes; ``switch best16 lookup32 ...`` builds its lookup trees up to 32
-  nodes (``SwitchBuilder``: lookup drafts are free) and its head trees as ``best16``.
+  (``context_vocab=True``), in a best-first tree of 16 or 12 nodes; ``switch best16 lookup32 ...``
+  builds its lookup trees up to 32 nodes (``SwitchBuilder``: lookup drafts are free) and its head
+  trees as ``best16``.
 
 Reported per (method, T), over all prompts and per prompt kind: tokens/s (new tokens / (prefill +
 decode) seconds, pooled), τ, the draft / verify time split, speedup over ``hf`` and over

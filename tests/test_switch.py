@@ -116,6 +116,9 @@ def test_next_mode_says_who_drafts_the_next_tree_without_counting_it() -> None:
     head, _ = switch_of([4, 7, 2, 9, 3, 8])
     assert (lookup.next_mode(), head.next_mode()) == ("lookup", "head")
     assert lookup.lookup_trees == head.head_trees == 0
+    head.expand(root_tree(8), [0])                  # a head tree; its commit makes "4 7" recur
+    head.commit(torch.tensor([], dtype=torch.long), torch.tensor([4, 7]), EMPTY)
+    assert head.next_mode() == "lookup"
     with pytest.raises(RuntimeError, match="begin"):
         SwitchDrafter(TableDrafter(10, seed=0)).next_mode()
 

@@ -283,6 +283,7 @@ class SwitchDrafter:
         if limit is not None:
             self.max_context, self.max_context_reason = limit, capabilities(head).max_context_reason
         self.mode: str | None = None
+        self._next_mode: str | None = None   # next_mode() for the committed text so far (None: not yet)
         self.lookup_trees = self.head_trees = 0
 
     def __repr__(self) -> str:
@@ -291,7 +292,7 @@ class SwitchDrafter:
     def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
         self.head.begin(prompt_ids, features)
         self.lookup.begin(prompt_ids, features)
-        self.mode = None
+        self.mode = self._next_mode = None
 
     def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
         """FloatTensor[F, V]: the logits of this tree's drafter (chosen at the root)."""
@@ -326,7 +327,7 @@ class SwitchDrafter:
     def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
         self.head.commit(path, tokens, features)
         self.lookup.commit(path, tokens, features)
-        self.mode = None
+        self.mode = self._next_mode = None
 
     def _choose(self, tree: PartialTree, nodes: list[int]) -> None:
         if 0 not in nodes:
@@ -344,11 +345,14 @@ class SwitchDrafter:
 
     def next_mode(self) -> str:
         """"lookup" or "head": which drafter drafts the next tree, from the committed text alone
-        (the lookup where its last ``min_ngram`` or more tokens occurred earlier)."""
-        history = self.lookup.history
-        if not history:
-            raise RuntimeError("call begin() before asking which drafter drafts the next tree")
-        return "lookup" if self.lookup._votes(np.asarray(history, dtype=np.int64)) else "head"
+        (the lookup where its last ``min_ngram`` or more tokens occurred earlier). Searched once
+        per committed text: a ``SwitchBuilder`` asks before the tree, the root expansion again."""
+        if self._next_mode is None:
+            history = self.lookup.history
+            if not history:
+                raise RuntimeError("call begin() before asking which drafter drafts the next tree")
+            self._next_mode = "lookup" if self.lookup._votes(np.asarray(history, dtype=np.int64)) else "head"
+        return self._next_mode
 
 
 @register_drafter("hybrid")
