@@ -1,4 +1,4 @@
-"""Side-by-side timing of two versions of the block kernel (``treespec/fastpath/csrc/panel_gemm.cpp``).
+"""Side-by-side timing of two versions of the block kernel (two revisions, or two instruction sets) (``treespec/fastpath/csrc/panel_gemm.cpp``).
 
 Compiles the kernel source at a git revision (``--base``, default HEAD) and the working tree's,
 under two module names in one process, then times one forward's worth of linear layers of
@@ -12,6 +12,11 @@ the versions before timing.
 With a clean working tree both builds are the same source: an A/A run, which measures the noise
 floor a kernel change must clear on this machine (``results/kernel_aa_avx2.md``: within 4 % at
 41 reps, but identical tiles have differed by up to 13 % between runs on a busy host).
+
+``--isas`` compares instead the working tree's kernel built once and run with its AVX2 and its
+AVX-512 code (the latter only on a CPU with AVX-512 F), the same bits by construction and checked:
+
+    OMP_NUM_THREADS=1 python benchmarks/kernel_ab.py --isas --reps 15 --out benchmarks/results/kernel_isa_amx
 
 Writes benchmarks/results/kernel_ab.{json,md}: median ms per n for each version, their ratio, the
 GFLOP/s they reach, and the CPU model, flags and threads.
@@ -27,7 +32,7 @@ from pathlib import Path
 import torch
 
 from harness import RESULTS, interleaved, machine_info, median_ms, write_results
-from treespec.fastpath.kernels import SOURCE, compile_kernel, pack_blocks
+from treespec.fastpath.kernels import SOURCE, compile_kernel, kernel_isa, pack_blocks
 # SmolLM2-135M: hidden 576, 9 query heads and 3 key-value heads of 64, MLP 1536, vocab 49152
 LAYER = (("q", 576, 576), ("k", 192, 576), ("v", 192, 576), ("o", 576, 576),
          ("gate", 1536, 576), ("up", 1536, 576), ("down", 576, 1536))
@@ -53,31 +58,50 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="HEAD", help="git revision of the kernel to compare against")
     ap.add_argument("--ns", default="1,2,3,4,5,6,7,8,12,16")
+    ap.add_argument("--isas", action="store_true",
+                    help="compare the working tree's AVX2 and AVX-512 kernels instead of two revisions")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS / "kernel_ab"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ns = [int(v) for v in args.ns.split(",")]
+    if args.isas:
+        if kernel_isa() != "avx512":
+            raise SystemExit("--isas needs a CPU with AVX-512 F (this one runs the AVX2 kernels only)")
+        module = compile_kernel(SOURCE, "treespec_panel_gemm_ab_work")
+        versions = {"AVX2": (module, 0), "AVX-512": (module, 1)}   # the module's isa numbers
+    else:
+        versions = revisions(args.base)
+    bench(versions, ns, args)
+
+
+def revisions(base: str) -> dict:
+    """The kernel at git revision ``base`` and the working tree's, each on its default (AVX2) code."""
     root = Path(__file__).resolve().parent.parent
-    rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=root, capture_output=True, text=True,
+    rev = subprocess.run(["git", "rev-parse", "--short", base], cwd=root, capture_output=True, text=True,
                          check=True).stdout.strip()
     old_src = subprocess.run(["git", "show", f"{rev}:{SOURCE.relative_to(root)}"], cwd=root, capture_output=True,
                              text=True, check=True).stdout
     tmp = Path(tempfile.mkdtemp()) / f"panel_gemm_{rev}.cpp"
     tmp.write_text(old_src)
     dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(SOURCE)], cwd=root).returncode != 0
-    versions = {f"base {rev}": compile_kernel(tmp, f"treespec_panel_gemm_ab_{rev}"),
-                "working tree" if dirty else f"HEAD {rev}": compile_kernel(SOURCE, "treespec_panel_gemm_ab_work")}
+    return {f"base {rev}": (compile_kernel(tmp, f"treespec_panel_gemm_ab_{rev}"), None),
+            "working tree" if dirty else f"HEAD {rev}": (compile_kernel(SOURCE, "treespec_panel_gemm_ab_work"), None)}
 
+
+def bench(versions: dict, ns: list[int], args) -> None:
+    """Times and writes ``versions`` (name -> (module, isa number or None for the default))."""
     gen = torch.Generator().manual_seed(0)
     layers = [pack_blocks(exact_blocks(n, k, 4, gen)) for _ in range(LAYERS) for _, n, k in LAYER]
     layers.append(pack_blocks(exact_blocks(VOCAB, HIDDEN, 8, gen)))
     macs = sum(b.blob.shape[0] * 16 * b.blob.shape[1] * 32 for b in layers)
     xs = {n: {k: torch.randn(n, k, generator=gen) for k in (576, 1536)} for n in ns}
 
-    def one_pass(mod, n: int) -> list[torch.Tensor]:
-        return [mod.panel_linear_blocks(xs[n][b.blob.shape[1] * 32], b.blob, b.bits) for b in layers]
+    def one_pass(version: tuple, n: int) -> list[torch.Tensor]:
+        mod, isa = version
+        extra = () if isa is None else (isa,)   # an older revision's module takes no isa
+        return [mod.panel_linear_blocks(xs[n][b.blob.shape[1] * 32], b.blob, b.bits, *extra) for b in layers]
 
     names = list(versions)
     for n in ns:  # the versions agree bit for bit (and warm up)

@@ -4,7 +4,7 @@ Paths (SmolLM2-135M, one process, same prompt prefix, interleaved point by point
 noise hits all alike): fp32 with HF's stock linear layers, fp32 with oneDNN-packed weights, fp32 on
 the panel GEMM (``treespec.fastpath.kernels``, where it builds; all exact fp32 paths), the block kernel
 with HF's stock sdpa attention instead of treespec's grouped sdpa (same numbers, KV heads copied
-per query head), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units).
+per query head), the block kernel's AVX2 build where the CPU runs its AVX-512 one (same bits), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units).
 Each point is one ``TreeVerifier.score`` (forward over n tree nodes with the tree mask after a
 cached prefix of P tokens, then softmax) followed by ``compact`` back to the prefix; the median of
 ``--reps`` is kept. Beside them, the machine's physical limit per dtype:
@@ -27,7 +27,8 @@ import torch
 import treespec
 from harness import RESULTS, figure, interleaved, machine_info, median_ms, save_figure, time_calls, write_results
 from treespec.fastpath.packing import cpu_info
-from treespec.fastpath.kernels import panel_status
+from treespec.fastpath.kernels import kernel_isa, panel_status
+from treespec.fastpath.packing import PackedLinear
 from treespec.core.sampling import SamplingConfig
 from treespec.core.tree import DraftTree
 from treespec.runtime.verifier import TreeVerifier
@@ -90,12 +91,19 @@ def main() -> None:
     prompt = torch.tensor([rng.randrange(49152) for _ in range(args.prefix + 1)])
     if "fp32 blocks" in paths:   # the same kernel with HF's stock attention: what grouped sdpa saves
         paths["fp32 blocks, stock sdpa"] = (torch.float32, "blocks")
+        if kernel_isa() == "avx512":   # the same bits from the AVX2 kernels: what AVX-512 saves
+            paths["fp32 blocks, AVX2"] = (torch.float32, "blocks")
     for name, (dtype, pack) in paths.items():
         target = treespec.load_target("smollm2-135m", dtype=dtype, pack=pack)
         if name.endswith("stock sdpa"):
             target.model.set_attn_implementation("sdpa")
             target = dataclasses.replace(target, speed_path=target.speed_path.split("; attention:")[0]
                                          + "; attention: stock sdpa (switched back for comparison)")
+        if name.endswith("AVX2"):
+            for layer in target.model.modules():
+                if isinstance(layer, PackedLinear):
+                    layer.isa = "avx2"
+            target = dataclasses.replace(target, speed_path=target.speed_path.replace("AVX-512 kernels", "AVX2 kernels"))
         described[name] = target.speed_path
         v = TreeVerifier(target.model, SamplingConfig(temperature=1.0))
         v.prefill(prompt)

@@ -15,8 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from treespec.fastpath.packing import PackedLinear, linear_kernel, pack_linears
-from treespec.fastpath.kernels import block_linear, pack_blocks, pack_panels, panel_linear, panel_status
+from treespec.fastpath.packing import PackedLinear, linear_isa, linear_kernel, pack_linears
+from treespec.fastpath import kernels
+from treespec.fastpath.cpu import CpuInfo
+from treespec.fastpath.kernels import (block_linear, kernel_isa, pack_blocks, pack_panels, panel_linear,
+                                      panel_status)
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from test_fastpath import AVX2_ONLY, random_tree, small_llama, tree_logits
@@ -94,6 +97,61 @@ def test_block_rows_are_batch_invariant() -> None:
     together = block_linear(x, blocks)
     alone = torch.stack([block_linear(x[i:i + 1], blocks)[0] for i in range(64)])
     assert torch.equal(alone, together)
+
+
+needs_avx512 = pytest.mark.skipif(kernel_isa() != "avx512", reason="the CPU lacks AVX-512 F")
+
+
+@needs_panel
+@needs_avx512
+@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0])
+def test_avx512_kernels_give_the_avx2_bits(fmt) -> None:
+    """The AVX-512 kernels (one zmm a panel, up to 16 rows fused, 8-row tiles over fp32 panels)
+    against the AVX2 ones, bit for bit: every row count a tree pass can have (each fused block of
+    1-16 rows and the remainders after 16 and 32), N not a multiple of 16, K over several chunks,
+    blocks and fp32 panels, with a bias."""
+    torch.manual_seed(3)
+    for n_out, k in ((40, 96), (300, 160), (24, 576)):
+        weight = fmt(torch.randn(n_out, k) * 0.05)
+        bias = torch.randn(n_out)
+        blocks, panels = pack_blocks(weight), pack_panels(weight)
+        for rows in (*range(1, 19), 31, 32, 33, 47, 64):
+            x = torch.randn(rows, k)
+            want = block_linear(x, blocks, bias, isa="avx2")
+            assert torch.equal(block_linear(x, blocks, bias, isa="avx512"), want), (n_out, k, rows)
+            assert torch.equal(panel_linear(x, panels, n_out, bias, isa="avx512"), want), (n_out, k, rows)
+            assert torch.equal(panel_linear(x, panels, n_out, bias, isa="avx2"), want), (n_out, k, rows)
+
+
+def test_kernel_isa_follows_the_cpu_and_refuses_what_it_lacks(monkeypatch) -> None:
+    assert kernel_isa(CpuInfo("x", ("avx2", "fma", "avx512f"), "AVX512")) == "avx512"
+    assert kernel_isa(CpuInfo("x", ("avx2", "fma"), "AVX2")) == "avx2"
+    blocks = pack_blocks(gguf_q4_1(torch.randn(16, 32)))
+    with pytest.raises(ValueError, match="isa must be"):
+        block_linear(torch.randn(1, 32), blocks, isa="avx1024")
+    # on a CPU without AVX-512 F the AVX-512 kernels are refused before they run (SIGILL)
+    monkeypatch.setattr(kernels, "cpu_info", lambda: CpuInfo("an AVX2 EPYC", ("avx2", "fma"), "AVX2"))
+    with pytest.raises(ValueError, match="needs AVX-512 F"):
+        block_linear(torch.randn(1, 32), blocks, isa="avx512")
+
+
+@needs_panel
+def test_calibration_file_follows_the_layers_isa() -> None:
+    """A target on the AVX-512 kernels must not plan with a curve the AVX2 kernels measured (its
+    tree passes are cheaper): the ISA the layers run on names the file."""
+    from treespec.planning.calibration import model_calibration_path
+
+    model = quantized_llama()
+    pack_linears(model, kernel="blocks")
+    assert linear_isa(model) == kernel_isa()
+    for isa, suffix in (("avx2", "-blocks"), ("avx512", "-blocks-avx512")):
+        for layer in model.modules():
+            if isinstance(layer, PackedLinear):
+                layer.isa = isa
+        assert linear_isa(model) == isa
+        assert model_calibration_path("m", model).name == f"calibration-m{suffix}.json"
+    with pytest.raises(ValueError, match="isa must be None"):
+        PackedLinear(nn.Linear(32, 16), kernel="onednn", isa="avx2")
 
 
 def quantized_llama(seed: int = 0, tied: bool = False) -> nn.Module:

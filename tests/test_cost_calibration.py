@@ -145,6 +145,13 @@ def test_calibration_round_trip_and_default_path(tmp_path, monkeypatch):
 
     assert default_calibration_path("m", torch.bfloat16).name == "calibration-m-bfloat16.json"
     assert default_calibration_path("m", torch.float32).name == "calibration-m.json"
+    # the panel and block kernels' AVX-512 code has its own curve; AVX2 files keep their names
+    assert default_calibration_path("m", "float32", "blocks", isa="avx512").name == "calibration-m-blocks-avx512.json"
+    assert default_calibration_path("m", "float32", "panel", isa="avx512").name == "calibration-m-panel-avx512.json"
+    assert default_calibration_path("m", "float32", "blocks", isa="avx2").name == "calibration-m-blocks.json"
+    assert default_calibration_path("m", "float32", "onednn", isa="avx512").name == "calibration-m-packed.json"
+    with pytest.raises(ValueError, match="isa must be"):
+        default_calibration_path("m", "float32", "blocks", isa="sse2")
     with pytest.raises(FileNotFoundError, match="run `treespec calibrate"):
         Calibration.load(tmp_path / "missing.json")
     bad = tmp_path / "old.json"

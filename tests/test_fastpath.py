@@ -20,7 +20,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from treespec import SpeculativeGenerator, Target
 from treespec.fastpath.packing import (
-    PANEL_MAX_ROWS, CpuInfo, PackedLinear, _read_cpuinfo, cpu_info, linear_kernel, machine_info, native_bf16,
+    PANEL_MAX_ROWS, CpuInfo, PackedLinear, _read_cpuinfo, cpu_info, linear_isa, linear_kernel, machine_info,
+    native_bf16,
     pack_linears, packing_available, resolve_dtype, unpack_linears,
 )
 from treespec.fastpath.kernels import pack_panels, panel_linear, panel_status
@@ -388,7 +389,7 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
     target = Target.from_hf(model, word_tokenizer(words), name="tiny-demo")
     out = io.StringIO()
     path = ensure_calibration(target, "lookup", out=out)
-    assert path == default_calibration_path("tiny-demo", torch.float32, linear_kernel(model))
+    assert path == default_calibration_path("tiny-demo", torch.float32, linear_kernel(model), isa=linear_isa(model))
     assert "measuring it once" in out.getvalue() and "calibrating" in out.getvalue()
     cal = Calibration.load(path)
     assert "lookup" in cal.acceptance and "lookup@T1" in cal.acceptance and cal.target(16) > 0

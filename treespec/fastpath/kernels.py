@@ -1,4 +1,4 @@
-"""Compiled CPU kernels: the fp32 *panel GEMM* for small-row passes on AVX2 + FMA CPUs.
+"""Compiled CPU kernels: the fp32 *panel GEMM* for small-row passes on AVX2 + FMA and AVX-512 CPUs.
 
 Glossary
 --------
@@ -23,6 +23,14 @@ Glossary
   panel is rebuilt once in L1 and runs the fp32 tiles. Either way every output is the same in-order FMA chain over the same fp32 weights, so
   the outputs are bit-identical to the fp32 panels: the same fp32 target, read from 5x fewer bytes.
 
+- **ISA** — the module holds the kernels twice: for AVX2 + FMA (16 ymm registers, a panel is two
+  of them) and for AVX-512 F (32 zmm registers, a panel is one, up to 16 rows of accumulators),
+  the latter compiled under function-level target options so one build serves both. A CPU with
+  AVX-512 F runs the AVX-512 kernels (:func:`kernel_isa`); their outputs are the same bits
+  (each output is still the same in-order FMA chain), and passes of 4-32 rows of blocks take
+X (``benchmarks/results/kernel_isa_amx.md``); 1-3 rows
+  are bound by reading the weights either way.
+
 The kernel is compiled from source with ``torch.utils.cpp_extension`` the first time it is
 needed (about a minute; cached in PyTorch's extension directory, rebuilt when the source
 changes). Where it cannot be (no AVX2/FMA, no C++ compiler, no ninja), :func:`panel_status`
@@ -42,13 +50,16 @@ import torch
 
 from treespec.fastpath.cpu import CpuInfo, cpu_info
 
-__all__ = ["BLOCK", "PANEL", "BlockPanels", "PanelUnavailable", "block_linear", "pack_blocks", "pack_panels",
-           "panel_linear", "panel_status"]
+__all__ = ["BLOCK", "ISAS", "PANEL", "BlockPanels", "PanelUnavailable", "block_linear", "kernel_isa", "pack_blocks",
+           "pack_panels", "panel_linear", "panel_status"]
 
 PANEL = 16
 BLOCK = 32
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+
+
+ISAS = ("avx2", "avx512")   # the kernels' instruction sets, in the module's numbering (0, 1)
 
 
 class PanelUnavailable(RuntimeError):
@@ -100,10 +111,35 @@ def panel_status(cpu: CpuInfo | None = None, build: bool = True) -> tuple[bool, 
     lacking = [f for f in ("avx2", "fma") if f not in cpu.flags]
     if lacking:
         return False, f"CPU lacks {' and '.join(lacking)} ({cpu.model})"
+    isa = "AVX-512 F" if kernel_isa(cpu) == "avx512" else "AVX2 + FMA"
     if not build:
-        return True, "AVX2 + FMA"
+        return True, isa
     module, why = _build()
-    return module is not None, why or "AVX2 + FMA, kernel built"
+    return module is not None, why or f"{isa}, kernel built"
+
+
+def kernel_isa(cpu: CpuInfo | None = None) -> str:
+    """The kernels' instruction set for ``cpu`` (default: this machine's): "avx512" where it has
+    AVX-512 F, else "avx2". Both give the same bits; AVX-512 is faster from 4 rows."""
+    cpu = cpu if cpu is not None else cpu_info()
+    return "avx512" if "avx512f" in cpu.flags else "avx2"
+
+
+@lru_cache(maxsize=1)
+def _host_isa() -> int:
+    return ISAS.index(kernel_isa())
+
+
+def _isa_index(isa: str | None) -> int:
+    """The module's number for ``isa`` (None: this CPU's best). An ISA the CPU lacks is refused:
+    its instructions would kill the process (SIGILL), not raise."""
+    if isa is None:
+        return _host_isa()
+    if isa not in ISAS:
+        raise ValueError(f"isa must be None (this CPU's best) or one of {ISAS}, got {isa!r}")
+    if isa == "avx512" and "avx512f" not in cpu_info().flags:
+        raise ValueError(f"isa='avx512' needs AVX-512 F, which this CPU lacks ({cpu_info().model}); use 'avx2'")
+    return ISAS.index(isa)
 
 
 def _kernel():
@@ -128,9 +164,11 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` for ``panels = pack_panels(W)``; x [..., K] float32 on the CPU."""
-    return _linear(x, panels.shape[1], out_features, bias, lambda x2: _kernel().panel_linear(x2, panels))
+                 bias: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for ``panels = pack_panels(W)``; x [..., K] float32 on the CPU.
+    ``isa``: one of :data:`ISAS` (default: :func:`kernel_isa`); the outputs are the same bits."""
+    code = _isa_index(isa)
+    return _linear(x, panels.shape[1], out_features, bias, lambda x2: _kernel().panel_linear(x2, panels, code))
 
 
 def _linear(x: torch.Tensor, k: int, out_features: int, bias: torch.Tensor | None, run) -> torch.Tensor:
@@ -310,8 +348,10 @@ def pack_blocks(weight: torch.Tensor) -> BlockPanels | None:
     return None
 
 
-def block_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
+def block_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None = None,
+                 isa: str | None = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for ``blocks = pack_blocks(W)``; bit-identical to
-    :func:`panel_linear` on ``pack_panels(W)``. x [..., K] float32 on the CPU."""
+    :func:`panel_linear` on ``pack_panels(W)``, on either ISA. x [..., K] float32 on the CPU."""
+    code = _isa_index(isa)
     return _linear(x, blocks.blob.shape[1] * BLOCK, blocks.out_features, bias,
-                   lambda x2: _kernel().panel_linear_blocks(x2, blocks.blob, blocks.bits))
+                   lambda x2: _kernel().panel_linear_blocks(x2, blocks.blob, blocks.bits, code))

@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespec.fastpath.cpu import BF16_FLAGS, RELEVANT_FLAGS, CpuInfo, _read_cpuinfo, cpu_info  # noqa: F401 (re-exported)
-from treespec.fastpath.kernels import BlockPanels, block_linear, pack_blocks, pack_panels, panel_linear, panel_status
+from treespec.fastpath.kernels import (ISAS, BlockPanels, block_linear, kernel_isa, pack_blocks, pack_panels,
+                                      panel_linear, panel_status)
 
 __all__ = [
     "CpuInfo",
@@ -50,6 +51,7 @@ __all__ = [
     "PackedLinear",
     "cpu_info",
     "is_packed",
+    "linear_isa",
     "linear_kernel",
     "machine_info",
     "machine_line",
@@ -237,13 +239,14 @@ class PackedLinear(nn.Module):
     exact 4- or 8-bit integer blocks where it is one (a weight dequantized from a GGUF Q4_1 or
     Q8_0 checkpoint is; :func:`treespec.fastpath.kernels.pack_blocks` checks every value), fp32 panels
     where it is not; the outputs are bit-identical to ``"panel"``, from 5.3x (4-bit) or 3.6x
-    (8-bit) fewer bytes.
+    (8-bit) fewer bytes. ``isa`` picks the panel and block kernels' instruction set (one of
+    :data:`treespec.fastpath.kernels.ISAS`; None: the CPU's best); the outputs are the same bits.
     Other inputs take the stock ``F.linear`` on the original weight. The packed copy is rebuilt
     if the weight changes in place (its version counter moves), so it never goes stale.
     """
 
     def __init__(self, linear: nn.Linear, min_rows: int = 1, kernel: str = "onednn",
-                 max_rows: int | None = None, pad_rows: int = 0):
+                 max_rows: int | None = None, pad_rows: int = 0, isa: str | None = None):
         super().__init__()
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"PackedLinear wraps an nn.Linear, got {type(linear).__name__}")
@@ -266,6 +269,10 @@ class PackedLinear(nn.Module):
         if pad_rows and kernel != "onednn":
             raise ValueError(f"pad_rows is an option of the onednn kernel, not {kernel!r}")
         self.pad_rows = pad_rows
+        if isa is not None and (isa not in ISAS or kernel not in PANEL_KERNELS):
+            raise ValueError(f"isa must be None or one of {ISAS}, for the panel and block kernels only; "
+                             f"got {isa!r} with kernel={kernel!r}")
+        self.isa = isa
         self._pack()
 
     def _pack(self) -> None:
@@ -308,15 +315,15 @@ class PackedLinear(nn.Module):
         if _fast_path_ok(x, weight, torch.float32, rows, self.min_rows, self.max_rows):
             packed = self._packed
             if isinstance(packed, BlockPanels):
-                return block_linear(x, packed, bias)
-            return panel_linear(x, packed, self.out_features, bias)
+                return block_linear(x, packed, bias, self.isa)
+            return panel_linear(x, packed, self.out_features, bias, self.isa)
         return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
         rows = f"{self.min_rows}..{self.max_rows}" if self.max_rows is not None else f">= {self.min_rows}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, kernel={self.kernel}, storage={self.storage}, "
-                f"dtype={self.weight.dtype}, rows={rows}")
+                f"dtype={self.weight.dtype}, rows={rows}" + (f", isa={self.isa}" if self.isa else ""))
 
     def unpacked(self) -> nn.Linear:
         """A plain ``nn.Linear`` sharing this module's parameters."""
@@ -370,7 +377,8 @@ def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
             stored = ("as exact 4/8-bit integer blocks where the weights are ones, else as fp32 "
                       "16-column panels" if chosen == "blocks" else "as 16-column panels")
             return _Plan(chosen, 1, PANEL_MAX_ROWS, f"fp32 weights stored {stored}, read once per pass "
-                         f"of 1..{PANEL_MAX_ROWS} rows (treespec.fastpath.kernels); PyTorch's GEMM above")
+                         f"of 1..{PANEL_MAX_ROWS} rows by the {_ISA_NAMES[kernel_isa(cpu)]} kernels "
+                         "(treespec.fastpath.kernels); PyTorch's GEMM above")
         if kernel in PANEL_KERNELS:
             raise ValueError(f"kernel={kernel!r} is not available here: {why}")
         fallback = f" (panel kernel unavailable: {why})"
@@ -391,6 +399,9 @@ def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
                      f"{'AVX-512' if 'avx512f' in cpu.flags else 'AVX2'} CPU (stock F.linear re-packs "
                      f"them on every call){fallback}")
     return f"no packed path for {dtype}"
+
+
+_ISA_NAMES = {"avx2": "AVX2", "avx512": "AVX-512"}
 
 
 def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = None,
@@ -441,6 +452,15 @@ def is_packed(model: nn.Module) -> bool:
 def linear_kernel(model: nn.Module) -> str:
     """One of :data:`KERNELS`, or "stock": the path ``model``'s linear layers run on."""
     return next((m.kernel for m in model.modules() if isinstance(m, PackedLinear)), "stock")
+
+
+def linear_isa(model: nn.Module) -> str | None:
+    """The instruction set (one of :data:`treespec.fastpath.kernels.ISAS`) that ``model``'s panel or
+    block layers run on, or None where its linear layers run on neither."""
+    layer = next((m for m in model.modules() if isinstance(m, PackedLinear)), None)
+    if layer is None or layer.kernel not in PANEL_KERNELS:
+        return None
+    return layer.isa or kernel_isa()
 
 
 def unpack_linears(model: nn.Module) -> int:

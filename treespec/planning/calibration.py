@@ -396,7 +396,7 @@ def acceptance_key(name: str, temperature: float, mode: str = "deterministic") -
 
 
 def default_calibration_path(model: str, dtype: str = "float32", packed: bool | str = False,
-                             attention: str | None = None) -> Path:
+                             attention: str | None = None, isa: str | None = None) -> Path:
     """``$TREESPEC_CACHE/calibration-<model>.json``, else under ``~/.cache/treespec``; weights
     other than float32 get their own file (``calibration-<model>-bfloat16.json``): the CPU's
     verify curve depends on the dtype far more than on anything else. A target whose linear
@@ -405,17 +405,23 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
     panel GEMM on fp32 panels, ``...-blocks.json`` for it on exact integer blocks. A model on
     treespec's grouped sdpa attention (``attention``, the model's attention implementation;
     :mod:`treespec.fastpath.attention`) adds ``-grouped``: its tree passes cost less than stock
-    attention's, so a curve measured with the other must not be reused."""
+    attention's, so a curve measured with the other must not be reused. The panel and block
+    kernels on their AVX-512 code (``isa="avx512"``, :func:`treespec.fastpath.kernels.kernel_isa`)
+    add ``-avx512`` after the kernel: their passes of 4 rows and more cost up to a third less
+    than the AVX2 code's, whose files keep their names."""
     if not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
     kernel_suffix = {False: "", "stock": "", True: "-packed", "onednn": "-packed", "panel": "-panel",
                      "blocks": "-blocks"}
     if packed not in kernel_suffix:
         raise ValueError(f"packed must be a bool or one of 'stock', 'onednn', 'panel', 'blocks'; got {packed!r}")
+    if isa not in (None, "avx2", "avx512"):
+        raise ValueError(f"isa must be None, 'avx2' or 'avx512'; got {isa!r}")
     root = os.environ.get("TREESPEC_CACHE")
     from treespec.fastpath.attention import GROUPED_SDPA
 
     suffix = (("" if dtype == "float32" else f"-{dtype}") + kernel_suffix[packed]
+              + ("-avx512" if isa == "avx512" and packed in ("panel", "blocks") else "")
               + ("-grouped" if attention == GROUPED_SDPA else ""))
     return (Path(root) if root else Path.home() / ".cache" / "treespec") / f"calibration-{model}{suffix}.json"
 
@@ -424,11 +430,12 @@ def model_calibration_path(name: str, model: Any) -> Path:
     """``default_calibration_path`` of a loaded model: its dtype, its linear kernel and its
     attention, read from the model itself (one place, so a new path-changing switch is keyed
     once)."""
-    from treespec.fastpath.packing import linear_kernel
+    from treespec.fastpath.packing import linear_isa, linear_kernel
     from treespec.core.masks import attn_implementation_of
 
     dtype = next(model.parameters()).dtype
-    return default_calibration_path(name, dtype, linear_kernel(model), attn_implementation_of(model))
+    return default_calibration_path(name, dtype, linear_kernel(model), attn_implementation_of(model),
+                                    linear_isa(model))
 
 
 @dataclass(frozen=True)

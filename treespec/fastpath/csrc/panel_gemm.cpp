@@ -1,4 +1,4 @@
-// Panel GEMM for the fp32 tree pass on AVX2 + FMA CPUs: y[M, N] = x[M, K] @ W[N, K]^T.
+// Panel GEMM for the fp32 tree pass on AVX2 + FMA CPUs (and AVX-512 ones, at the end): y[M, N] = x[M, K] @ W[N, K]^T.
 //
 // Glossary
 //   panel   16 output columns of W stored k-major: wp[p, k, j] = W[16 p + j, k], so one pass over
@@ -230,12 +230,177 @@ void fused_panels(const float* x, int64_t K, const uint8_t* blob, int64_t p0, in
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// The same kernels for CPUs with AVX-512 F, compiled into this module under
+// function-level target options and chosen at run time by the caller (the `isa` argument), never
+// on a CPU without them. A panel is exactly one zmm register, so a weight row costs half the
+// instructions, and the 32 zmm registers hold up to 16 rows of accumulators. Every output is
+// still the same in-order FMA chain over k from 0 with the same fp32 weights, so the results are
+// bit-identical to the AVX2 kernels above, lane for lane.
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace avx512 {
+
+constexpr int kRows = 8;  // rows per tile over fp32 panels: 8 accumulators + 1 weight register
+
+// R rows times G adjacent panels over kc values of k, R G zmm accumulators (see tile above).
+template <int R, int G>
+inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t wstride, int64_t kc,
+                 float* __restrict y, int64_t ldy, bool accumulate, bool prefetch) {
+  __m512 a[R][G];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) a[r][g] = accumulate ? _mm512_loadu_ps(y + r * ldy + kPanel * g) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 wv[G];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const float* wg = w + g * wstride + kPanel * k;
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetch), _MM_HINT_T0);
+      wv[g] = _mm512_loadu_ps(wg);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) a[r][g] = _mm512_fmadd_ps(xv, wv[g], a[r][g]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(y + r * ldy + kPanel * g, a[r][g]);
+}
+
+// Every row of x over one chunk of G panels: blocks of kRows rows (G = 1) or one block of R
+// rows (G > 1, R = M), then the rest.
+template <int R, int G>
+inline void rows(const float* x, int64_t M, int64_t K, int64_t k0, const float* w, int64_t wstride, int64_t kc,
+                 float* y, int64_t ldy, bool prefetch) {
+  const bool acc = k0 > 0;
+  int64_t r = 0;
+  for (; r + R <= M; r += R) tile<R, G>(x + r * K + k0, K, w, wstride, kc, y + r * ldy, ldy, acc, prefetch && r == 0);
+  const float* xr = x + r * K + k0;
+  float* yr = y + r * ldy;
+  const bool pf = prefetch && r == 0;
+  switch (M - r) {
+    case 7: if constexpr (R > 7) tile<7, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 6: if constexpr (R > 6) tile<6, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 5: if constexpr (R > 5) tile<5, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 4: if constexpr (R > 4) tile<4, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 3: if constexpr (R > 3) tile<3, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 2: if constexpr (R > 2) tile<2, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 1: if constexpr (R > 1) tile<1, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    default: break;
+  }
+}
+
+template <int R, int G>
+int64_t panels(const float* x, int64_t M, int64_t K, const float* w, int64_t p0, int64_t p1, float* y,
+               int64_t ldy) {
+  int64_t p = p0;
+  for (; p + G <= p1; p += G) {
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      const int64_t kc = std::min(K, k0 + kChunk) - k0;
+      rows<R, G>(x, M, K, k0, w + p * K * kPanel + kPanel * k0, K * kPanel, kc, y + kPanel * p, ldy, true);
+    }
+  }
+  return p;
+}
+
+void panel_linear(const float* x, int64_t M, int64_t K, const float* w, int64_t p0, int64_t p1, float* y,
+                  int64_t ldy) {
+  int64_t p = p0;
+  if (M == 1) p = panels<1, 4>(x, M, K, w, p, p1, y, ldy);
+  else if (M == 2) p = panels<2, 3>(x, M, K, w, p, p1, y, ldy);
+  else if (M == 3) p = panels<3, 2>(x, M, K, w, p, p1, y, ldy);
+  panels<kRows, 1>(x, M, K, w, p, p1, y, ldy);
+}
+
+// Row k of a record's q as 16 floats, column j in lane j. 4 bits: the row's 8 bytes in both
+// halves of 16 lanes, the low nibbles kept in lanes 0-7 and the high ones in lanes 8-15.
+template <int Bits>
+inline __m512 unpack_row(const uint8_t* __restrict qb, int64_t k, __m512i shifts, __m512 levels) {
+  if constexpr (Bits == 4) {
+    const __m128i v = _mm_set1_epi64x(*reinterpret_cast<const int64_t*>(qb + k * 8));
+    const __m512i q = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(v), shifts);
+    return _mm512_permutexvar_ps(q, levels);  // reads each lane's low 4 bits: the nibble, as a float
+  } else {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qb + k * 16))));
+  }
+}
+
+// R rows (R <= 16) times one block-quantized panel over all of k: each panel row of weights is
+// rebuilt in a register, fma(q, d, m), and multiplied into the R accumulators at once. rec is
+// the panel's first record; the R rows are x[r K ..] and y[r ldy ..].
+template <int R, int Bits>
+inline void fused_panel(const float* __restrict x, int64_t K, const uint8_t* __restrict rec, float* __restrict y,
+                        int64_t ldy) {
+  constexpr int64_t kRec = record_bytes<Bits>();
+  constexpr int64_t kAheadBytes = 4 * kRec;
+  const __m512i shifts = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512 a[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  const int64_t blocks = K / kBlock;
+  for (int64_t b = 0; b < blocks; ++b, rec += kRec) {
+    for (int64_t line = 0; line < kRec; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kAheadBytes + line), _MM_HINT_T0);
+    const float* s = reinterpret_cast<const float*>(rec);
+    const __m512 d = _mm512_load_ps(s);
+    const __m512 m = Bits == 4 ? _mm512_load_ps(s + 16) : _mm512_setzero_ps();
+    const uint8_t* qb = rec + (Bits == 4 ? 128 : 64);
+    const float* xb = x + b * kBlock;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const __m512 w = _mm512_fmadd_ps(unpack_row<Bits>(qb, k, shifts, levels), d, m);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + k]), w, a[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, a[r]);
+}
+
+constexpr int kFusedRows = 16;  // rows per fused block: 16 accumulators + d, m, shifts, mask, w
+
+template <int Bits, int R = kFusedRows>
+inline void fused_rows(const float* x, int64_t rows, int64_t K, const uint8_t* rec, float* y, int64_t ldy) {
+  if constexpr (R > 0) {
+    if (rows == R) fused_panel<R, Bits>(x, K, rec, y, ldy);
+    else fused_rows<Bits, R - 1>(x, rows, K, rec, y, ldy);
+  }
+}
+
+// Block-quantized panels [p0, p1) for all M rows, 16 rows at a time (the panel's records are in
+// L1 after the first block of rows).
+template <int Bits>
+void block_panels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1, float* y,
+                  int64_t ldy) {
+  constexpr int64_t kRec = record_bytes<Bits>();
+  const int64_t blocks = K / kBlock;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* rec = blob + p * blocks * kRec;
+    for (int64_t r = 0; r < M; r += kFusedRows)
+      fused_rows<Bits>(x + r * K, std::min<int64_t>(kFusedRows, M - r), K, rec, y + r * ldy + kPanel * p, ldy);
+  }
+}
+
+}  // namespace avx512
+#pragma GCC pop_options
+
 }  // namespace
 
 // x [M, K] float32 contiguous; wp [P, K, 16] float32 contiguous -> y [M, 16 P].
 // 1-3 rows are memory-bound: they read 4, 3 or 2 panels at once (more read streams in flight,
 // 15-20 % faster here); more rows are compute-bound and use 6-row blocks over one panel.
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp) {
+// isa: 0 = the AVX2 kernels, 1 = the AVX-512 ones (only on a CPU with AVX-512 F;
+// the caller checks). The outputs are the same bits either way.
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp, int64_t isa) {
+  TORCH_CHECK(isa == 0 || isa == 1, "panel_linear: isa must be 0 (AVX2) or 1 (AVX-512), got ", isa);
   TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == kPanel, "panel_linear: x [M, K], wp [P, K, 16]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat, "panel_linear: float32 only");
   TORCH_CHECK(x.is_contiguous() && wp.is_contiguous(), "panel_linear: contiguous inputs only");
@@ -247,6 +412,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp) {
   const float* w = wp.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+    if (isa == 1) return avx512::panel_linear(xp, M, K, w, p0, p1, yp, ldy);
     int64_t p = p0;
     if (M == 1) p = panels<1, 4>(xp, M, K, w, p, p1, yp, ldy);
     else if (M == 2) p = panels<2, 3>(xp, M, K, w, p, p1, yp, ldy);
@@ -261,7 +427,8 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp) {
 // 32 rows (4 bits: 8 bytes a row, byte j = column j in its low nibble, column j + 8 in its high
 // one; 8 bits: 16 signed bytes a row). W[16 p + j, k] = d[j] q[k][j] + m[j] exactly. Returns
 // y [M, 16 P], bit-identical to panel_linear on the dequantized panels.
-torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits) {
+torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, int64_t isa) {
+  TORCH_CHECK(isa == 0 || isa == 1, "panel_linear_blocks: isa must be 0 (AVX2) or 1 (AVX-512), got ", isa);
   TORCH_CHECK(bits == 4 || bits == 8, "panel_linear_blocks: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2 && blob.dim() == 3, "panel_linear_blocks: x [M, K], blob [P, K / 32, record]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && blob.scalar_type() == at::kByte, "panel_linear_blocks: x float32, blob uint8");
@@ -280,6 +447,7 @@ torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& b
   auto run = [&](auto bits_tag) {
     constexpr int B = decltype(bits_tag)::value;
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+      if (isa == 1) return avx512::block_panels<B>(xp, M, K, bp, p0, p1, yp, ldy);
       switch (M) {  // 1-4 rows: fused; more rows share one dequantized chunk per panel
         case 1: fused_panels<1, B>(xp, K, bp, p0, p1, yp, ldy); break;
         case 2: fused_panels<2, B>(xp, K, bp, p0, p1, yp, ldy); break;
@@ -295,7 +463,9 @@ torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& b
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("panel_linear", &panel_linear, "y = x @ W^T with W stored as 16-column panels");
+  m.def("panel_linear", &panel_linear, "y = x @ W^T with W stored as 16-column panels",
+        pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("isa") = 0);
   m.def("panel_linear_blocks", &panel_linear_blocks,
-        "y = x @ W^T with W stored as 16-column panels of 4- or 8-bit integers and per-32 scales");
+        "y = x @ W^T with W stored as 16-column panels of 4- or 8-bit integers and per-32 scales",
+        pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("bits"), pybind11::arg("isa") = 0);
 }
