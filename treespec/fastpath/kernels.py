@@ -28,7 +28,7 @@ Glossary
   the latter compiled under function-level target options so one build serves both. A CPU with
   AVX-512 F runs the AVX-512 kernels (:func:`kernel_isa`); their outputs are the same bits
   (each output is still the same in-order FMA chain), and passes of 4-32 rows of blocks take
-X (``benchmarks/results/kernel_isa_amx.md``); 1-3 rows
+  0.63-0.86 of the AVX2 kernels' time there (``benchmarks/results/kernel_isa_amx.md``); 1-3 rows
   are bound by reading the weights either way.
 
 The kernel is compiled from source with ``torch.utils.cpp_extension`` the first time it is
