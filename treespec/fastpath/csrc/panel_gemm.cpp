@@ -1,4 +1,5 @@
-// Panel GEMM for the fp32 tree pass on AVX2 + FMA CPUs (and AVX-512 ones, at the end): y[M, N] = x[M, K] @ W[N, K]^T.
+// Panel GEMM for the fp32 tree pass on AVX2 + FMA CPUs (AVX-512 ones: see the end):
+// y[M, N] = x[M, K] @ W[N, K]^T.
 //
 // Glossary
 //   panel   16 output columns of W stored k-major: wp[p, k, j] = W[16 p + j, k], so one pass over
@@ -229,7 +230,6 @@ void fused_panels(const float* x, int64_t K, const uint8_t* blob, int64_t p0, in
     }
   }
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // The same kernels for CPUs with AVX-512 F, compiled into this module under
