@@ -51,6 +51,11 @@ PLAIN = ("HF generate", "HF generate (packed)")
 def build(args):
     """{dtype: {row name: callable(ids, T, seed) -> record}} and the fp32 scorer."""
     dtypes = ["fp32"] + (["bf16"] if cpu_info().native_bf16 else [])
+    if args.dtypes:
+        asked = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        if not asked or set(asked) - set(dtypes):
+            raise SystemExit(f"--dtypes takes a comma-separated subset of {dtypes} on this CPU, got {args.dtypes!r}")
+        dtypes = [d for d in dtypes if d in asked]
     runners, paths = {}, {}
     scorer = None
     for d in dtypes:
@@ -270,6 +275,8 @@ def main() -> None:
                     help="add a best-first row with the hybrid drafter (prompt lookup + eagle3)")
     ap.add_argument("--all-peers", action="store_true",
                     help="also run HF assisted / prompt lookup in bf16 (default: fp32 only, as users run them)")
+    ap.add_argument("--dtypes", default="",
+                    help="comma-separated subset of fp32,bf16 (default: fp32, and bf16 where the CPU has it natively)")
     ap.add_argument("--skip", default="", help="comma-separated rows to leave out, e.g. 'HF prompt lookup'")
     ap.add_argument("--note", default="", help="how the machine was used during the run")
     ap.add_argument("--resume", action="store_true", help="continue the run saved at --out")

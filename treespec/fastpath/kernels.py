@@ -27,9 +27,9 @@ Glossary
   of them) and for AVX-512 F (32 zmm registers, a panel is one, up to 16 rows of accumulators),
   the latter compiled under function-level target options so one build serves both. A CPU with
   AVX-512 F runs the AVX-512 kernels (:func:`kernel_isa`); their outputs are the same bits
-  (each output is still the same in-order FMA chain), and passes of 4-32 rows of blocks take
-  0.63-0.86 of the AVX2 kernels' time there (``benchmarks/results/kernel_isa_amx.md``); 1-3 rows
-  are bound by reading the weights either way.
+  (each output is still the same in-order FMA chain), and passes of 1-32 rows of blocks take
+  0.64-0.92 of the AVX2 kernels' time there (``benchmarks/results/kernel_isa_amx.md``; 1-3 rows
+  run four panels at a time, four independent FMA chains, which a 1-row pass waits on).
 
 The kernel is compiled from source with ``torch.utils.cpp_extension`` the first time it is
 needed (about a minute; cached in PyTorch's extension directory, rebuilt when the source

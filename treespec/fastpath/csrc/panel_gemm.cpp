@@ -365,6 +365,65 @@ inline void fused_panel(const float* __restrict x, int64_t K, const uint8_t* __r
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, a[r]);
 }
 
+// 1-3 rows times 4 adjacent block-quantized panels over all of k. With one panel a row's output
+// is one FMA chain, 4 cycles a k step whatever else runs: a 1-row pass would wait on that latency
+// (7 GB/s of blocks here). Four panels are four independent chains and four read streams, and
+// each output's chain is unchanged (a 1-row pass: 0.81x the time of one panel at a time,
+// benchmarks/results/kernel_isa_amx.md). rec is panel 0's first record, pstride the bytes from one
+// panel's records to the next's.
+template <int R, int Bits>
+inline void fused_four(const float* __restrict x, int64_t K, const uint8_t* __restrict rec, int64_t pstride,
+                       float* __restrict y, int64_t ldy) {
+  constexpr int64_t kRec = record_bytes<Bits>();
+  constexpr int64_t kAheadBytes = 4 * kRec;
+  const __m512i shifts = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const uint8_t* const rec1 = rec + pstride;
+  const uint8_t* const rec2 = rec + 2 * pstride;
+  const uint8_t* const rec3 = rec + 3 * pstride;
+  __m512 a[R][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
+  const int64_t blocks = K / kBlock;
+  for (int64_t b = 0, off = 0; b < blocks; ++b, off += kRec) {
+    for (int64_t line = 0; line < kRec; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(rec + off + kAheadBytes + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rec1 + off + kAheadBytes + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rec2 + off + kAheadBytes + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rec3 + off + kAheadBytes + line), _MM_HINT_T0);
+    }
+    const float* s0 = reinterpret_cast<const float*>(rec + off);
+    const float* s1 = reinterpret_cast<const float*>(rec1 + off);
+    const float* s2 = reinterpret_cast<const float*>(rec2 + off);
+    const float* s3 = reinterpret_cast<const float*>(rec3 + off);
+    const __m512 d0 = _mm512_load_ps(s0), d1 = _mm512_load_ps(s1), d2 = _mm512_load_ps(s2), d3 = _mm512_load_ps(s3);
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512 m0 = Bits == 4 ? _mm512_load_ps(s0 + 16) : zero, m1 = Bits == 4 ? _mm512_load_ps(s1 + 16) : zero;
+    const __m512 m2 = Bits == 4 ? _mm512_load_ps(s2 + 16) : zero, m3 = Bits == 4 ? _mm512_load_ps(s3 + 16) : zero;
+    const int64_t qoff = off + (Bits == 4 ? 128 : 64);
+    const float* xb = x + b * kBlock;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const __m512 w0 = _mm512_fmadd_ps(unpack_row<Bits>(rec + qoff, k, shifts, levels), d0, m0);
+      const __m512 w1 = _mm512_fmadd_ps(unpack_row<Bits>(rec1 + qoff, k, shifts, levels), d1, m1);
+      const __m512 w2 = _mm512_fmadd_ps(unpack_row<Bits>(rec2 + qoff, k, shifts, levels), d2, m2);
+      const __m512 w3 = _mm512_fmadd_ps(unpack_row<Bits>(rec3 + qoff, k, shifts, levels), d3, m3);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(xb[r * K + k]);
+        a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
+        a[r][2] = _mm512_fmadd_ps(xv, w2, a[r][2]);
+        a[r][3] = _mm512_fmadd_ps(xv, w3, a[r][3]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) _mm512_storeu_ps(y + r * ldy + kPanel * g, a[r][g]);
+}
+
 constexpr int kFusedRows = 16;  // rows per fused block: 16 accumulators + d, m, shifts, mask, w
 
 template <int Bits, int R = kFusedRows>
@@ -375,14 +434,25 @@ inline void fused_rows(const float* x, int64_t rows, int64_t K, const uint8_t* r
   }
 }
 
-// Block-quantized panels [p0, p1) for all M rows, 16 rows at a time (the panel's records are in
-// L1 after the first block of rows).
+// Block-quantized panels [p0, p1) for all M rows: 1-3 rows four panels at a time, more rows (and
+// the last 1-3 panels) one panel and 16 rows at a time (the panel's records are in L1 after the
+// first block of rows).
 template <int Bits>
 void block_panels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1, float* y,
                   int64_t ldy) {
   constexpr int64_t kRec = record_bytes<Bits>();
-  const int64_t blocks = K / kBlock;
-  for (int64_t p = p0; p < p1; ++p) {
+  const int64_t blocks = K / kBlock, pstride = blocks * kRec;
+  int64_t p = p0;
+  if (M <= 3) {
+    for (; p + 4 <= p1; p += 4) {
+      const uint8_t* rec = blob + p * pstride;
+      float* yp = y + kPanel * p;
+      if (M == 1) fused_four<1, Bits>(x, K, rec, pstride, yp, ldy);
+      else if (M == 2) fused_four<2, Bits>(x, K, rec, pstride, yp, ldy);
+      else fused_four<3, Bits>(x, K, rec, pstride, yp, ldy);
+    }
+  }
+  for (; p < p1; ++p) {
     const uint8_t* rec = blob + p * blocks * kRec;
     for (int64_t r = 0; r < M; r += kFusedRows)
       fused_rows<Bits>(x + r * K, std::min<int64_t>(kFusedRows, M - r), K, rec, y + r * ldy + kPanel * p, ldy);
