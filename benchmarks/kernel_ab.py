@@ -1,4 +1,5 @@
-"""Side-by-side timing of two versions of the block kernel (two revisions, or two instruction sets) (``treespec/fastpath/csrc/panel_gemm.cpp``).
+"""Side-by-side timing of two versions of the block kernel (``treespec/fastpath/csrc/panel_gemm.cpp``):
+two git revisions, or (``--isas``) its AVX2 and AVX-512 code.
 
 Compiles the kernel source at a git revision (``--base``, default HEAD) and the working tree's,
 under two module names in one process, then times one forward's worth of linear layers of

@@ -4,7 +4,8 @@ Paths (SmolLM2-135M, one process, same prompt prefix, interleaved point by point
 noise hits all alike): fp32 with HF's stock linear layers, fp32 with oneDNN-packed weights, fp32 on
 the panel GEMM (``treespec.fastpath.kernels``, where it builds; all exact fp32 paths), the block kernel
 with HF's stock sdpa attention instead of treespec's grouped sdpa (same numbers, KV heads copied
-per query head), the block kernel's AVX2 build where the CPU runs its AVX-512 one (same bits), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units).
+per query head), the block kernel on its AVX2 code where the CPU runs its AVX-512 code (same
+bits), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units).
 Each point is one ``TreeVerifier.score`` (forward over n tree nodes with the tree mask after a
 cached prefix of P tokens, then softmax) followed by ``compact`` back to the prefix; the median of
 ``--reps`` is kept. Beside them, the machine's physical limit per dtype:

@@ -86,6 +86,7 @@ BF16_PAD_MIN_WEIGHT = 4_000_000   # elements
 
 KERNELS = ("onednn", "panel", "blocks")
 PANEL_KERNELS = ("panel", "blocks")
+_ISA_NAMES = {"avx2": "AVX2", "avx512": "AVX-512"}   # the panel kernels' instruction sets, as printed
 
 
 def fp32_min_rows(cpu: CpuInfo) -> int:
@@ -399,9 +400,6 @@ def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
                      f"{'AVX-512' if 'avx512f' in cpu.flags else 'AVX2'} CPU (stock F.linear re-packs "
                      f"them on every call){fallback}")
     return f"no packed path for {dtype}"
-
-
-_ISA_NAMES = {"avx2": "AVX2", "avx512": "AVX-512"}
 
 
 def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = None,
