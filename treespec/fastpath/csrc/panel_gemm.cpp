@@ -63,36 +63,48 @@ inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict
     for (int j = 0; j < 2 * G; ++j) _mm256_storeu_ps(y + r * ldy + 8 * j, a[r][j]);
 }
 
-// Every row of x (M rows, stride K) over one chunk of G panels: blocks of R rows, then the rest.
-// The first block prefetches ahead when prefetch is set.
-template <int R, int G>
+// The AVX2 tiles as a type, for the row and panel loops below (avx512::Tiles is the other).
+struct Avx2Tiles {
+  template <int R, int G>
+  static inline void run(const float* x, int64_t ldx, const float* w, int64_t wstride, int64_t kc, float* y,
+                         int64_t ldy, bool accumulate, bool prefetch) {
+    tile<R, G>(x, ldx, w, wstride, kc, y, ldy, accumulate, prefetch);
+  }
+};
+
+// Every row of x (M rows, stride K) over one chunk of G panels: blocks of R rows (R <= 8), then
+// the rest. The first block prefetches ahead when prefetch is set.
+template <class Tiles, int R, int G>
 inline void rows(const float* x, int64_t M, int64_t K, int64_t k0, const float* w, int64_t wstride, int64_t kc,
                  float* y, int64_t ldy, bool prefetch) {
   const bool acc = k0 > 0;
   int64_t r = 0;
-  for (; r + R <= M; r += R) tile<R, G>(x + r * K + k0, K, w, wstride, kc, y + r * ldy, ldy, acc, prefetch && r == 0);
+  for (; r + R <= M; r += R)
+    Tiles::template run<R, G>(x + r * K + k0, K, w, wstride, kc, y + r * ldy, ldy, acc, prefetch && r == 0);
   const float* xr = x + r * K + k0;
   float* yr = y + r * ldy;
   const bool pf = prefetch && r == 0;
   switch (M - r) {  // rows left, fewer than R
-    case 5: if constexpr (R > 5) tile<5, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
-    case 4: if constexpr (R > 4) tile<4, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
-    case 3: if constexpr (R > 3) tile<3, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
-    case 2: if constexpr (R > 2) tile<2, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
-    case 1: if constexpr (R > 1) tile<1, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 7: if constexpr (R > 7) Tiles::template run<7, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 6: if constexpr (R > 6) Tiles::template run<6, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 5: if constexpr (R > 5) Tiles::template run<5, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 4: if constexpr (R > 4) Tiles::template run<4, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 3: if constexpr (R > 3) Tiles::template run<3, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 2: if constexpr (R > 2) Tiles::template run<2, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
+    case 1: if constexpr (R > 1) Tiles::template run<1, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
     default: break;
   }
 }
 
 // fp32 panels: all M rows times panels [p0, p1) in groups of G, chunk by chunk.
-template <int R, int G>
+template <class Tiles, int R, int G>
 int64_t panels(const float* x, int64_t M, int64_t K, const float* w, int64_t p0, int64_t p1, float* y,
                int64_t ldy) {
   int64_t p = p0;
   for (; p + G <= p1; p += G) {
     for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
       const int64_t kc = std::min(K, k0 + kChunk) - k0;
-      rows<R, G>(x, M, K, k0, w + p * K * kPanel + kPanel * k0, K * kPanel, kc, y + kPanel * p, ldy, true);
+      rows<Tiles, R, G>(x, M, K, k0, w + p * K * kPanel + kPanel * k0, K * kPanel, kc, y + kPanel * p, ldy, true);
     }
   }
   return p;  // first panel not done (fewer than G left)
@@ -181,7 +193,7 @@ int64_t qpanels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64
       for (int g = 0; g < G; ++g) prefetch_chunk<Bits>(blob, K, pa + g, ca);
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) dequantize<Bits>(blob, K, p + g, k0, kc, buf + g * kStride);
-      rows<R, G>(x, M, K, k0, buf, kStride, kc, y + kPanel * p, ldy, false);
+      rows<Avx2Tiles, R, G>(x, M, K, k0, buf, kStride, kc, y + kPanel * p, ldy, false);
     }
   }
   return p;
@@ -274,49 +286,25 @@ inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict
     for (int g = 0; g < G; ++g) _mm512_storeu_ps(y + r * ldy + kPanel * g, a[r][g]);
 }
 
-// Every row of x over one chunk of G panels: blocks of kRows rows (G = 1) or one block of R
-// rows (G > 1, R = M), then the rest.
-template <int R, int G>
-inline void rows(const float* x, int64_t M, int64_t K, int64_t k0, const float* w, int64_t wstride, int64_t kc,
-                 float* y, int64_t ldy, bool prefetch) {
-  const bool acc = k0 > 0;
-  int64_t r = 0;
-  for (; r + R <= M; r += R) tile<R, G>(x + r * K + k0, K, w, wstride, kc, y + r * ldy, ldy, acc, prefetch && r == 0);
-  const float* xr = x + r * K + k0;
-  float* yr = y + r * ldy;
-  const bool pf = prefetch && r == 0;
-  switch (M - r) {
-    case 7: if constexpr (R > 7) tile<7, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
-    case 6: if constexpr (R > 6) tile<6, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
-    case 5: if constexpr (R > 5) tile<5, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
-    case 4: if constexpr (R > 4) tile<4, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
-    case 3: if constexpr (R > 3) tile<3, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
-    case 2: if constexpr (R > 2) tile<2, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
-    case 1: if constexpr (R > 1) tile<1, G>(xr, K, w, wstride, kc, yr, ldy, acc, pf); break;
-    default: break;
+// The AVX-512 tiles for the row and panel loops above (called, not inlined, from them: they are
+// compiled without the AVX-512 target).
+struct Tiles {
+  template <int R, int G>
+  static inline void run(const float* x, int64_t ldx, const float* w, int64_t wstride, int64_t kc, float* y,
+                         int64_t ldy, bool accumulate, bool prefetch) {
+    tile<R, G>(x, ldx, w, wstride, kc, y, ldy, accumulate, prefetch);
   }
-}
-
-template <int R, int G>
-int64_t panels(const float* x, int64_t M, int64_t K, const float* w, int64_t p0, int64_t p1, float* y,
-               int64_t ldy) {
-  int64_t p = p0;
-  for (; p + G <= p1; p += G) {
-    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-      const int64_t kc = std::min(K, k0 + kChunk) - k0;
-      rows<R, G>(x, M, K, k0, w + p * K * kPanel + kPanel * k0, K * kPanel, kc, y + kPanel * p, ldy, true);
-    }
-  }
-  return p;
-}
+};
 
 void panel_linear(const float* x, int64_t M, int64_t K, const float* w, int64_t p0, int64_t p1, float* y,
                   int64_t ldy) {
+  // 1-3 rows over fp32 panels read 4 bytes a weight and are bound by that: the AVX2 tiles were
+  // as fast or 3-5 % faster there (eagle3-head shapes, one AMX core), so they keep those passes.
   int64_t p = p0;
-  if (M == 1) p = panels<1, 4>(x, M, K, w, p, p1, y, ldy);
-  else if (M == 2) p = panels<2, 3>(x, M, K, w, p, p1, y, ldy);
-  else if (M == 3) p = panels<3, 2>(x, M, K, w, p, p1, y, ldy);
-  panels<kRows, 1>(x, M, K, w, p, p1, y, ldy);
+  if (M == 1) p = panels<Avx2Tiles, 1, 4>(x, M, K, w, p, p1, y, ldy);
+  else if (M == 2) p = panels<Avx2Tiles, 2, 3>(x, M, K, w, p, p1, y, ldy);
+  else if (M == 3) p = panels<Avx2Tiles, 3, 2>(x, M, K, w, p, p1, y, ldy);
+  panels<Tiles, kRows, 1>(x, M, K, w, p, p1, y, ldy);
 }
 
 // Row k of a record's q as 16 floats, column j in lane j. 4 bits: the row's 8 bytes in both
@@ -484,10 +472,10 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp, int6
   at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
     if (isa == 1) return avx512::panel_linear(xp, M, K, w, p0, p1, yp, ldy);
     int64_t p = p0;
-    if (M == 1) p = panels<1, 4>(xp, M, K, w, p, p1, yp, ldy);
-    else if (M == 2) p = panels<2, 3>(xp, M, K, w, p, p1, yp, ldy);
-    else if (M == 3) p = panels<3, 2>(xp, M, K, w, p, p1, yp, ldy);
-    panels<6, 1>(xp, M, K, w, p, p1, yp, ldy);  // every panel when M > 3, else the leftovers
+    if (M == 1) p = panels<Avx2Tiles, 1, 4>(xp, M, K, w, p, p1, yp, ldy);
+    else if (M == 2) p = panels<Avx2Tiles, 2, 3>(xp, M, K, w, p, p1, yp, ldy);
+    else if (M == 3) p = panels<Avx2Tiles, 3, 2>(xp, M, K, w, p, p1, yp, ldy);
+    panels<Avx2Tiles, 6, 1>(xp, M, K, w, p, p1, yp, ldy);  // every panel when M > 3, else the leftovers
   });
   return y;
 }
