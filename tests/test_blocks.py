@@ -183,6 +183,29 @@ def test_blocks_model_scores_trees_exactly_like_the_fp32_panel_model(n) -> None:
 
 
 @needs_panel
+@needs_avx512
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_a_model_scores_trees_with_the_same_bits_on_either_isa(n) -> None:
+    """The whole model, its layers on blocks (and one on fp32 panels), AVX-512 code against AVX2
+    code: the same logits bit for bit, so a calibration or a greedy run does not depend on it."""
+    models = {}
+    for isa in ("avx2", "avx512"):
+        model = quantized_llama()
+        model.model.layers[0].mlp.up_proj.weight.data.add_(1e-3)      # one layer off the block grid
+        pack_linears(model, kernel="blocks")
+        for layer in model.modules():
+            if isinstance(layer, PackedLinear):
+                layer.isa = isa
+        models[isa] = model
+    assert {m.storage for m in models["avx2"].modules() if isinstance(m, PackedLinear)} == {
+        "4-bit blocks", "8-bit blocks", "fp32 panels"}
+    rng = random.Random(n)
+    prefix = torch.tensor([rng.randrange(300) for _ in range(37)])
+    tree = random_tree(rng, n, 300)
+    assert torch.equal(tree_logits(models["avx512"], prefix, tree), tree_logits(models["avx2"], prefix, tree))
+
+
+@needs_panel
 def test_blocks_kernel_keeps_fp32_panels_where_weights_are_not_blocks() -> None:
     model = small_llama()
     report = pack_linears(model, kernel="blocks")
