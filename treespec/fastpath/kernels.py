@@ -137,7 +137,7 @@ def _isa_index(isa: str | None) -> int:
         return _host_isa()
     if isa not in ISAS:
         raise ValueError(f"isa must be None (this CPU's best) or one of {ISAS}, got {isa!r}")
-    if isa == "avx512" and "avx512f" not in cpu_info().flags:
+    if isa == "avx512" and kernel_isa() != "avx512":
         raise ValueError(f"isa='avx512' needs AVX-512 F, which this CPU lacks ({cpu_info().model}); use 'avx2'")
     return ISAS.index(isa)
 

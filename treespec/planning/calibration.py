@@ -415,10 +415,12 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
                      "blocks": "-blocks"}
     if packed not in kernel_suffix:
         raise ValueError(f"packed must be a bool or one of 'stock', 'onednn', 'panel', 'blocks'; got {packed!r}")
-    if isa not in (None, "avx2", "avx512"):
-        raise ValueError(f"isa must be None, 'avx2' or 'avx512'; got {isa!r}")
-    root = os.environ.get("TREESPEC_CACHE")
     from treespec.fastpath.attention import GROUPED_SDPA
+    from treespec.fastpath.kernels import ISAS
+
+    if isa is not None and isa not in ISAS:
+        raise ValueError(f"isa must be None or one of {ISAS}; got {isa!r}")
+    root = os.environ.get("TREESPEC_CACHE")
 
     suffix = (("" if dtype == "float32" else f"-{dtype}") + kernel_suffix[packed]
               + ("-avx512" if isa == "avx512" and packed in ("panel", "blocks") else "")

@@ -412,7 +412,7 @@ inline void fused_four(const float* __restrict x, int64_t K, const uint8_t* __re
     for (int g = 0; g < 4; ++g) _mm512_storeu_ps(y + r * ldy + kPanel * g, a[r][g]);
 }
 
-constexpr int kFusedRows = 16;  // rows per fused block: 16 accumulators + d, m, shifts, mask, w
+constexpr int kFusedRows = 16;  // rows per fused block: 16 accumulators + d, m, shifts, levels, w
 
 template <int Bits, int R = kFusedRows>
 inline void fused_rows(const float* x, int64_t rows, int64_t K, const uint8_t* rec, float* y, int64_t ldy) {
@@ -441,7 +441,7 @@ void block_panels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int
     }
   }
   for (; p < p1; ++p) {
-    const uint8_t* rec = blob + p * blocks * kRec;
+    const uint8_t* rec = blob + p * pstride;
     for (int64_t r = 0; r < M; r += kFusedRows)
       fused_rows<Bits>(x + r * K, std::min<int64_t>(kFusedRows, M - r), K, rec, y + r * ldy + kPanel * p, ldy);
   }
