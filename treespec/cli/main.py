@@ -264,12 +264,19 @@ def _drafter_unmeasured(cal, target, drafter_name: str) -> str:
 
     if drafter_name not in cal.acceptance:
         return f"the cached calibration of {target.name} has no measurement of drafter {drafter_name!r}"
-    now, then = shipped_checksum(target, split_drafter_key(drafter_name)[0]), cal.weights.get(drafter_name)
+    now, then = shipped_checksum(target, *split_drafter_key(drafter_name)), cal.weights.get(drafter_name)
     if now is not None and then != now:
-        was = f"checkpoint {then[:12]}" if then else "weights it did not record"
+        was = f"checkpoint {_checksum_text(then)}" if then else "weights it did not record"
         return (f"the cached calibration of {target.name} measured drafter {drafter_name!r} with {was}; "
-                f"the shipped checkpoint is now {now[:12]}")
+                f"the shipped checkpoint is now {_checksum_text(now)}")
     return ""
+
+
+def _checksum_text(checksum: str) -> str:
+    """A weights checksum as a note shows it: 12 hex digits, and "as 8-bit blocks" for a head
+    rounded to them (``+int8``)."""
+    head, _, rounded = checksum.partition("+")
+    return head[:12] + (f" (as {rounded.replace('int8', '8-bit blocks')})" if rounded else "")
 
 
 def _measure_calibration(target, drafter_name: str, held_out, out, cal=None):

@@ -124,12 +124,12 @@ register_head("eagle3", _build_eagle3, EagleDrafter)
 
 
 @register_drafter("eagle")
-def _eagle_factory(target, checkpoint: str | None = None) -> FeatureDrafter:
+def _eagle_factory(target, checkpoint: str | None = None, weights: str = "auto") -> FeatureDrafter:
     """EAGLE-2 style feature head (last hidden state), shipped checkpoint by default."""
-    return load_feature_drafter(target, "eagle", checkpoint)
+    return load_feature_drafter(target, "eagle", checkpoint, weights)
 
 
 @register_drafter("eagle3")
-def _eagle3_factory(target, checkpoint: str | None = None) -> FeatureDrafter:
+def _eagle3_factory(target, checkpoint: str | None = None, weights: str = "auto") -> FeatureDrafter:
     """EAGLE-3 style head (fused low/mid/high features, reduced draft vocabulary)."""
-    return load_feature_drafter(target, "eagle3", checkpoint)
+    return load_feature_drafter(target, "eagle3", checkpoint, weights)

@@ -260,6 +260,7 @@ class FeatureDrafter:
 
     needs_target_hidden = True
     path_independent = False
+    head_weights = "trained"     # or "int8": the head's linear layers rounded to 8-bit blocks (load_feature_drafter)
 
     def __init__(self, head: FeatureHead, vocab_size: int):
         self.head = head.eval().requires_grad_(False)
@@ -407,14 +408,18 @@ def shipped_checkpoint(target, name: str) -> Path:
     return Path(__file__).resolve().parents[2] / "checkpoints" / target.name / f"{name}.safetensors"
 
 
-def shipped_checksum(target, name: str) -> str | None:
-    """The tensor checksum of the shipped checkpoint ``load_drafter(name, target)`` loads by
-    default; None when ``name`` has none (lookup, hybrid, a model drafter) or its header
-    predates checksums."""
+def shipped_checksum(target, name: str, options: dict | None = None) -> str | None:
+    """The ``weights_checksum`` of ``load_drafter(name, target, **options)`` on the shipped
+    checkpoint: its tensor checksum, with ``+int8`` where a feature head's ``weights`` resolve to
+    "int8" for ``target``; None when ``name`` has none (lookup, hybrid, a model drafter) or its
+    header predates checksums."""
     from treespec.drafters.checkpoint import read_header
 
     path = shipped_checkpoint(target, name)
-    return read_header(path, name).get("checksum") if path.is_file() else None
+    checksum = read_header(path, name).get("checksum") if path.is_file() else None
+    if checksum and name in _HEADS and head_weights((options or {}).get("weights", "auto"), target) == "int8":
+        checksum += "+int8"
+    return checksum
 
 
 def random_feature_drafter(target, kind: HeadKind, seed: int = 0, draft_vocab: int = 0,
@@ -444,15 +449,55 @@ def drafter_for(head: FeatureHead, vocab_size: int) -> FeatureDrafter:
     return _head_entry(head.cfg.kind)[1](head, vocab_size)
 
 
-def load_feature_drafter(target, kind: HeadKind, checkpoint: str | Path | None = None) -> FeatureDrafter:
-    """A trained head from ``checkpoint`` (default: the shipped one), validated against ``target``."""
-    from treespec.drafters.checkpoint import load_checkpoint, restore_module
+# ``weights`` of a feature head: "auto" (8-bit where the target itself is stored as integer
+# blocks, else as trained), "trained" (the checkpoint's numbers in the target's dtype), "int8"
+# (8-bit blocks for the fp32 block kernel). Strings, so a drafter key can carry them.
+HEAD_WEIGHTS = ("auto", "trained", "int8")
 
+
+def head_weights(weights: str, target) -> str:
+    """``weights`` (one of :data:`HEAD_WEIGHTS`) resolved for ``target``: "int8" or "trained".
+
+    "auto" is "int8" where the target's linear layers are stored as integer blocks (the fp32
+    block kernel found exact 4/8-bit blocks: SmolLM2's GGUF). There an 8-bit head reads 1.125
+    bytes a weight instead of 4, and a draft pass of the shipped eagle3 takes about 1 ms less on
+    one AMX core with its held-out acceptance unchanged (``treespec.fastpath.quant``). A target
+    with no blocks (bf16, a GPU, random test weights) keeps the head as trained."""
+    from treespec.fastpath.packing import linear_kernel, stores_blocks
+
+    if weights not in HEAD_WEIGHTS:
+        raise ValueError(f"weights must be one of {HEAD_WEIGHTS} ('auto': 8-bit where the target is stored as "
+                         f"integer blocks, else as trained), got {weights!r}")
+    if weights == "auto":
+        return "int8" if stores_blocks(target.model) else "trained"
+    if weights == "int8" and (kernel := linear_kernel(target.model)) != "blocks":
+        raise ValueError(f"weights='int8' stores the head as 8-bit blocks for the fp32 block kernel, but the target "
+                         f"{target.name!r} runs its linear layers on {kernel!r} ({target.dtype}): load it with "
+                         "dtype=torch.float32, pack='blocks', or keep weights='trained'")
+    return weights
+
+
+def load_feature_drafter(target, kind: HeadKind, checkpoint: str | Path | None = None,
+                         weights: str = "auto") -> FeatureDrafter:
+    """A trained head from ``checkpoint`` (default: the shipped one), validated against ``target``.
+
+    ``weights`` (:func:`head_weights`): "int8" rounds the head's linear layers to 8-bit blocks
+    (:func:`treespec.fastpath.quant.round_linears_to_blocks8`); ``weights_checksum`` then gets a
+    ``+int8`` suffix, so a calibration of the fp32 head is not taken for this one."""
+    from treespec.drafters.checkpoint import load_checkpoint, restore_module
+    from treespec.fastpath.quant import round_linears_to_blocks8
+
+    resolved = head_weights(weights, target)
     path = Path(checkpoint) if checkpoint is not None else shipped_checkpoint(target, kind)
     state, header = load_checkpoint(path, target, kind)
     trunk = Trunk.of(target.model)
     head = restore_module(path, kind, header, state,
                           lambda arch: build_head(HeadConfig.from_json(arch), trunk, state.get("d2t")))
-    drafter = drafter_for(head.to(target.device, target.dtype), target.vocab_size)
-    drafter.weights_checksum = header.get("checksum")
+    head = head.to(target.device, target.dtype)
+    if resolved == "int8":
+        round_linears_to_blocks8(head)
+    drafter = drafter_for(head, target.vocab_size)
+    checksum = header.get("checksum")
+    drafter.weights_checksum = f"{checksum}+int8" if checksum and resolved == "int8" else checksum
+    drafter.head_weights = resolved
     return drafter

@@ -50,6 +50,6 @@ register_head("mtp", lambda cfg, trunk, d2t: MTPHead(cfg, trunk), MTPDrafter)
 
 
 @register_drafter("mtp")
-def _mtp_factory(target, checkpoint: str | None = None) -> FeatureDrafter:
+def _mtp_factory(target, checkpoint: str | None = None, weights: str = "auto") -> FeatureDrafter:
     """DeepSeek-V3-style MTP module on SmolLM2's last hidden state, shipped checkpoint by default."""
-    return load_feature_drafter(target, "mtp", checkpoint)
+    return load_feature_drafter(target, "mtp", checkpoint, weights)

@@ -51,7 +51,7 @@ import torch
 from treespec.fastpath.cpu import CpuInfo, cpu_info
 
 __all__ = ["BLOCK", "ISAS", "PANEL", "BlockPanels", "PanelUnavailable", "block_linear", "kernel_isa", "pack_blocks",
-           "pack_panels", "panel_linear", "panel_status"]
+           "pack_panels", "panel_linear", "panel_status", "round_to_blocks8"]
 
 PANEL = 16
 BLOCK = 32
@@ -346,6 +346,30 @@ def pack_blocks(weight: torch.Tensor) -> BlockPanels | None:
         parts = [*scales, q.reshape(p, nb, -1)]
         return BlockPanels(_aligned_cat(parts), bits, n)
     return None
+
+
+def round_to_blocks8(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 weight nearest to ``weight`` [N, K] that 8-bit blocks hold exactly: GGUF
+    Q8_0's rounding, per row and block of 32 k values ``d`` = the largest magnitude / 127 as an
+    fp16 number and ``q = round(w / d)``; returns ``q d`` (a new tensor). :func:`pack_blocks`
+    stores the result as 8-bit blocks (or 4-bit ones where a block happens to fit them), a
+    quarter of fp32's bytes. Lossy, ``|w - q d| <= d / 2``: for a drafter's weights, whose
+    numbers only steer the proposals, never for a target's."""
+    if weight.dim() != 2 or weight.dtype != torch.float32:
+        raise ValueError(f"round_to_blocks8 takes a 2-D float32 weight, got {tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"round_to_blocks8 needs in_features a multiple of {BLOCK}, got {k}")
+    blocks = weight.detach().reshape(n, k // BLOCK, BLOCK)
+    if not torch.isfinite(blocks).all():
+        raise ValueError("round_to_blocks8: the weight has inf or NaN values")
+    # the scale candidate pack_blocks tries first for 8 bits (_scale_candidates), so the fit is exact
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    if not torch.isfinite(d).all():
+        raise ValueError("round_to_blocks8: a block's largest magnitude / 127 overflows fp16 (> 65504)")
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.where(d > 0, torch.round(blocks / safe), torch.zeros_like(blocks)).clamp_(-128, 127)
+    return (q * d).reshape(n, k)
 
 
 def block_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None = None,

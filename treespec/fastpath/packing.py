@@ -61,6 +61,7 @@ __all__ = [
     "packed_linear",
     "packing_available",
     "resolve_dtype",
+    "stores_blocks",
     "unpack_linears",
 ]
 
@@ -450,6 +451,12 @@ def is_packed(model: nn.Module) -> bool:
 def linear_kernel(model: nn.Module) -> str:
     """One of :data:`KERNELS`, or "stock": the path ``model``'s linear layers run on."""
     return next((m.kernel for m in model.modules() if isinstance(m, PackedLinear)), "stock")
+
+
+def stores_blocks(model: nn.Module) -> bool:
+    """Whether any linear layer of ``model`` is stored as integer blocks (the block kernel found
+    exact 4/8-bit blocks: a target dequantized from a GGUF Q4_1 / Q8_0 checkpoint)."""
+    return any(isinstance(m, PackedLinear) and isinstance(m._packed, BlockPanels) for m in model.modules())
 
 
 def linear_isa(model: nn.Module) -> str | None:
