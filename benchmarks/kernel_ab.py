@@ -5,8 +5,10 @@ Compiles the kernel source at a git revision (``--base``, default HEAD) and the 
 under two module names in one process, then times one forward's worth of linear layers of
 SmolLM2-135M's shapes (30 layers of q, k, v, o, gate, up, down as 4-bit blocks, the LM head as
 8-bit blocks: 112 MB, so weights stream from DRAM as in a real pass) for n rows, both versions
-interleaved rep by rep on the same blobs and inputs. Outputs are checked bit-identical between
-the versions before timing.
+interleaved rep by rep on the same weights and inputs. Each version's blobs come from its own
+revision's ``pack_blocks`` (a revision may lay the blocks out differently). Outputs are checked
+bit-identical between the versions before timing. ``--isa avx512`` runs both on their AVX-512
+code (default: AVX2, the code every revision has).
 
     OMP_NUM_THREADS=1 python benchmarks/kernel_ab.py --base HEAD --reps 15
 
@@ -26,14 +28,16 @@ GFLOP/s they reach, and the CPU model, flags and threads.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from harness import RESULTS, interleaved, machine_info, median_ms, write_results
-from treespec.fastpath.kernels import SOURCE, compile_kernel, kernel_isa, pack_blocks
+from treespec.fastpath.kernels import ISAS, SOURCE, compile_kernel, kernel_isa, pack_blocks
 # SmolLM2-135M: hidden 576, 9 query heads and 3 key-value heads of 64, MLP 1536, vocab 49152
 LAYER = (("q", 576, 576), ("k", 192, 576), ("v", 192, 576), ("o", 576, 576),
          ("gate", 1536, 576), ("up", 1536, 576), ("down", 576, 1536))
@@ -61,6 +65,9 @@ def main() -> None:
     ap.add_argument("--ns", default="1,2,3,4,5,6,7,8,12,16")
     ap.add_argument("--isas", action="store_true",
                     help="compare the working tree's AVX2 and AVX-512 kernels instead of two revisions")
+    ap.add_argument("--isa", choices=ISAS, default="avx2",
+                    help="the code both revisions run (avx512: only on a CPU with AVX-512 F, and only for "
+                         "revisions whose kernel has it)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS / "kernel_ab"))
@@ -71,38 +78,57 @@ def main() -> None:
         if kernel_isa() != "avx512":
             raise SystemExit("--isas needs a CPU with AVX-512 F (this one runs the AVX2 kernels only)")
         module = compile_kernel(SOURCE, "treespec_panel_gemm_ab_work")
-        versions = {"AVX2": (module, 0), "AVX-512": (module, 1)}   # the module's isa numbers
+        versions = {"AVX2": (module, 0, pack_blocks), "AVX-512": (module, 1, pack_blocks)}   # the module's isa numbers
     else:
-        versions = revisions(args.base)
+        if args.isa == "avx512" and kernel_isa() != "avx512":
+            raise SystemExit("--isa avx512 needs a CPU with AVX-512 F")
+        versions = revisions(args.base, None if args.isa == "avx2" else ISAS.index(args.isa))
     bench(versions, ns, args)
 
 
-def revisions(base: str) -> dict:
-    """The kernel at git revision ``base`` and the working tree's, each on its default (AVX2) code."""
+def revisions(base: str, isa: int | None) -> dict:
+    """The kernel at git revision ``base`` and the working tree's, each with its own revision's
+    ``pack_blocks``, on the code numbered ``isa`` (None: the module's default, AVX2)."""
     root = Path(__file__).resolve().parent.parent
     rev = subprocess.run(["git", "rev-parse", "--short", base], cwd=root, capture_output=True, text=True,
                          check=True).stdout.strip()
-    old_src = subprocess.run(["git", "show", f"{rev}:{SOURCE.relative_to(root)}"], cwd=root, capture_output=True,
-                             text=True, check=True).stdout
-    tmp = Path(tempfile.mkdtemp()) / f"panel_gemm_{rev}.cpp"
-    tmp.write_text(old_src)
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(SOURCE)], cwd=root).returncode != 0
-    return {f"base {rev}": (compile_kernel(tmp, f"treespec_panel_gemm_ab_{rev}"), None),
-            "working tree" if dirty else f"HEAD {rev}": (compile_kernel(SOURCE, "treespec_panel_gemm_ab_work"), None)}
+    tmp = Path(tempfile.mkdtemp())
+
+    def old_file(path: Path, name: str) -> Path:
+        text = subprocess.run(["git", "show", f"{rev}:{path.relative_to(root)}"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout
+        (tmp / name).write_text(text)
+        return tmp / name
+
+    kernels_py = Path(__file__).resolve().parent.parent / "treespec" / "fastpath" / "kernels.py"
+    spec = importlib.util.spec_from_file_location(f"kernels_{rev}", old_file(kernels_py, f"kernels_{rev}.py"))
+    old_kernels = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = old_kernels     # its dataclasses look their module up
+    spec.loader.exec_module(old_kernels)
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(SOURCE), str(kernels_py)],
+                           cwd=root).returncode != 0
+    return {f"base {rev}": (compile_kernel(old_file(SOURCE, f"panel_gemm_{rev}.cpp"), f"treespec_panel_gemm_ab_{rev}"),
+                            isa, old_kernels.pack_blocks),
+            "working tree" if dirty else f"HEAD {rev}": (compile_kernel(SOURCE, "treespec_panel_gemm_ab_work"), isa,
+                                                          pack_blocks)}
 
 
 def bench(versions: dict, ns: list[int], args) -> None:
-    """Times and writes ``versions`` (name -> (module, isa number or None for the default))."""
+    """Times and writes ``versions`` (name -> (module, isa number or None for the default, pack_blocks))."""
     gen = torch.Generator().manual_seed(0)
-    layers = [pack_blocks(exact_blocks(n, k, 4, gen)) for _ in range(LAYERS) for _, n, k in LAYER]
-    layers.append(pack_blocks(exact_blocks(VOCAB, HIDDEN, 8, gen)))
+    weights = [exact_blocks(n, k, 4, gen) for _ in range(LAYERS) for _, n, k in LAYER]
+    weights.append(exact_blocks(VOCAB, HIDDEN, 8, gen))
+    packers = {version[2] for version in versions.values()}
+    blobs = {packer: [packer(w) for w in weights] for packer in packers}   # one set per layout
+    del weights
+    layers = next(iter(blobs.values()))
     macs = sum(b.blob.shape[0] * 16 * b.blob.shape[1] * 32 for b in layers)
     xs = {n: {k: torch.randn(n, k, generator=gen) for k in (576, 1536)} for n in ns}
 
     def one_pass(version: tuple, n: int) -> list[torch.Tensor]:
-        mod, isa = version
+        mod, isa, packer = version
         extra = () if isa is None else (isa,)   # an older revision's module takes no isa
-        return [mod.panel_linear_blocks(xs[n][b.blob.shape[1] * 32], b.blob, b.bits, *extra) for b in layers]
+        return [mod.panel_linear_blocks(xs[n][b.blob.shape[1] * 32], b.blob, b.bits, *extra) for b in blobs[packer]]
 
     names = list(versions)
     for n in ns:  # the versions agree bit for bit (and warm up)
@@ -115,7 +141,7 @@ def bench(versions: dict, ns: list[int], args) -> None:
     m = machine_info()
     lines = [f"# Block kernel A/B: {a} vs {b}", "",
              f"CPU: {m['cpu_model']}; flags: {', '.join(m['cpu_flags'])}; torch {m['torch']}, "
-             f"{m['torch_threads']} thread(s). One point = every linear layer of one SmolLM2-135M forward "
+             f"{m['torch_threads']} thread(s), {args.isa if not args.isas else 'each ISA'}'s code. One point = every linear layer of one SmolLM2-135M forward "
              f"({macs / 1e6:.1f} M weights as blocks) over n rows; medians of {args.reps} interleaved reps.", "",
              f"| n | {a} ms | {b} ms | {b} / {a} | {a} GFLOP/s | {b} GFLOP/s |",
              "| ---: | ---: | ---: | ---: | ---: | ---: |"]

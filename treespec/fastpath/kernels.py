@@ -194,8 +194,9 @@ class BlockPanels:
     ``W[n, k] = d[n, k // 32] * q[n, k] + m[n, k // 32]`` holds bit for bit (checked when
     packed). ``blob`` is uint8 ``[P, K / 32, record]``: for each 16-column panel and block of 32
     k values one record, read as one sequential stream: ``d`` (16 float32), ``m`` (16 float32,
-    4 bits only; 0 for 8 bits), then ``q`` for the 32 rows: 8 bytes a row for 4 bits (byte j =
-    column j in its low nibble, column j + 8 in its high one), 16 signed bytes for 8 bits.
+    4 bits only; 0 for 8 bits), then ``q`` for the 32 rows: for 4 bits 16 bytes a pair of rows
+    k, k + 1 (byte j = column j, row k in its low nibble and row k + 1 in its high one: one
+    load and one widening serve two rows), for 8 bits 16 signed bytes a row.
     """
 
     blob: torch.Tensor
@@ -335,9 +336,9 @@ def pack_blocks(weight: torch.Tensor) -> BlockPanels | None:
         p, nb = (n + pad) // PANEL, k // BLOCK
         # [N', K/32, 32] -> [P, 16, K/32, 32] -> [P, K/32, 32, 16]: rows of q per block
         q = q.reshape(p, PANEL, nb, BLOCK).permute(0, 2, 3, 1)
-        if bits == 4:
+        if bits == 4:   # [P, K/32, 16, 16]: rows k (low nibble) and k + 1 (high) of a column in one byte
             q = q.to(torch.uint8)
-            q = q[..., :8] | (q[..., 8:] << 4)
+            q = q[..., 0::2, :] | (q[..., 1::2, :] << 4)
         else:
             q = q.to(torch.int8).view(torch.uint8)
         # [N', K/32, 1] -> [P, K/32, 16] float32 -> bytes [P, K/32, 64]

@@ -126,19 +126,38 @@ inline const uint8_t* load_scales(const uint8_t* rec, __m256& d0, __m256& d1, __
   return rec + (Bits == 4 ? 128 : 64);
 }
 
-// Row k of a record's q as floats: q0 = columns 0-7, q1 = columns 8-15 (4 bits: byte j holds
-// column j in its low nibble and column j + 8 in its high one; 8 bits: signed bytes in order).
-template <int Bits>
+// Row k + Odd (k even) of a record's q as floats: q0 = columns 0-7, q1 = columns 8-15. 4 bits:
+// 16 bytes a pair of rows, byte j = column j, row k in its low nibble and row k + 1 in its high
+// one (the AVX-512 code widens a pair once and turns each row into a register with one table
+// lookup; here the two rows' identical loads and widenings are left to the compiler to share).
+// 8 bits: 16 signed bytes a row, in order.
+template <int Bits, int Odd>
 inline void unpack_row(const uint8_t* __restrict qb, int64_t k, __m256& q0, __m256& q1) {
   if constexpr (Bits == 4) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + k * 8)));
-    q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-    q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    const uint8_t* pair = qb + k * 8;  // pair k / 2 starts at 16 (k / 2) bytes
+    const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair)));
+    const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair + 8)));
+    if constexpr (Odd) {
+      q0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
+      q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
+    } else {
+      const __m256i low = _mm256_set1_epi32(15);
+      q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, low));
+      q1 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low));
+    }
   } else {
-    const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(qb + k * 16));
+    const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(qb + (k + Odd) * 16));
     q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
     q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)));
   }
+}
+
+// Calls f(std::integral_constant<int, 0>) then f(std::integral_constant<int, 1>): the two rows of
+// a pair, in k order, each with its row offset as a compile-time constant.
+template <class F>
+inline void for_pair(F&& f) {
+  f(std::integral_constant<int, 0>{});
+  f(std::integral_constant<int, 1>{});
 }
 
 // One chunk of panel p, rows [k0, k0 + kc), as fp32 panel rows w[k][16] = fma(q, d, m), which is
@@ -153,12 +172,15 @@ inline void dequantize(const uint8_t* __restrict blob, int64_t K, int64_t p, int
     __m256 d0, d1, m0, m1;
     const uint8_t* qb = load_scales<Bits>(rec, d0, d1, m0, m1);
     float* wb = w + b * kPanel;
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < kBlock; ++k) {  // kc is a multiple of kBlock
-      __m256 q0, q1;
-      unpack_row<Bits>(qb, k, q0, q1);
-      _mm256_store_ps(wb + k * kPanel, _mm256_fmadd_ps(q0, d0, m0));
-      _mm256_store_ps(wb + k * kPanel + 8, _mm256_fmadd_ps(q1, d1, m1));
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < kBlock; k += 2) {  // kc is a multiple of kBlock
+      for_pair([&](auto odd) {
+        constexpr int I = decltype(odd)::value;
+        __m256 q0, q1;
+        unpack_row<Bits, I>(qb, k, q0, q1);
+        _mm256_store_ps(wb + (k + I) * kPanel, _mm256_fmadd_ps(q0, d0, m0));
+        _mm256_store_ps(wb + (k + I) * kPanel + 8, _mm256_fmadd_ps(q1, d1, m1));
+      });
     }
   }
 }
@@ -222,17 +244,20 @@ void fused_panels(const float* x, int64_t K, const uint8_t* blob, int64_t p0, in
       __m256 d0, d1, m0, m1;
       const uint8_t* qb = load_scales<Bits>(rec, d0, d1, m0, m1);
       const float* xb = x + b * kBlock;
+#pragma GCC unroll 2
+      for (int64_t k = 0; k < kBlock; k += 2) {
+        for_pair([&](auto odd) {  // row k, then row k + 1: each output's chain stays in k order
+          constexpr int I = decltype(odd)::value;
+          __m256 q0, q1;
+          unpack_row<Bits, I>(qb, k, q0, q1);
+          const __m256 w0 = _mm256_fmadd_ps(q0, d0, m0), w1 = _mm256_fmadd_ps(q1, d1, m1);
 #pragma GCC unroll 4
-      for (int64_t k = 0; k < kBlock; ++k) {
-        __m256 q0, q1;
-        unpack_row<Bits>(qb, k, q0, q1);
-        const __m256 w0 = _mm256_fmadd_ps(q0, d0, m0), w1 = _mm256_fmadd_ps(q1, d1, m1);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const __m256 xv = _mm256_broadcast_ss(xb + r * K + k);
-          a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
-          a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
-        }
+          for (int r = 0; r < R; ++r) {
+            const __m256 xv = _mm256_broadcast_ss(xb + r * K + k + I);
+            a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
+          }
+        });
       }
     }
 #pragma GCC unroll 4
@@ -307,16 +332,18 @@ void panel_linear(const float* x, int64_t M, int64_t K, const float* w, int64_t 
   panels<Tiles, kRows, 1>(x, M, K, w, p, p1, y, ldy);
 }
 
-// Row k of a record's q as 16 floats, column j in lane j. 4 bits: the row's 8 bytes in both
-// halves of 16 lanes, the low nibbles kept in lanes 0-7 and the high ones in lanes 8-15.
+// Rows k and k + 1 (k even) of a record's q as 16 floats each, column j in lane j. 4 bits: the
+// pair's 16 bytes zero-extended into the 16 lanes (one shuffle for two rows); the table lookup
+// reads each lane's low 4 bits, so row k needs no mask and row k + 1 one shift.
 template <int Bits>
-inline __m512 unpack_row(const uint8_t* __restrict qb, int64_t k, __m512i shifts, __m512 levels) {
+inline void unpack_pair(const uint8_t* __restrict qb, int64_t k, __m512 levels, __m512& even, __m512& odd) {
   if constexpr (Bits == 4) {
-    const __m128i v = _mm_set1_epi64x(*reinterpret_cast<const int64_t*>(qb + k * 8));
-    const __m512i q = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(v), shifts);
-    return _mm512_permutexvar_ps(q, levels);  // reads each lane's low 4 bits: the nibble, as a float
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qb + k * 8)));
+    even = _mm512_permutexvar_ps(v, levels);
+    odd = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), levels);
   } else {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qb + k * 16))));
+    even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qb + k * 16))));
+    odd = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(qb + k * 16 + 16))));
   }
 }
 
@@ -328,7 +355,6 @@ inline void fused_panel(const float* __restrict x, int64_t K, const uint8_t* __r
                         int64_t ldy) {
   constexpr int64_t kRec = record_bytes<Bits>();
   constexpr int64_t kAheadBytes = 4 * kRec;
-  const __m512i shifts = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __m512 a[R];
 #pragma GCC unroll 16
@@ -342,11 +368,16 @@ inline void fused_panel(const float* __restrict x, int64_t K, const uint8_t* __r
     const __m512 m = Bits == 4 ? _mm512_load_ps(s + 16) : _mm512_setzero_ps();
     const uint8_t* qb = rec + (Bits == 4 ? 128 : 64);
     const float* xb = x + b * kBlock;
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < kBlock; ++k) {
-      const __m512 w = _mm512_fmadd_ps(unpack_row<Bits>(qb, k, shifts, levels), d, m);
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < kBlock; k += 2) {
+      __m512 q[2];
+      unpack_pair<Bits>(qb, k, levels, q[0], q[1]);
+#pragma GCC unroll 2
+      for (int i = 0; i < 2; ++i) {  // row k, then row k + 1
+        const __m512 w = _mm512_fmadd_ps(q[i], d, m);
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + k]), w, a[r]);
+        for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + k + i]), w, a[r]);
+      }
     }
   }
 #pragma GCC unroll 16
@@ -364,7 +395,6 @@ inline void fused_four(const float* __restrict x, int64_t K, const uint8_t* __re
                        float* __restrict y, int64_t ldy) {
   constexpr int64_t kRec = record_bytes<Bits>();
   constexpr int64_t kAheadBytes = 4 * kRec;
-  const __m512i shifts = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const uint8_t* const rec1 = rec + pstride;
   const uint8_t* const rec2 = rec + 2 * pstride;
@@ -390,19 +420,25 @@ inline void fused_four(const float* __restrict x, int64_t K, const uint8_t* __re
     const __m512 m2 = Bits == 4 ? _mm512_load_ps(s2 + 16) : zero, m3 = Bits == 4 ? _mm512_load_ps(s3 + 16) : zero;
     const int64_t qoff = off + (Bits == 4 ? 128 : 64);
     const float* xb = x + b * kBlock;
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < kBlock; k += 2) {
+      __m512 q0[2], q1[2], q2[2], q3[2];
+      unpack_pair<Bits>(rec + qoff, k, levels, q0[0], q0[1]);
+      unpack_pair<Bits>(rec1 + qoff, k, levels, q1[0], q1[1]);
+      unpack_pair<Bits>(rec2 + qoff, k, levels, q2[0], q2[1]);
+      unpack_pair<Bits>(rec3 + qoff, k, levels, q3[0], q3[1]);
+#pragma GCC unroll 2
+      for (int i = 0; i < 2; ++i) {  // row k, then row k + 1
+        const __m512 w0 = _mm512_fmadd_ps(q0[i], d0, m0), w1 = _mm512_fmadd_ps(q1[i], d1, m1);
+        const __m512 w2 = _mm512_fmadd_ps(q2[i], d2, m2), w3 = _mm512_fmadd_ps(q3[i], d3, m3);
 #pragma GCC unroll 4
-    for (int64_t k = 0; k < kBlock; ++k) {
-      const __m512 w0 = _mm512_fmadd_ps(unpack_row<Bits>(rec + qoff, k, shifts, levels), d0, m0);
-      const __m512 w1 = _mm512_fmadd_ps(unpack_row<Bits>(rec1 + qoff, k, shifts, levels), d1, m1);
-      const __m512 w2 = _mm512_fmadd_ps(unpack_row<Bits>(rec2 + qoff, k, shifts, levels), d2, m2);
-      const __m512 w3 = _mm512_fmadd_ps(unpack_row<Bits>(rec3 + qoff, k, shifts, levels), d3, m3);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_set1_ps(xb[r * K + k]);
-        a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);
-        a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
-        a[r][2] = _mm512_fmadd_ps(xv, w2, a[r][2]);
-        a[r][3] = _mm512_fmadd_ps(xv, w3, a[r][3]);
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(xb[r * K + k + i]);
+          a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);
+          a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
+          a[r][2] = _mm512_fmadd_ps(xv, w2, a[r][2]);
+          a[r][3] = _mm512_fmadd_ps(xv, w3, a[r][3]);
+        }
       }
     }
   }
@@ -412,7 +448,7 @@ inline void fused_four(const float* __restrict x, int64_t K, const uint8_t* __re
     for (int g = 0; g < 4; ++g) _mm512_storeu_ps(y + r * ldy + kPanel * g, a[r][g]);
 }
 
-constexpr int kFusedRows = 16;  // rows per fused block: 16 accumulators + d, m, shifts, levels, w
+constexpr int kFusedRows = 16;  // rows per fused block: 16 accumulators + d, m, levels, q, w
 
 template <int Bits, int R = kFusedRows>
 inline void fused_rows(const float* x, int64_t rows, int64_t K, const uint8_t* rec, float* y, int64_t ldy) {
@@ -482,8 +518,8 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp, int6
 
 // x [M, K] float32; blob uint8 [P, K / 32, record]: per panel p and block of 32 k values, one
 // 64-byte-aligned record of d[16] floats, m[16] floats (4 bits only; 0 for 8 bits) and q for the
-// 32 rows (4 bits: 8 bytes a row, byte j = column j in its low nibble, column j + 8 in its high
-// one; 8 bits: 16 signed bytes a row). W[16 p + j, k] = d[j] q[k][j] + m[j] exactly. Returns
+// 32 rows (4 bits: 16 bytes a pair of rows k, k + 1 (k even), byte j = column j, row k in its
+// low nibble and row k + 1 in its high one; 8 bits: 16 signed bytes a row). W[16 p + j, k] = d[j] q[k][j] + m[j] exactly. Returns
 // y [M, 16 P], bit-identical to panel_linear on the dequantized panels.
 torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, int64_t isa) {
   TORCH_CHECK(isa == 0 || isa == 1, "panel_linear_blocks: isa must be 0 (AVX2) or 1 (AVX-512), got ", isa);
