@@ -42,6 +42,21 @@ def test_greedy_is_one_hot_with_ties_to_lowest_id():
     assert SamplingConfig().greedy and not SamplingConfig(temperature=1).greedy
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_greedy_ties_go_to_the_lowest_id_on_a_real_vocabulary(dtype):
+    """A vocabulary as wide as SmolLM2's runs the CPU's vectorized reduction: ties inside one
+    vector, across vector lanes and far apart still go to the first maximal id."""
+    torch.manual_seed(0)
+    vocab = 49152
+    pairs = [(8, 9), (15, 16), (17, 40000), (0, vocab - 1), (4097, 4096 + 64), (31, 33)]
+    logits = torch.randn(len(pairs), vocab, dtype=dtype)
+    for row, (a, b) in enumerate(pairs):
+        logits[row, a] = logits[row, b] = 10.0
+    out = logits_to_probs(logits, temperature=0.0)
+    assert out.argmax(-1).tolist() == [min(p) for p in pairs]
+    assert torch.equal(out.sum(-1), torch.ones(len(pairs), dtype=out.dtype))
+
+
 def test_top_k():
     assert close(logits_to_probs(LOGITS, temperature=1.0, top_k=2), [0, 0, 3 / 7, 4 / 7])
     assert close(logits_to_probs(LOGITS, temperature=1.0, top_k=1), [0, 0, 0, 1])
