@@ -161,3 +161,15 @@ def test_weights_option_errors_name_the_fix(shipped_head) -> None:
         load_drafter("eagle3", plain, weights="int8")
     with pytest.raises(ValueError, match="weights must be one of"):
         load_drafter("eagle3", plain, weights="int4")
+
+
+@needs_panel
+def test_export_refuses_a_rounded_head(shipped_head, tmp_path) -> None:
+    """An export carries the trained numbers to another stack; the 8-bit rounding is treespec's
+    CPU layout, so a rounded head is refused with the load that exports it."""
+    from treespec.export import export_eagle3
+
+    target = _blocks_target()
+    shipped_head(target)
+    with pytest.raises(ValueError, match="weights='trained'"):
+        export_eagle3(target, load_drafter("eagle3", target), tmp_path / "out")

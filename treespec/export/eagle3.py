@@ -61,6 +61,9 @@ def _eagle3_head(drafter):
         kind = getattr(cfg, "kind", None) or capabilities(drafter).registry_name or type(drafter).__name__
         raise TypeError(f"drafter must be an eagle3 drafter (load_drafter('eagle3', target)), got {kind!r}; "
                         f"only EAGLE-3 heads have the LlamaForCausalLMEagle3 layout")
+    if getattr(drafter, "head_weights", "trained") != "trained":   # rounded for treespec's block kernel
+        raise ValueError(f"this eagle3 drafter's weights are rounded to {drafter.head_weights} blocks for the CPU "
+                         "block kernel; export the trained numbers: load_drafter('eagle3', target, weights='trained')")
     return head
 
 
