@@ -460,8 +460,9 @@ def head_weights(weights: str, target) -> str:
 
     "auto" is "int8" where the target's linear layers are stored as integer blocks (the fp32
     block kernel found exact 4/8-bit blocks: SmolLM2's GGUF). There an 8-bit head reads 1.125
-    bytes a weight instead of 4, and a draft pass of the shipped eagle3 takes about 1 ms less on
-    one AMX core with its held-out acceptance unchanged (``treespec.fastpath.quant``). A target
+    bytes a weight instead of 4: the shipped eagle3's drafting phase takes 1.59 against 2.19 ms a
+    step on one AMX core with its held-out acceptance unchanged
+    (``benchmarks/results/head_weights_amx.md``). A target
     with no blocks (bf16, a GPU, random test weights) keeps the head as trained."""
     from treespec.fastpath.packing import linear_kernel, stores_blocks
 

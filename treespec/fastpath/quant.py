@@ -15,7 +15,8 @@ Glossary
   on a target that runs the fp32 block kernel gets its linear layers rounded to 8-bit blocks
   (GGUF Q8_0's rounding, a scale per 32 ``k`` values), which the block kernel reads at 1.125
   bytes a weight instead of 4. The shipped eagle3's held-out acceptance is unchanged by it
-  (top-1 at depth 1: 0.5269 against 0.5271 in fp32, 11,071 positions).
+  (top-1 at depth 1: 0.5269 against 0.5271 in fp32, 11,071 positions;
+  ``benchmarks/results/head_weights_amx.md``).
 
 Why only drafters: a drafter's weights decide which tokens are *proposed*, never which are
 *kept*. Rejection sampling reads the q the tokens were drafted from, so a 4-bit drafter is
