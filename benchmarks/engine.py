@@ -3,8 +3,10 @@
 Rows, all run side by side prompt by prompt (interleaved, so machine noise hits all alike), on
 MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sampled, seeded):
 - plain decoding: HF ``generate`` on the stock model and on the packed model
-  (``treespec.fastpath.packing``: plain decoding gets faster too, bf16 packed and fp32 on the panel GEMM,
-  so the faster of the two is the honest baseline);
+  (``treespec.fastpath.packing``: plain decoding gets faster too, bf16 packed and fp32 on the panel
+  GEMM), and treespec's own loop with a one-node tree (``treespec plain``: no drafter, the
+  target's cache appending in place, ``treespec.runtime.kvcache``); the fastest of them is the
+  honest baseline;
 - HF assisted generation with the shipped ``small`` drafter, HF prompt lookup (stock fp32 model,
   as a user runs them; ``--all-peers`` adds them in bf16);
 - treespec on the packed target with the shipped eagle3 head: a chain, a best-first tree, and
@@ -45,7 +47,9 @@ from treespec.data import chat_prompt, mtbench_questions
 from treespec.fastpath.packing import cpu_info
 from treespec.builders import BestFirstBuilder
 
-PLAIN = ("HF generate", "HF generate (packed)")
+# plain decoding rows: HF generate (stock, and on the packed path) and treespec's own loop with a
+# one-node tree (no drafter; its target cache appends in place, treespec.runtime.kvcache)
+PLAIN = ("HF generate", "HF generate (packed)", "treespec plain")
 
 
 def build(args):
@@ -101,6 +105,8 @@ def build(args):
         # fp32 on the panel GEMM)
         rows["HF generate (packed)"] = lambda ids, t, s, m=packed.model, e=eos: hf_generate(
             m, ids, args.max_new_tokens, e, t, s)
+        rows["treespec plain"] = treespec.SpeculativeGenerator(
+            packed, eagle3, treespec.DynamicTreeBuilder(budget=1, depth=1, top_k=1))   # budget 1: no drafting
         for name, g in gens.items():
             rows[name] = g
         skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -168,7 +174,7 @@ def quality(by_row: dict, plain: dict) -> dict:
     out = {}
     for name, rs in by_row.items():
         d = name.split(" ", 1)[0]
-        if " treespec " not in name or not rs or "ll_n" not in rs[0]:
+        if " treespec " not in name or name.split(" ", 1)[1] in PLAIN or not rs or "ll_n" not in rs[0]:
             continue
         base = max((n for n in plain if n.startswith(d + " ")), key=plain.get)
         pairs = [(r["ll"] / r["ll_n"], b["ll"] / b["ll_n"]) for r, b in zip(rs, by_row[base])
@@ -188,12 +194,13 @@ def limiter(summary_t: dict, goal: float) -> list[str]:
     lines = []
     rows = summary_t["rows"]
     for d in ("fp32", "bf16"):
-        spec = {n: e for n, e in rows.items() if n.startswith(d + " treespec")}
+        spec = {n: e for n, e in rows.items() if n.startswith(d + " treespec") and n.split(" ", 1)[1] not in PLAIN}
         if not spec:
             continue
         best = max(spec, key=lambda n: spec[n]["tokens_per_s"])
         e = spec[best]
-        plain_name = max((n for n in rows if n.startswith(d + " HF generate")), key=lambda n: rows[n]["tokens_per_s"])
+        plain_name = max((n for n in rows if n.startswith(d + " ") and n.split(" ", 1)[1] in PLAIN),
+                         key=lambda n: rows[n]["tokens_per_s"])
         plain_ms = 1e3 / rows[plain_name]["tokens_per_s"]   # its prefill included
         step = e["draft_ms"] + e["verify_ms"] + e["accept_ms"] + e["other_ms"]
         prefill = e.get("prefill_ms_per_token", 0.0)       # absent from results written before it was kept
