@@ -70,6 +70,11 @@ def test_round_linears_to_blocks8_rounds_in_place_and_names_what_it_left() -> No
     assert torch.equal(model[1].weight, before[1])
     with pytest.raises(ValueError, match="fp32 CPU block kernel"):
         round_linears_to_blocks8(nn.Linear(64, 8).to(torch.bfloat16))
+    mixed = nn.Sequential(nn.Linear(64, 8), nn.Linear(64, 8).to(torch.bfloat16))
+    first = mixed[0].weight.detach().clone()
+    with pytest.raises(ValueError, match="1 is torch.bfloat16"):
+        round_linears_to_blocks8(mixed)
+    assert torch.equal(mixed[0].weight, first)          # nothing was changed before the refusal
     with pytest.raises(TypeError, match="nn.Module"):
         round_linears_to_blocks8("not a module")
 

@@ -194,18 +194,19 @@ def round_linears_to_blocks8(model: nn.Module) -> tuple[int, tuple[str, ...]]:
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    layers = [(name, layer) for name, layer in model.named_modules()
+              if type(layer) is nn.Linear or isinstance(layer, PackedLinear)]
+    for name, layer in layers:   # every layer checked before any is changed
+        weight = layer.weight
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(f"8-bit blocks are read by the fp32 CPU block kernel; {name or 'the layer'} is "
+                             f"{weight.dtype} on {weight.device}")
     count, skipped = 0, []
     with torch.no_grad():
-        for name, layer in model.named_modules():
-            if not (type(layer) is nn.Linear or isinstance(layer, PackedLinear)):
+        for name, layer in layers:
+            if layer.weight.shape[1] % BLOCK:
+                skipped.append(f"{name} (in_features {layer.weight.shape[1]} not a multiple of {BLOCK})")
                 continue
-            weight = layer.weight
-            if weight.dtype != torch.float32 or weight.device.type != "cpu":
-                raise ValueError(f"8-bit blocks are read by the fp32 CPU block kernel; {name or 'the layer'} is "
-                                 f"{weight.dtype} on {weight.device}")
-            if weight.shape[1] % BLOCK:
-                skipped.append(f"{name} (in_features {weight.shape[1]} not a multiple of {BLOCK})")
-                continue
-            weight.copy_(round_to_blocks8(weight))
+            layer.weight.copy_(round_to_blocks8(layer.weight))
             count += 1
     return count, tuple(skipped)
