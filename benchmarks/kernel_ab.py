@@ -127,8 +127,12 @@ def bench(versions: dict, ns: list[int], args) -> None:
 
     def one_pass(version: tuple, n: int) -> list[torch.Tensor]:
         mod, isa, packer = version
-        extra = () if isa is None else (isa,)   # an older revision's module takes no isa
-        return [mod.panel_linear_blocks(xs[n][b.blob.shape[1] * 32], b.blob, b.bits, *extra) for b in blobs[packer]]
+
+        def extra(b) -> tuple:   # an older revision's module takes no isa, nor fp16 scales
+            if getattr(b, "half_scales", False):
+                return (0 if isa is None else isa, True)
+            return () if isa is None else (isa,)
+        return [mod.panel_linear_blocks(xs[n][b.blob.shape[1] * 32], b.blob, b.bits, *extra(b)) for b in blobs[packer]]
 
     names = list(versions)
     for n in ns:  # the versions agree bit for bit (and warm up)

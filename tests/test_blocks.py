@@ -13,12 +13,13 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from treespec.fastpath.packing import PackedLinear, linear_isa, linear_kernel, pack_linears
 from treespec.fastpath import kernels
 from treespec.fastpath.cpu import CpuInfo
-from treespec.fastpath.kernels import (block_linear, kernel_isa, pack_blocks, pack_panels, panel_linear,
+from treespec.fastpath.kernels import (ISAS, block_linear, kernel_isa, pack_blocks, pack_panels, panel_linear,
                                       panel_status)
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
@@ -81,7 +82,11 @@ def test_block_linear_is_bit_identical_to_fp32_panels(fmt, n_out) -> None:
         bias = torch.randn(n_out)
         blocks, panels = pack_blocks(weight), pack_panels(weight)
         padded = -(-n_out // 16) * 16
-        assert blocks.nbytes == padded * k * (0.75 if blocks.bits == 4 else 1.125)   # bytes per weight
+        # GGUF's Q4_1 scales and offsets are fp16 numbers, stored as such where the CPU runs the
+        # AVX-512 code: 0.625 bytes a weight, else 0.75
+        assert blocks.half_scales == (blocks.bits == 4 and kernel_isa() == "avx512")
+        per_weight = 1.125 if blocks.bits == 8 else 0.625 if blocks.half_scales else 0.75
+        assert blocks.nbytes == padded * k * per_weight
         for rows in (1, 2, 3, 4, 5, 6, 7, 11, 13, 17, 64):
             x = torch.randn(rows, k)
             got = block_linear(x, blocks, bias)
@@ -114,13 +119,40 @@ def test_avx512_kernels_give_the_avx2_bits(fmt) -> None:
     for n_out, k in ((40, 96), (300, 160), (24, 576)):
         weight = fmt(torch.randn(n_out, k) * 0.05)
         bias = torch.randn(n_out)
-        blocks, panels = pack_blocks(weight), pack_panels(weight)
-        for rows in (*range(1, 19), 31, 32, 33, 47, 64):
-            x = torch.randn(rows, k)
-            want = block_linear(x, blocks, bias, isa="avx2")
-            assert torch.equal(block_linear(x, blocks, bias, isa="avx512"), want), (n_out, k, rows)
-            assert torch.equal(panel_linear(x, panels, n_out, bias, isa="avx512"), want), (n_out, k, rows)
-            assert torch.equal(panel_linear(x, panels, n_out, bias, isa="avx2"), want), (n_out, k, rows)
+        panels = pack_panels(weight)
+        for half in (False, True):   # both record kinds (fp16 scales: 4 bits only)
+            blocks = pack_blocks(weight, half_scales=half)
+            for rows in (*range(1, 19), 31, 32, 33, 47, 64):
+                x = torch.randn(rows, k)
+                want = block_linear(x, blocks, bias, isa="avx2")
+                assert torch.equal(block_linear(x, blocks, bias, isa="avx512"), want), (n_out, k, rows, half)
+                assert torch.equal(panel_linear(x, panels, n_out, bias, isa="avx512"), want), (n_out, k, rows)
+                assert torch.equal(panel_linear(x, panels, n_out, bias, isa="avx2"), want), (n_out, k, rows)
+
+
+@needs_panel
+def test_fp16_scales_convert_exactly_subnormal_and_zero_included() -> None:
+    """The AVX2 code turns fp16 scales into floats with integer operations (no F16C), the
+    AVX-512 code with vcvtph2ps: both exact for normal, subnormal and zero scales and offsets,
+    which a tiny weight's blocks have (a flat block: d = 0; an all-zero one: m = 0)."""
+    torch.manual_seed(5)
+    weight = torch.randn(48, 128) * torch.logspace(-7, -1, 48)[:, None]   # fp16-subnormal d and m at the top
+    weight[3, :32] = 0.0                    # d = 0, m = 0
+    weight[5, 32:64] = -3e-6                # d = 0, m a negative subnormal
+    weight = gguf_q4_1(weight)
+    blocks = pack_blocks(weight, half_scales=True)
+    assert blocks.bits == 4 and blocks.half_scales
+    assert not pack_blocks(weight, half_scales=False).half_scales
+    d = (weight.reshape(48, 4, 32).amax(-1) - weight.reshape(48, 4, 32).amin(-1)) / 15
+    assert bool(((d > 0) & (d < 6.1e-5)).any()) and bool((d == 0).any())   # subnormal and zero scales present
+    bias = torch.randn(48)
+    for rows in (1, 2, 3, 4, 5, 9, 17):
+        x = torch.randn(rows, 128)
+        want = F.linear(x, weight, bias)
+        for isa in ISAS if kernel_isa() == "avx512" else ("avx2",):
+            got = block_linear(x, blocks, bias, isa=isa)
+            assert torch.equal(got, panel_linear(x, pack_panels(weight), 48, bias, isa=isa)), (isa, rows)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_kernel_isa_follows_the_cpu_and_refuses_what_it_lacks(monkeypatch) -> None:

@@ -197,11 +197,15 @@ class BlockPanels:
     4 bits only; 0 for 8 bits), then ``q`` for the 32 rows: for 4 bits 16 bytes a pair of rows
     k, k + 1 (byte j = column j, row k in its low nibble and row k + 1 in its high one: one
     load and one widening serve two rows), for 8 bits 16 signed bytes a row.
+    ``half_scales`` (4 bits only): ``d`` and ``m`` stored as fp16 numbers, 32 bytes each, where
+    every scale and offset of the weight is one (GGUF Q4_1's are; Q4_K's fp32 scales are not):
+    a 320-byte record instead of 384, converted back exactly by the kernels.
     """
 
     blob: torch.Tensor
     bits: int
     out_features: int
+    half_scales: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -309,12 +313,21 @@ def _aligned_cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts, -1, out=out)
 
 
-def pack_blocks(weight: torch.Tensor) -> BlockPanels | None:
+def pack_blocks(weight: torch.Tensor, half_scales: bool | None = None) -> BlockPanels | None:
     """``weight`` [N, K] float32 (CPU) -> :class:`BlockPanels` if it is exactly 4-bit (tried
-    first) or 8-bit block-quantized, else None. K must be a multiple of 32."""
+    first) or 8-bit block-quantized, else None. K must be a multiple of 32.
+
+    ``half_scales``: store a 4-bit weight's scales and offsets as fp16 numbers where every one
+    is (``BlockPanels.half_scales``). None: where this CPU runs the AVX-512 code, which converts
+    them with one instruction and reads 17 % fewer bytes for it (1-3 rows: 0.91-0.93 of the
+    time); the AVX2 code converts them with integer operations, which cost it more than the
+    bytes save from 3 rows (``benchmarks/results/kernel_half_amx*.md``). Either code reads
+    either kind, with the same bits."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise ValueError(f"pack_blocks takes a 2-D float32 CPU weight, got {tuple(weight.shape)} "
                          f"{weight.dtype} on {weight.device}")
+    if half_scales is None:
+        half_scales = kernel_isa() == "avx512"
     n, k = weight.shape
     if k % BLOCK or n == 0:
         return None
@@ -341,11 +354,14 @@ def pack_blocks(weight: torch.Tensor) -> BlockPanels | None:
             q = q[..., 0::2, :] | (q[..., 1::2, :] << 4)
         else:
             q = q.to(torch.int8).view(torch.uint8)
-        # [N', K/32, 1] -> [P, K/32, 16] float32 -> bytes [P, K/32, 64]
-        scales = [t.reshape(p, PANEL, nb).transpose(1, 2).contiguous().view(torch.uint8)
-                  for t in ((d, m) if bits == 4 else (d,))]
+        # [N', K/32, 1] -> [P, K/32, 16] float32 (or fp16 where every one is an fp16 number, 4 bits)
+        # -> bytes [P, K/32, 64 (32)]
+        pair = (d, m) if bits == 4 else (d,)
+        half = half_scales and bits == 4 and all(bool((t.half().float() == t).all()) for t in pair)
+        scales = [t.reshape(p, PANEL, nb).transpose(1, 2).contiguous().to(torch.float16 if half else torch.float32)
+                  .view(torch.uint8) for t in pair]
         parts = [*scales, q.reshape(p, nb, -1)]
-        return BlockPanels(_aligned_cat(parts), bits, n)
+        return BlockPanels(_aligned_cat(parts), bits, n, half)
     return None
 
 
@@ -379,4 +395,4 @@ def block_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None
     :func:`panel_linear` on ``pack_panels(W)``, on either ISA. x [..., K] float32 on the CPU."""
     code = _isa_index(isa)
     return _linear(x, blocks.blob.shape[1] * BLOCK, blocks.out_features, bias,
-                   lambda x2: _kernel().panel_linear_blocks(x2, blocks.blob, blocks.bits, code))
+                   lambda x2: _kernel().panel_linear_blocks(x2, blocks.blob, blocks.bits, code, blocks.half_scales))

@@ -111,19 +111,46 @@ int64_t panels(const float* x, int64_t M, int64_t K, const float* w, int64_t p0,
 }
 
 // Block-quantized panels (see panel_linear_blocks): one record per panel and block of 32 k values,
-// d[16] and (4 bits) m[16] as floats, then the 32 rows of q.
-template <int Bits>
-constexpr int64_t record_bytes() { return Bits == 4 ? 2 * 64 + kBlock * 8 : 64 + kBlock * 16; }
+// d[16] and (4 bits) m[16], then the 32 rows of q. The scales are floats, or (4 bits, Half) fp16
+// numbers, 64 bytes fewer a record, where every scale of the weight is one (GGUF Q4_1's are).
+template <int Bits, bool Half>
+constexpr int64_t scale_bytes() { return Bits == 4 ? (Half ? 64 : 128) : 64; }
+template <int Bits, bool Half>
+constexpr int64_t record_bytes() { return scale_bytes<Bits, Half>() + kBlock * (Bits == 4 ? 8 : 16); }
+
+// 8 fp16 numbers as floats, exactly, with integer operations (no F16C): a normal number moves its
+// exponent bias from 15 to 127; a subnormal one (mantissa m, exponent 0) is m 2^-24, an integer
+// times a power of two, so its conversion and product are exact; zero stays (signed) zero.
+inline __m256 half8_to_ps(const uint16_t* h) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x8000)), 16);
+  const __m256i exp = _mm256_and_si256(v, _mm256_set1_epi32(0x7c00));
+  const __m256i mant = _mm256_and_si256(v, _mm256_set1_epi32(0x03ff));
+  const __m256i normal = _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(exp, _mm256_set1_epi32(112 << 10)), 13),
+                                         _mm256_slli_epi32(mant, 13));
+  const __m256 small = _mm256_mul_ps(_mm256_cvtepi32_ps(mant), _mm256_set1_ps(0x1p-24f));
+  const __m256 is_small = _mm256_castsi256_ps(_mm256_cmpeq_epi32(exp, _mm256_setzero_si256()));
+  const __m256 magnitude = _mm256_blendv_ps(_mm256_castsi256_ps(normal), small, is_small);
+  return _mm256_or_ps(magnitude, _mm256_castsi256_ps(sign));
+}
 
 // A record's scales (m = 0 for 8 bits); returns where its q rows start.
-template <int Bits>
+template <int Bits, bool Half>
 inline const uint8_t* load_scales(const uint8_t* rec, __m256& d0, __m256& d1, __m256& m0, __m256& m1) {
-  const float* s = reinterpret_cast<const float*>(rec);
-  d0 = _mm256_load_ps(s);
-  d1 = _mm256_load_ps(s + 8);
-  m0 = Bits == 4 ? _mm256_load_ps(s + 16) : _mm256_setzero_ps();
-  m1 = Bits == 4 ? _mm256_load_ps(s + 24) : _mm256_setzero_ps();
-  return rec + (Bits == 4 ? 128 : 64);
+  if constexpr (Bits == 4 && Half) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(rec);
+    d0 = half8_to_ps(h);
+    d1 = half8_to_ps(h + 8);
+    m0 = half8_to_ps(h + 16);
+    m1 = half8_to_ps(h + 24);
+  } else {
+    const float* s = reinterpret_cast<const float*>(rec);
+    d0 = _mm256_load_ps(s);
+    d1 = _mm256_load_ps(s + 8);
+    m0 = Bits == 4 ? _mm256_load_ps(s + 16) : _mm256_setzero_ps();
+    m1 = Bits == 4 ? _mm256_load_ps(s + 24) : _mm256_setzero_ps();
+  }
+  return rec + scale_bytes<Bits, Half>();
 }
 
 // Row k + Odd (k even) of a record's q as floats: q0 = columns 0-7, q1 = columns 8-15. 4 bits:
@@ -163,14 +190,14 @@ inline void for_pair(F&& f) {
 // One chunk of panel p, rows [k0, k0 + kc), as fp32 panel rows w[k][16] = fma(q, d, m), which is
 // exactly d q + m: the product of a <= 8-bit integer and an fp16 scale is exact in fp32, so only
 // the sum rounds.
-template <int Bits>
+template <int Bits, bool Half>
 inline void dequantize(const uint8_t* __restrict blob, int64_t K, int64_t p, int64_t k0, int64_t kc,
                        float* __restrict w) {
-  constexpr int64_t kRec = record_bytes<Bits>();
+  constexpr int64_t kRec = record_bytes<Bits, Half>();
   const uint8_t* rec = blob + (p * (K / kBlock) + k0 / kBlock) * kRec;
   for (int64_t b = 0; b < kc; b += kBlock, rec += kRec) {
     __m256 d0, d1, m0, m1;
-    const uint8_t* qb = load_scales<Bits>(rec, d0, d1, m0, m1);
+    const uint8_t* qb = load_scales<Bits, Half>(rec, d0, d1, m0, m1);
     float* wb = w + b * kPanel;
 #pragma GCC unroll 2
     for (int64_t k = 0; k < kBlock; k += 2) {  // kc is a multiple of kBlock
@@ -186,9 +213,9 @@ inline void dequantize(const uint8_t* __restrict blob, int64_t K, int64_t p, int
 }
 
 // Prefetches the records of chunk c of panel p (prefetches never fault, so p may run past the end).
-template <int Bits>
+template <int Bits, bool Half>
 inline void prefetch_chunk(const uint8_t* blob, int64_t K, int64_t p, int64_t c) {
-  constexpr int64_t kRec = record_bytes<Bits>();
+  constexpr int64_t kRec = record_bytes<Bits, Half>();
   const uint8_t* rec = blob + (p * (K / kBlock) + c * (kChunk / kBlock)) * kRec;
   for (int64_t line = 0; line < (kChunk / kBlock) * kRec; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(rec + line), _MM_HINT_T0);
@@ -197,7 +224,7 @@ inline void prefetch_chunk(const uint8_t* blob, int64_t K, int64_t p, int64_t c)
 // Block-quantized panels: all M rows times panels [p0, p1) in groups of G. Each chunk of the G
 // panels is dequantized once into an L1-resident buffer, then every row block runs over it with
 // the same tiles (and so the same FMA order) as the fp32 panels.
-template <int R, int G, int Bits>
+template <int R, int G, int Bits, bool Half>
 int64_t qpanels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1, float* y,
                 int64_t ldy) {
   constexpr int64_t kStride = kChunk * kPanel + 16;  // one cache line more than 4 KiB: no 4K aliasing
@@ -212,9 +239,9 @@ int64_t qpanels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64
       const int64_t ahead = c + kAhead;
       const int64_t pa = ahead < chunks ? p : p + G, ca = ahead < chunks ? ahead : ahead - chunks;
 #pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) prefetch_chunk<Bits>(blob, K, pa + g, ca);
+      for (int g = 0; g < G; ++g) prefetch_chunk<Bits, Half>(blob, K, pa + g, ca);
 #pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) dequantize<Bits>(blob, K, p + g, k0, kc, buf + g * kStride);
+      for (int g = 0; g < G; ++g) dequantize<Bits, Half>(blob, K, p + g, k0, kc, buf + g * kStride);
       rows<Avx2Tiles, R, G>(x, M, K, k0, buf, kStride, kc, y + kPanel * p, ldy, false);
     }
   }
@@ -227,10 +254,10 @@ int64_t qpanels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64
 // the buffered path, so the result is bit-identical to it (and to the fp32 panels). Registers: 2 R
 // accumulators, d and m (4), the nibble mask, two weight vectors and x: 2 R + 8 <= 16 for R <= 4
 // (the compiler keeps unpack_row's constant mask in a register across the loop).
-template <int R, int Bits>
+template <int R, int Bits, bool Half>
 void fused_panels(const float* x, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1, float* y,
                   int64_t ldy) {
-  constexpr int64_t kRec = record_bytes<Bits>();
+  constexpr int64_t kRec = record_bytes<Bits, Half>();
   constexpr int64_t kAheadBytes = 4 * kRec;  // prefetch distance: four records
   const int64_t blocks = K / kBlock;
   for (int64_t p = p0; p < p1; ++p) {
@@ -242,7 +269,7 @@ void fused_panels(const float* x, int64_t K, const uint8_t* blob, int64_t p0, in
       for (int64_t line = 0; line < kRec; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(rec + kAheadBytes + line), _MM_HINT_T0);
       __m256 d0, d1, m0, m1;
-      const uint8_t* qb = load_scales<Bits>(rec, d0, d1, m0, m1);
+      const uint8_t* qb = load_scales<Bits, Half>(rec, d0, d1, m0, m1);
       const float* xb = x + b * kBlock;
 #pragma GCC unroll 2
       for (int64_t k = 0; k < kBlock; k += 2) {
@@ -347,13 +374,27 @@ inline void unpack_pair(const uint8_t* __restrict qb, int64_t k, __m512 levels, 
   }
 }
 
+// A record's d (16 scales) and m (16 offsets; 0 for 8 bits) as floats: fp16 ones converted
+// exactly (vcvtph2ps, AVX-512 F), float ones loaded.
+template <int Bits, bool Half>
+inline void record_scales(const uint8_t* __restrict rec, __m512& d, __m512& m) {
+  if constexpr (Bits == 4 && Half) {
+    d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(rec)));
+    m = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(rec + 32)));
+  } else {
+    const float* s = reinterpret_cast<const float*>(rec);
+    d = _mm512_load_ps(s);
+    m = Bits == 4 ? _mm512_load_ps(s + 16) : _mm512_setzero_ps();
+  }
+}
+
 // R rows (R <= 16) times one block-quantized panel over all of k: each panel row of weights is
 // rebuilt in a register, fma(q, d, m), and multiplied into the R accumulators at once. rec is
 // the panel's first record; the R rows are x[r K ..] and y[r ldy ..].
-template <int R, int Bits>
+template <int R, int Bits, bool Half>
 inline void fused_panel(const float* __restrict x, int64_t K, const uint8_t* __restrict rec, float* __restrict y,
                         int64_t ldy) {
-  constexpr int64_t kRec = record_bytes<Bits>();
+  constexpr int64_t kRec = record_bytes<Bits, Half>();
   constexpr int64_t kAheadBytes = 4 * kRec;
   const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __m512 a[R];
@@ -363,10 +404,9 @@ inline void fused_panel(const float* __restrict x, int64_t K, const uint8_t* __r
   for (int64_t b = 0; b < blocks; ++b, rec += kRec) {
     for (int64_t line = 0; line < kRec; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(rec + kAheadBytes + line), _MM_HINT_T0);
-    const float* s = reinterpret_cast<const float*>(rec);
-    const __m512 d = _mm512_load_ps(s);
-    const __m512 m = Bits == 4 ? _mm512_load_ps(s + 16) : _mm512_setzero_ps();
-    const uint8_t* qb = rec + (Bits == 4 ? 128 : 64);
+    __m512 d, m;
+    record_scales<Bits, Half>(rec, d, m);
+    const uint8_t* qb = rec + scale_bytes<Bits, Half>();
     const float* xb = x + b * kBlock;
 #pragma GCC unroll 2
     for (int64_t k = 0; k < kBlock; k += 2) {
@@ -390,10 +430,10 @@ inline void fused_panel(const float* __restrict x, int64_t K, const uint8_t* __r
 // each output's chain is unchanged (a 1-row pass: 0.81x the time of one panel at a time,
 // benchmarks/results/kernel_isa_amx.md). rec is panel 0's first record, pstride the bytes from one
 // panel's records to the next's.
-template <int R, int Bits>
+template <int R, int Bits, bool Half>
 inline void fused_four(const float* __restrict x, int64_t K, const uint8_t* __restrict rec, int64_t pstride,
                        float* __restrict y, int64_t ldy) {
-  constexpr int64_t kRec = record_bytes<Bits>();
+  constexpr int64_t kRec = record_bytes<Bits, Half>();
   constexpr int64_t kAheadBytes = 4 * kRec;
   const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const uint8_t* const rec1 = rec + pstride;
@@ -410,15 +450,12 @@ inline void fused_four(const float* __restrict x, int64_t K, const uint8_t* __re
       _mm_prefetch(reinterpret_cast<const char*>(rec2 + off + kAheadBytes + line), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(rec3 + off + kAheadBytes + line), _MM_HINT_T0);
     }
-    const float* s0 = reinterpret_cast<const float*>(rec + off);
-    const float* s1 = reinterpret_cast<const float*>(rec1 + off);
-    const float* s2 = reinterpret_cast<const float*>(rec2 + off);
-    const float* s3 = reinterpret_cast<const float*>(rec3 + off);
-    const __m512 d0 = _mm512_load_ps(s0), d1 = _mm512_load_ps(s1), d2 = _mm512_load_ps(s2), d3 = _mm512_load_ps(s3);
-    const __m512 zero = _mm512_setzero_ps();
-    const __m512 m0 = Bits == 4 ? _mm512_load_ps(s0 + 16) : zero, m1 = Bits == 4 ? _mm512_load_ps(s1 + 16) : zero;
-    const __m512 m2 = Bits == 4 ? _mm512_load_ps(s2 + 16) : zero, m3 = Bits == 4 ? _mm512_load_ps(s3 + 16) : zero;
-    const int64_t qoff = off + (Bits == 4 ? 128 : 64);
+    __m512 d0, d1, d2, d3, m0, m1, m2, m3;
+    record_scales<Bits, Half>(rec + off, d0, m0);
+    record_scales<Bits, Half>(rec1 + off, d1, m1);
+    record_scales<Bits, Half>(rec2 + off, d2, m2);
+    record_scales<Bits, Half>(rec3 + off, d3, m3);
+    const int64_t qoff = off + scale_bytes<Bits, Half>();
     const float* xb = x + b * kBlock;
 #pragma GCC unroll 2
     for (int64_t k = 0; k < kBlock; k += 2) {
@@ -450,36 +487,36 @@ inline void fused_four(const float* __restrict x, int64_t K, const uint8_t* __re
 
 constexpr int kFusedRows = 16;  // rows per fused block: 16 accumulators + d, m, levels, q, w
 
-template <int Bits, int R = kFusedRows>
+template <int Bits, bool Half, int R = kFusedRows>
 inline void fused_rows(const float* x, int64_t rows, int64_t K, const uint8_t* rec, float* y, int64_t ldy) {
   if constexpr (R > 0) {
-    if (rows == R) fused_panel<R, Bits>(x, K, rec, y, ldy);
-    else fused_rows<Bits, R - 1>(x, rows, K, rec, y, ldy);
+    if (rows == R) fused_panel<R, Bits, Half>(x, K, rec, y, ldy);
+    else fused_rows<Bits, Half, R - 1>(x, rows, K, rec, y, ldy);
   }
 }
 
 // Block-quantized panels [p0, p1) for all M rows: 1-3 rows four panels at a time, more rows (and
 // the last 1-3 panels) one panel and 16 rows at a time (the panel's records are in L1 after the
 // first block of rows).
-template <int Bits>
+template <int Bits, bool Half>
 void block_panels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1, float* y,
                   int64_t ldy) {
-  constexpr int64_t kRec = record_bytes<Bits>();
+  constexpr int64_t kRec = record_bytes<Bits, Half>();
   const int64_t blocks = K / kBlock, pstride = blocks * kRec;
   int64_t p = p0;
   if (M <= 3) {
     for (; p + 4 <= p1; p += 4) {
       const uint8_t* rec = blob + p * pstride;
       float* yp = y + kPanel * p;
-      if (M == 1) fused_four<1, Bits>(x, K, rec, pstride, yp, ldy);
-      else if (M == 2) fused_four<2, Bits>(x, K, rec, pstride, yp, ldy);
-      else fused_four<3, Bits>(x, K, rec, pstride, yp, ldy);
+      if (M == 1) fused_four<1, Bits, Half>(x, K, rec, pstride, yp, ldy);
+      else if (M == 2) fused_four<2, Bits, Half>(x, K, rec, pstride, yp, ldy);
+      else fused_four<3, Bits, Half>(x, K, rec, pstride, yp, ldy);
     }
   }
   for (; p < p1; ++p) {
     const uint8_t* rec = blob + p * pstride;
     for (int64_t r = 0; r < M; r += kFusedRows)
-      fused_rows<Bits>(x + r * K, std::min<int64_t>(kFusedRows, M - r), K, rec, y + r * ldy + kPanel * p, ldy);
+      fused_rows<Bits, Half>(x + r * K, std::min<int64_t>(kFusedRows, M - r), K, rec, y + r * ldy + kPanel * p, ldy);
   }
 }
 
@@ -519,18 +556,21 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp, int6
 // x [M, K] float32; blob uint8 [P, K / 32, record]: per panel p and block of 32 k values, one
 // 64-byte-aligned record of d[16] floats, m[16] floats (4 bits only; 0 for 8 bits) and q for the
 // 32 rows (4 bits: 16 bytes a pair of rows k, k + 1 (k even), byte j = column j, row k in its
-// low nibble and row k + 1 in its high one; 8 bits: 16 signed bytes a row). W[16 p + j, k] = d[j] q[k][j] + m[j] exactly. Returns
+// low nibble and row k + 1 in its high one; 8 bits: 16 signed bytes a row). half_scales (4 bits
+// only): d and m as 16 fp16 numbers each instead of floats (a 320-byte record, not 384). W[16 p + j, k] = d[j] q[k][j] + m[j] exactly. Returns
 // y [M, 16 P], bit-identical to panel_linear on the dequantized panels.
-torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, int64_t isa) {
+torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, int64_t isa,
+                                  bool half_scales) {
   TORCH_CHECK(isa == 0 || isa == 1, "panel_linear_blocks: isa must be 0 (AVX2) or 1 (AVX-512), got ", isa);
   TORCH_CHECK(bits == 4 || bits == 8, "panel_linear_blocks: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || !half_scales, "panel_linear_blocks: fp16 scales are a 4-bit record kind");
   TORCH_CHECK(x.dim() == 2 && blob.dim() == 3, "panel_linear_blocks: x [M, K], blob [P, K / 32, record]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && blob.scalar_type() == at::kByte, "panel_linear_blocks: x float32, blob uint8");
   TORCH_CHECK(x.is_contiguous() && blob.is_contiguous(), "panel_linear_blocks: contiguous inputs only");
   const int64_t M = x.size(0), K = x.size(1), P = blob.size(0), ldy = kPanel * P;
   TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock, "panel_linear_blocks: x has K = ", K,
               ", the blob ", blob.size(1), " blocks of ", kBlock);
-  const int64_t rec = bits == 4 ? record_bytes<4>() : record_bytes<8>();
+  const int64_t rec = bits == 8 ? record_bytes<8, false>() : half_scales ? record_bytes<4, true>() : record_bytes<4, false>();
   TORCH_CHECK(blob.size(2) == rec, "panel_linear_blocks: ", bits, "-bit records are ", rec, " bytes, got ", blob.size(2));
   TORCH_CHECK(reinterpret_cast<uintptr_t>(blob.data_ptr()) % 64 == 0, "panel_linear_blocks: blob must be 64-byte aligned");
   auto y = torch::empty({M, ldy}, x.options());
@@ -538,21 +578,23 @@ torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& b
   const float* xp = x.data_ptr<float>();
   const uint8_t* bp = blob.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  auto run = [&](auto bits_tag) {
+  auto run = [&](auto bits_tag, auto half_tag) {
     constexpr int B = decltype(bits_tag)::value;
+    constexpr bool H = decltype(half_tag)::value;
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-      if (isa == 1) return avx512::block_panels<B>(xp, M, K, bp, p0, p1, yp, ldy);
+      if (isa == 1) return avx512::block_panels<B, H>(xp, M, K, bp, p0, p1, yp, ldy);
       switch (M) {  // 1-4 rows: fused; more rows share one dequantized chunk per panel
-        case 1: fused_panels<1, B>(xp, K, bp, p0, p1, yp, ldy); break;
-        case 2: fused_panels<2, B>(xp, K, bp, p0, p1, yp, ldy); break;
-        case 3: fused_panels<3, B>(xp, K, bp, p0, p1, yp, ldy); break;
-        case 4: fused_panels<4, B>(xp, K, bp, p0, p1, yp, ldy); break;
-        default: qpanels<6, 1, B>(xp, M, K, bp, p0, p1, yp, ldy);
+        case 1: fused_panels<1, B, H>(xp, K, bp, p0, p1, yp, ldy); break;
+        case 2: fused_panels<2, B, H>(xp, K, bp, p0, p1, yp, ldy); break;
+        case 3: fused_panels<3, B, H>(xp, K, bp, p0, p1, yp, ldy); break;
+        case 4: fused_panels<4, B, H>(xp, K, bp, p0, p1, yp, ldy); break;
+        default: qpanels<6, 1, B, H>(xp, M, K, bp, p0, p1, yp, ldy);
       }
     });
   };
-  if (bits == 4) run(std::integral_constant<int, 4>{});
-  else run(std::integral_constant<int, 8>{});
+  if (bits == 8) run(std::integral_constant<int, 8>{}, std::false_type{});
+  else if (half_scales) run(std::integral_constant<int, 4>{}, std::true_type{});
+  else run(std::integral_constant<int, 4>{}, std::false_type{});
   return y;
 }
 
@@ -561,5 +603,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("isa") = 0);
   m.def("panel_linear_blocks", &panel_linear_blocks,
         "y = x @ W^T with W stored as 16-column panels of 4- or 8-bit integers and per-32 scales",
-        pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("bits"), pybind11::arg("isa") = 0);
+        pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("bits"), pybind11::arg("isa") = 0,
+        pybind11::arg("half_scales") = false);
 }
