@@ -15,8 +15,8 @@ Glossary
 - **exact blocks** — a weight dequantized from a GGUF Q4_1 / Q8_0 checkpoint (SmolLM2's, the
   target here) is, value for value, ``d q + m`` per block of 32 ``k`` values, with ``q`` a 4- or
   8-bit integer and ``d``, ``m`` fp16 numbers. :func:`pack_blocks` finds that form and checks
-  every value bit for bit; :func:`block_linear` then reads 0.75 (4-bit) or 1.125 (8-bit) bytes a
-  weight instead of 4 and rebuilds the weights with ``fma(q, d, m)`` (exactly ``d q + m``: an
+  every value bit for bit; :func:`block_linear` then reads 0.625-0.75 (4-bit; fp16 or fp32
+  scales) or 1.125 (8-bit) bytes a weight instead of 4 and rebuilds the weights with ``fma(q, d, m)`` (exactly ``d q + m``: an
   11-bit scale times a <= 8-bit integer is exact in fp32, so only the sum rounds, as in the
   dequantized weight). For 1-4 rows each rebuilt panel row goes straight from registers into
   the rows' FMAs (no store and reload through a buffer); for more rows each 64-row chunk of a

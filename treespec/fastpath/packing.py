@@ -240,7 +240,7 @@ class PackedLinear(nn.Module):
     ``min_rows`` to ``max_rows`` rows. ``kernel="blocks"``: the same GEMM reading the weight as
     exact 4- or 8-bit integer blocks where it is one (a weight dequantized from a GGUF Q4_1 or
     Q8_0 checkpoint is; :func:`treespec.fastpath.kernels.pack_blocks` checks every value), fp32 panels
-    where it is not; the outputs are bit-identical to ``"panel"``, from 5.3x (4-bit) or 3.6x
+    where it is not; the outputs are bit-identical to ``"panel"``, from 5.3-6.4x (4-bit) or 3.6x
     (8-bit) fewer bytes. ``isa`` picks the panel and block kernels' instruction set (one of
     :data:`treespec.fastpath.kernels.ISAS`; None: the CPU's best); the outputs are the same bits.
     Other inputs take the stock ``F.linear`` on the original weight. The packed copy is rebuilt
