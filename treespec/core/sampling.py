@@ -75,8 +75,8 @@ def process(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     vocab = x.shape[-1]
     if cfg.greedy:
         out = torch.zeros_like(x)
-        # max's indices are argmax's (the first maximal one), in a third of its time on the CPU
-        # (3 x 49,152 fp32 logits: 60 against 180 us)
+        # max's indices are argmax's (the first maximal one); PyTorch's CPU max over a dim is the
+        # faster of the two on a few rows of a large vocabulary
         return out.scatter_(-1, x.max(-1, keepdim=True).indices, 1.0)
     if cfg.temperature != 1.0:   # x / 1 is x, bit for bit: skip a pass over [..., V]
         x = x / cfg.temperature

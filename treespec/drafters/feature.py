@@ -417,9 +417,14 @@ def shipped_checksum(target, name: str, options: dict | None = None) -> str | No
 
     path = shipped_checkpoint(target, name)
     checksum = read_header(path, name).get("checksum") if path.is_file() else None
-    if checksum and name in _HEADS and head_weights((options or {}).get("weights", "auto"), target) == "int8":
-        checksum += "+int8"
-    return checksum
+    if name not in _HEADS:
+        return checksum
+    return _weights_checksum(checksum, head_weights((options or {}).get("weights", "auto"), target))
+
+
+def _weights_checksum(checksum: str | None, weights: str) -> str | None:
+    """A head's ``weights_checksum``: its checkpoint's, ``+int8`` when rounded to 8-bit blocks."""
+    return f"{checksum}+int8" if checksum and weights == "int8" else checksum
 
 
 def random_feature_drafter(target, kind: HeadKind, seed: int = 0, draft_vocab: int = 0,
@@ -498,7 +503,6 @@ def load_feature_drafter(target, kind: HeadKind, checkpoint: str | Path | None =
     if resolved == "int8":
         round_linears_to_blocks8(head)
     drafter = drafter_for(head, target.vocab_size)
-    checksum = header.get("checksum")
-    drafter.weights_checksum = f"{checksum}+int8" if checksum and resolved == "int8" else checksum
+    drafter.weights_checksum = _weights_checksum(header.get("checksum"), resolved)
     drafter.head_weights = resolved
     return drafter

@@ -16,9 +16,9 @@ Glossary
   target here) is, value for value, ``d q + m`` per block of 32 ``k`` values, with ``q`` a 4- or
   8-bit integer and ``d``, ``m`` fp16 numbers. :func:`pack_blocks` finds that form and checks
   every value bit for bit; :func:`block_linear` then reads 0.625-0.75 (4-bit; fp16 or fp32
-  scales) or 1.125 (8-bit) bytes a weight instead of 4 and rebuilds the weights with ``fma(q, d, m)`` (exactly ``d q + m``: an
-  11-bit scale times a <= 8-bit integer is exact in fp32, so only the sum rounds, as in the
-  dequantized weight). For 1-4 rows each rebuilt panel row goes straight from registers into
+  scales) or 1.125 (8-bit) bytes a weight instead of 4 and rebuilds the weights with
+  ``fma(q, d, m)`` (exactly ``d q + m``: an 11-bit scale times a <= 8-bit integer is exact in
+  fp32, so only the sum rounds, as in the dequantized weight). For 1-4 rows each rebuilt panel row goes straight from registers into
   the rows' FMAs (no store and reload through a buffer); for more rows each 64-row chunk of a
   panel is rebuilt once in L1 and runs the fp32 tiles. Either way every output is the same in-order FMA chain over the same fp32 weights, so
   the outputs are bit-identical to the fp32 panels: the same fp32 target, read from 5x fewer bytes.
@@ -241,6 +241,12 @@ def _level_scale(blocks: torch.Tensor, m: torch.Tensor, top: int) -> torch.Tenso
     return span / steps
 
 
+def _q8_0_scale(blocks: torch.Tensor) -> torch.Tensor:
+    """[N, K/32, 1] GGUF Q8_0 scale of blocks [N, K/32, 32]: the largest magnitude / 127, as an
+    fp16 number (in float32)."""
+    return (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+
+
 def _scale_candidates(blocks: torch.Tensor, bits: int, m: torch.Tensor):
     """(scale [N, K/32, 1] float32, whether it is the first of its family) in the order tried."""
     if bits == 4:
@@ -251,7 +257,7 @@ def _scale_candidates(blocks: torch.Tensor, bits: int, m: torch.Tensor):
         for i, steps in enumerate(_SCALE_STEPS):
             yield _fp32_steps(level, steps), i == 0
     else:
-        base = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()       # Q8_0: fp16 scale
+        base = _q8_0_scale(blocks)                                              # Q8_0: fp16 scale
         for i, steps in enumerate(_SCALE_STEPS):
             yield _fp16_steps(base, steps), i == 0
 
@@ -380,8 +386,7 @@ def round_to_blocks8(weight: torch.Tensor) -> torch.Tensor:
     blocks = weight.detach().reshape(n, k // BLOCK, BLOCK)
     if not torch.isfinite(blocks).all():
         raise ValueError("round_to_blocks8: the weight has inf or NaN values")
-    # the scale candidate pack_blocks tries first for 8 bits (_scale_candidates), so the fit is exact
-    d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    d = _q8_0_scale(blocks)   # the scale pack_blocks tries first for 8 bits, so its fit is exact
     if not torch.isfinite(d).all():
         raise ValueError("round_to_blocks8: a block's largest magnitude / 127 overflows fp16 (> 65504)")
     safe = torch.where(d > 0, d, torch.ones_like(d))

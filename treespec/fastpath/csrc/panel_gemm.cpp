@@ -557,8 +557,9 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp, int6
 // 64-byte-aligned record of d[16] floats, m[16] floats (4 bits only; 0 for 8 bits) and q for the
 // 32 rows (4 bits: 16 bytes a pair of rows k, k + 1 (k even), byte j = column j, row k in its
 // low nibble and row k + 1 in its high one; 8 bits: 16 signed bytes a row). half_scales (4 bits
-// only): d and m as 16 fp16 numbers each instead of floats (a 320-byte record, not 384). W[16 p + j, k] = d[j] q[k][j] + m[j] exactly. Returns
-// y [M, 16 P], bit-identical to panel_linear on the dequantized panels.
+// only): d and m as 16 fp16 numbers each instead of floats (a 320-byte record, not 384).
+// W[16 p + j, k] = d[j] q[k][j] + m[j] exactly. Returns y [M, 16 P], bit-identical to
+// panel_linear on the dequantized panels.
 torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, int64_t isa,
                                   bool half_scales) {
   TORCH_CHECK(isa == 0 || isa == 1, "panel_linear_blocks: isa must be 0 (AVX2) or 1 (AVX-512), got ", isa);
