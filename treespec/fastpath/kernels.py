@@ -16,18 +16,20 @@ Glossary
   target here) is, value for value, ``d q + m`` per block of 32 ``k`` values, with ``q`` a 4- or
   8-bit integer and ``d``, ``m`` fp16 numbers. :func:`pack_blocks` finds that form and checks
   every value bit for bit; :func:`block_linear` then reads 0.625-0.75 (4-bit; fp16 or fp32
-  scales) or 1.125 (8-bit) bytes a weight instead of 4 and rebuilds the weights with
-  ``fma(q, d, m)`` (exactly ``d q + m``: an 11-bit scale times a <= 8-bit integer is exact in
-  fp32, so only the sum rounds, as in the dequantized weight). For 1-4 rows each rebuilt panel row goes straight from registers into
-  the rows' FMAs (no store and reload through a buffer); for more rows each 64-row chunk of a
-  panel is rebuilt once in L1 and runs the fp32 tiles. Either way every output is the same in-order FMA chain over the same fp32 weights, so
-  the outputs are bit-identical to the fp32 panels: the same fp32 target, read from 5x fewer bytes.
+  scales) or 1.125 (8-bit) bytes a weight instead of 4. It never rebuilds a weight: per block it
+  sums the 32 products of x with the integers ``q`` (one FMA chain, in k order), then adds
+  ``d`` times that sum and ``m`` times the block's sum of x into the output. The same fp32 target
+  (the same weights, summed in another order, and rounding less than the fp32 panels, which
+  round every product: ``tests/test_blocks.py``), read from 5x fewer bytes, without the
+  multiply-add per weight a rebuild costs (a pass of 1-16 rows takes 0.91-0.96 of the time on
+  the AVX-512 code, ``benchmarks/results/kernel_sums_amx.md``). The order is the same for every
+  row count and on both ISAs, so blocks are batch-invariant too.
 
 - **ISA** — the module holds the kernels twice: for AVX2 + FMA (16 ymm registers, a panel is two
   of them) and for AVX-512 F (32 zmm registers, a panel is one, up to 16 rows of accumulators),
   the latter compiled under function-level target options so one build serves both. A CPU with
   AVX-512 F runs the AVX-512 kernels (:func:`kernel_isa`); their outputs are the same bits
-  (each output is still the same in-order FMA chain), and passes of 1-32 rows of blocks take
+  (each output is still the same sequence of operations), and passes of 1-32 rows of blocks take
   0.64-0.92 of the AVX2 kernels' time there (``benchmarks/results/kernel_isa_amx.md``; 1-3 rows
   run four panels at a time, four independent FMA chains, which a 1-row pass waits on).
 
@@ -396,8 +398,9 @@ def round_to_blocks8(weight: torch.Tensor) -> torch.Tensor:
 
 def block_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None = None,
                  isa: str | None = None) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` for ``blocks = pack_blocks(W)``; bit-identical to
-    :func:`panel_linear` on ``pack_panels(W)``, on either ISA. x [..., K] float32 on the CPU."""
+    """``F.linear(x, W, bias)`` for ``blocks = pack_blocks(W)``, summed block by block (the
+    module's glossary: *exact blocks*); the same bits on either ISA and for a row alone or among
+    others. x [..., K] float32 on the CPU."""
     code = _isa_index(isa)
     return _linear(x, blocks.blob.shape[1] * BLOCK, blocks.out_features, bias,
                    lambda x2: _kernel().panel_linear_blocks(x2, blocks.blob, blocks.bits, code, blocks.half_scales))

@@ -240,8 +240,8 @@ class PackedLinear(nn.Module):
     ``min_rows`` to ``max_rows`` rows. ``kernel="blocks"``: the same GEMM reading the weight as
     exact 4- or 8-bit integer blocks where it is one (a weight dequantized from a GGUF Q4_1 or
     Q8_0 checkpoint is; :func:`treespec.fastpath.kernels.pack_blocks` checks every value), fp32 panels
-    where it is not; the outputs are bit-identical to ``"panel"``, from 5.3-6.4x (4-bit) or 3.6x
-    (8-bit) fewer bytes. ``isa`` picks the panel and block kernels' instruction set (one of
+    where it is not; the same fp32 weights as ``"panel"``, summed block by block (a few ulp from
+    its outputs, closer to the exact product), from 5.3-6.4x (4-bit) or 3.6x (8-bit) fewer bytes. ``isa`` picks the panel and block kernels' instruction set (one of
     :data:`treespec.fastpath.kernels.ISAS`; None: the CPU's best); the outputs are the same bits.
     Other inputs take the stock ``F.linear`` on the original weight. The packed copy is rebuilt
     if the weight changes in place (its version counter moves), so it never goes stale.
@@ -369,8 +369,8 @@ def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
     # The block GEMM wins wherever a pass is bound by reading the weights: measured on an AVX2-only
     # EPYC and on an AVX-512-BF16 EPYC (SmolLM2, one thread: a 1-token pass 32 ms against 80 ms for
     # oneDNN/stock fp32, and ahead of oneDNN up to 32 rows; benchmarks/results/verify_cost_epyc_
-    # avx512bf16.md). It reads exact integer blocks where the weights are ones (bit-identical
-    # outputs, fewer bytes).
+    # avx512bf16.md). It reads exact integer blocks where the weights are ones (the same fp32
+    # weights, fewer bytes).
     fallback = ""
     if dtype == torch.float32 and (kernel in PANEL_KERNELS or kernel is None and "avx2" in cpu.flags):
         ok, why = panel_status(cpu)

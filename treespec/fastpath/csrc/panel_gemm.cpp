@@ -10,15 +10,17 @@
 //           is read, so a panel comes from DRAM once whatever M is, and the next chunk is
 //           prefetched while the current one is multiplied.
 //
-// Exactness: each output is one FMA chain over k = 0 .. K-1 in order, starting from 0 (partial
-// sums are stored and reloaded between chunks, which is exact). The order does not depend on M or
-// on which tile or panel group a row falls in, so a row's result is bit-identical whether it is multiplied alone
+// Exactness: over fp32 panels each output is one FMA chain over k = 0 .. K-1 in order, starting
+// from 0 (partial sums are stored and reloaded between chunks, which is exact); over integer
+// blocks, the block sums of block_rows' comment. Neither order depends on M or on which tile or
+// panel group a row falls in, so a row's result is bit-identical whether it is multiplied alone
 // (a 1-token decode step) or among 63 other rows (a tree pass).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
 #include <type_traits>
 
 namespace {
@@ -187,110 +189,202 @@ inline void for_pair(F&& f) {
   f(std::integral_constant<int, 1>{});
 }
 
-// One chunk of panel p, rows [k0, k0 + kc), as fp32 panel rows w[k][16] = fma(q, d, m), which is
-// exactly d q + m: the product of a <= 8-bit integer and an fp16 scale is exact in fp32, so only
-// the sum rounds.
-template <int Bits, bool Half>
-inline void dequantize(const uint8_t* __restrict blob, int64_t K, int64_t p, int64_t k0, int64_t kc,
-                       float* __restrict w) {
+// How the block kernels multiply (every ISA, tile and row count alike, so a row's result is
+// bit-identical whether it is multiplied alone or in a tree pass, on AVX2 or AVX-512 code):
+// W[16 p + j, k] = d q[k] + m over a block of 32 k values (d, m per column), so
+//   y[r, j] = sum over blocks b of  d t[b] + m s[b],  t[b] = sum_k x[r, k] q[k],  s[b] = sum_k x[r, k].
+// t is one FMA chain over the block's k in order from 0 (the integers are exact floats), s the
+// row's plain sum over the block in k order (block_rows), and y starts at 0 and takes
+// y = fma(d, t, fma(m, s, y)) block after block (8 bits, m = 0: y = fma(d, t, y)). The weights
+// are the same fp32 numbers as the fp32 panels' (d q + m is exact in fp32); only the order of
+// the additions differs: each block's 32 integer products are summed before one scaling, which
+// saves the multiply-add that rebuilt every weight, and rounds less (tests/test_blocks.py).
+//
+// x reaches the kernels packed by block_rows: rows in groups, each group k-major ([K][rows]),
+// so a tile broadcasts x[r, k] from one pointer at constant offsets (16 rows of x[r K + k] would
+// need 16 address registers and spill them).
+inline void block_rows(const float* x, int64_t M, int64_t K, int64_t group, float* xt, float* sums) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t r0 = 0; r0 < M; r0 += group) {
+    const int64_t g = std::min(group, M - r0);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t r = 0; r < g; ++r) xt[r0 * K + k * g + r] = x[(r0 + r) * K + k];
+  }
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      float s = 0.f;
+      for (int64_t k = 0; k < kBlock; ++k) s += x[r * K + b * kBlock + k];
+      sums[r * blocks + b] = s;
+    }
+}
+
+// R rows (R <= 4) times block-quantized panels [p0, p1), one panel at a time: each row of q is
+// unpacked into two registers and multiplied into the rows' block sums t at once; the scales are
+// applied once per block. xt is the group's packed x ([K][R]), sums its rows' block sums ([R][K /
+// 32]). Registers: 2 R block sums, d and m (4, loaded at the block's end), the nibble mask, two q
+// vectors and x: at most 2 R + 8 <= 16.
+template <int R, int Bits, bool Half>
+void fused_panels(const float* xt, const float* sums, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1,
+                  float* y, int64_t ldy) {
   constexpr int64_t kRec = record_bytes<Bits, Half>();
-  const uint8_t* rec = blob + (p * (K / kBlock) + k0 / kBlock) * kRec;
-  for (int64_t b = 0; b < kc; b += kBlock, rec += kRec) {
-    __m256 d0, d1, m0, m1;
-    const uint8_t* qb = load_scales<Bits, Half>(rec, d0, d1, m0, m1);
-    float* wb = w + b * kPanel;
+  constexpr int64_t kAheadBytes = 4 * kRec;  // prefetch distance: four records
+  const int64_t blocks = K / kBlock;
+  for (int64_t p = p0; p < p1; ++p) {
+    float* yp = y + kPanel * p;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(yp + r * ldy, _mm256_setzero_ps());
+      _mm256_storeu_ps(yp + r * ldy + 8, _mm256_setzero_ps());
+    }
+    const uint8_t* rec = blob + p * blocks * kRec;
+    for (int64_t b = 0; b < blocks; ++b, rec += kRec) {
+      for (int64_t line = 0; line < kRec; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + kAheadBytes + line), _MM_HINT_T0);
+      const uint8_t* qb = rec + scale_bytes<Bits, Half>();
+      const float* xb = xt + b * kBlock * R;
+      __m256 t[R][2];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
 #pragma GCC unroll 2
-    for (int64_t k = 0; k < kBlock; k += 2) {  // kc is a multiple of kBlock
+      for (int64_t k = 0; k < kBlock; k += 2) {
+        for_pair([&](auto odd) {  // row k, then row k + 1: each chain stays in k order
+          constexpr int I = decltype(odd)::value;
+          __m256 q0, q1;
+          unpack_row<Bits, I>(qb, k, q0, q1);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const __m256 xv = _mm256_broadcast_ss(xb + (k + I) * R + r);
+            t[r][0] = _mm256_fmadd_ps(xv, q0, t[r][0]);
+            t[r][1] = _mm256_fmadd_ps(xv, q1, t[r][1]);
+          }
+        });
+      }
+      __m256 d0, d1, m0, m1;
+      load_scales<Bits, Half>(rec, d0, d1, m0, m1);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        float* yr = yp + r * ldy;
+        __m256 y0 = _mm256_loadu_ps(yr), y1 = _mm256_loadu_ps(yr + 8);
+        if constexpr (Bits == 4) {
+          const __m256 s = _mm256_broadcast_ss(sums + r * blocks + b);
+          y0 = _mm256_fmadd_ps(m0, s, y0);
+          y1 = _mm256_fmadd_ps(m1, s, y1);
+        }
+        _mm256_storeu_ps(yr, _mm256_fmadd_ps(d0, t[r][0], y0));
+        _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(d1, t[r][1], y1));
+      }
+    }
+  }
+}
+
+template <int Bits, bool Half, int R = 4>
+void fused_group(const float* xt, const float* sums, int64_t rows, int64_t K, const uint8_t* blob, int64_t p0,
+                 int64_t p1, float* y, int64_t ldy) {
+  if constexpr (R > 0) {
+    if (rows == R) fused_panels<R, Bits, Half>(xt, sums, K, blob, p0, p1, y, ldy);
+    else fused_group<Bits, Half, R - 1>(xt, sums, rows, K, blob, p0, p1, y, ldy);
+  }
+}
+
+// More than 4 rows: the q of kChunk values of k of a panel are unpacked once into an L1 buffer
+// (floats, unscaled: buf[k][16]) and every group of up to kAvx2Rows rows reads them from there.
+constexpr int64_t kAvx2Rows = 6;  // rows per group: 12 block sums + two q vectors + x
+
+template <int Bits, bool Half>
+inline void unpack_chunk(const uint8_t* __restrict rec, int64_t nb, float* __restrict buf) {
+  constexpr int64_t kRec = record_bytes<Bits, Half>();
+  for (int64_t b = 0; b < nb; ++b, rec += kRec) {
+    const uint8_t* qb = rec + scale_bytes<Bits, Half>();
+    float* wb = buf + b * kBlock * kPanel;
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < kBlock; k += 2) {
       for_pair([&](auto odd) {
         constexpr int I = decltype(odd)::value;
         __m256 q0, q1;
         unpack_row<Bits, I>(qb, k, q0, q1);
-        _mm256_store_ps(wb + (k + I) * kPanel, _mm256_fmadd_ps(q0, d0, m0));
-        _mm256_store_ps(wb + (k + I) * kPanel + 8, _mm256_fmadd_ps(q1, d1, m1));
+        _mm256_store_ps(wb + (k + I) * kPanel, q0);
+        _mm256_store_ps(wb + (k + I) * kPanel + 8, q1);
       });
     }
   }
 }
 
-// Prefetches the records of chunk c of panel p (prefetches never fault, so p may run past the end).
-template <int Bits, bool Half>
-inline void prefetch_chunk(const uint8_t* blob, int64_t K, int64_t p, int64_t c) {
-  constexpr int64_t kRec = record_bytes<Bits, Half>();
-  const uint8_t* rec = blob + (p * (K / kBlock) + c * (kChunk / kBlock)) * kRec;
-  for (int64_t line = 0; line < (kChunk / kBlock) * kRec; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(rec + line), _MM_HINT_T0);
-}
-
-// Block-quantized panels: all M rows times panels [p0, p1) in groups of G. Each chunk of the G
-// panels is dequantized once into an L1-resident buffer, then every row block runs over it with
-// the same tiles (and so the same FMA order) as the fp32 panels.
-template <int R, int G, int Bits, bool Half>
-int64_t qpanels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1, float* y,
-                int64_t ldy) {
-  constexpr int64_t kStride = kChunk * kPanel + 16;  // one cache line more than 4 KiB: no 4K aliasing
-  constexpr int64_t kAhead = 2;                       // chunks of prefetch distance, in the order consumed
-  alignas(64) float buf[G * kStride];
-  const int64_t chunks = (K + kChunk - 1) / kChunk;
-  int64_t p = p0;
-  for (; p + G <= p1; p += G) {
-    for (int64_t k0 = 0, c = 0; k0 < K; k0 += kChunk, ++c) {
-      const int64_t kc = std::min(K, k0 + kChunk) - k0;
-      // Consumed order: the G panels of a group chunk by chunk, then the next group.
-      const int64_t ahead = c + kAhead;
-      const int64_t pa = ahead < chunks ? p : p + G, ca = ahead < chunks ? ahead : ahead - chunks;
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) prefetch_chunk<Bits, Half>(blob, K, pa + g, ca);
-#pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) dequantize<Bits, Half>(blob, K, p + g, k0, kc, buf + g * kStride);
-      rows<Avx2Tiles, R, G>(x, M, K, k0, buf, kStride, kc, y + kPanel * p, ldy, false);
-    }
-  }
-  return p;
-}
-
-// Block-quantized panels for 1-4 rows, fused: each panel row of weights is dequantized into
-// two registers and multiplied at once, with no L1 buffer (no store and reload per weight). The
-// weights are the same fma(q, d, m) values and every output the same in-order FMA chain over k as
-// the buffered path, so the result is bit-identical to it (and to the fp32 panels). Registers: 2 R
-// accumulators, d and m (4), the nibble mask, two weight vectors and x: 2 R + 8 <= 16 for R <= 4
-// (the compiler keeps unpack_row's constant mask in a register across the loop).
+// R rows (R <= kAvx2Rows) over nb blocks of one panel's unpacked q (buf), from block b0: the
+// block sums, then the scales into y, as fused_panels does. rec is block b0's record.
 template <int R, int Bits, bool Half>
-void fused_panels(const float* x, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1, float* y,
-                  int64_t ldy) {
+inline void buffered_rows(const float* __restrict xt, const float* __restrict sums, int64_t blocks,
+                          const float* __restrict buf, const uint8_t* __restrict rec, int64_t b0, int64_t nb,
+                          float* __restrict y, int64_t ldy) {
   constexpr int64_t kRec = record_bytes<Bits, Half>();
-  constexpr int64_t kAheadBytes = 4 * kRec;  // prefetch distance: four records
-  const int64_t blocks = K / kBlock;
-  for (int64_t p = p0; p < p1; ++p) {
-    __m256 a[R][2];
+  for (int64_t b = 0; b < nb; ++b, rec += kRec) {
+    const float* xb = xt + (b0 + b) * kBlock * R;
+    const float* qb = buf + b * kBlock * kPanel;
+    __m256 t[R][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
-    const uint8_t* rec = blob + p * blocks * kRec;
-    for (int64_t b = 0; b < blocks; ++b, rec += kRec) {
-      for (int64_t line = 0; line < kRec; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec + kAheadBytes + line), _MM_HINT_T0);
-      __m256 d0, d1, m0, m1;
-      const uint8_t* qb = load_scales<Bits, Half>(rec, d0, d1, m0, m1);
-      const float* xb = x + b * kBlock;
-#pragma GCC unroll 2
-      for (int64_t k = 0; k < kBlock; k += 2) {
-        for_pair([&](auto odd) {  // row k, then row k + 1: each output's chain stays in k order
-          constexpr int I = decltype(odd)::value;
-          __m256 q0, q1;
-          unpack_row<Bits, I>(qb, k, q0, q1);
-          const __m256 w0 = _mm256_fmadd_ps(q0, d0, m0), w1 = _mm256_fmadd_ps(q1, d1, m1);
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            const __m256 xv = _mm256_broadcast_ss(xb + r * K + k + I);
-            a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
-          }
-        });
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const __m256 q0 = _mm256_load_ps(qb + k * kPanel), q1 = _mm256_load_ps(qb + k * kPanel + 8);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(xb + k * R + r);
+        t[r][0] = _mm256_fmadd_ps(xv, q0, t[r][0]);
+        t[r][1] = _mm256_fmadd_ps(xv, q1, t[r][1]);
       }
     }
-#pragma GCC unroll 4
+    __m256 d0, d1, m0, m1;
+    load_scales<Bits, Half>(rec, d0, d1, m0, m1);
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(y + r * ldy + kPanel * p, a[r][0]);
-      _mm256_storeu_ps(y + r * ldy + kPanel * p + 8, a[r][1]);
+      float* yr = y + r * ldy;
+      __m256 y0 = _mm256_loadu_ps(yr), y1 = _mm256_loadu_ps(yr + 8);
+      if constexpr (Bits == 4) {
+        const __m256 s = _mm256_broadcast_ss(sums + r * blocks + b0 + b);
+        y0 = _mm256_fmadd_ps(m0, s, y0);
+        y1 = _mm256_fmadd_ps(m1, s, y1);
+      }
+      _mm256_storeu_ps(yr, _mm256_fmadd_ps(d0, t[r][0], y0));
+      _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(d1, t[r][1], y1));
+    }
+  }
+}
+
+template <int Bits, bool Half, int R = kAvx2Rows>
+inline void buffered_group(const float* xt, const float* sums, int64_t rows, int64_t blocks, const float* buf,
+                           const uint8_t* rec, int64_t b0, int64_t nb, float* y, int64_t ldy) {
+  if constexpr (R > 0) {
+    if (rows == R) buffered_rows<R, Bits, Half>(xt, sums, blocks, buf, rec, b0, nb, y, ldy);
+    else buffered_group<Bits, Half, R - 1>(xt, sums, rows, blocks, buf, rec, b0, nb, y, ldy);
+  }
+}
+
+// The rows per packed group of x on the AVX2 code (block_rows): all of them up to 4, else kAvx2Rows.
+inline int64_t avx2_group(int64_t M) { return M <= 4 ? 4 : kAvx2Rows; }
+
+template <int Bits, bool Half>
+void block_panels_avx2(const float* xt, const float* sums, int64_t M, int64_t K, const uint8_t* blob, int64_t p0,
+                       int64_t p1, float* y, int64_t ldy) {
+  if (M <= 4) return fused_group<Bits, Half>(xt, sums, M, K, blob, p0, p1, y, ldy);
+  constexpr int64_t kRec = record_bytes<Bits, Half>();
+  constexpr int64_t kChunkBlocks = kChunk / kBlock;
+  alignas(64) float buf[kChunk * kPanel];
+  const int64_t blocks = K / kBlock;
+  for (int64_t p = p0; p < p1; ++p) {
+    float* yp = y + kPanel * p;
+    for (int64_t r = 0; r < M; ++r) {
+      _mm256_storeu_ps(yp + r * ldy, _mm256_setzero_ps());
+      _mm256_storeu_ps(yp + r * ldy + 8, _mm256_setzero_ps());
+    }
+    const uint8_t* prec = blob + p * blocks * kRec;
+    for (int64_t b0 = 0; b0 < blocks; b0 += kChunkBlocks) {
+      const int64_t nb = std::min(kChunkBlocks, blocks - b0);
+      // the next chunk's records (past this panel's end: the next panel's first, which come next)
+      for (int64_t line = 0; line < kChunkBlocks * kRec; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(prec + (b0 + kChunkBlocks) * kRec + line), _MM_HINT_T0);
+      unpack_chunk<Bits, Half>(prec + b0 * kRec, nb, buf);
+      for (int64_t r = 0; r < M; r += kAvx2Rows)
+        buffered_group<Bits, Half>(xt + r * K, sums + r * blocks, std::min(kAvx2Rows, M - r), blocks, buf,
+                                   prec + b0 * kRec, b0, nb, yp + r * ldy, ldy);
     }
   }
 }
@@ -300,8 +394,9 @@ void fused_panels(const float* x, int64_t K, const uint8_t* blob, int64_t p0, in
 // function-level target options and chosen at run time by the caller (the `isa` argument), never
 // on a CPU without them. A panel is exactly one zmm register, so a weight row costs half the
 // instructions, and the 32 zmm registers hold up to 16 rows of accumulators. Every output is
-// still the same in-order FMA chain over k from 0 with the same fp32 weights, so the results are
-// bit-identical to the AVX2 kernels above, lane for lane.
+// still the same sequence of operations (an in-order FMA chain over k from 0 over fp32 panels;
+// block_rows' arithmetic over blocks), so the results are bit-identical to the AVX2 kernels
+// above, lane for lane.
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 namespace avx512 {
@@ -388,119 +483,122 @@ inline void record_scales(const uint8_t* __restrict rec, __m512& d, __m512& m) {
   }
 }
 
-// R rows (R <= 16) times one block-quantized panel over all of k: each panel row of weights is
-// rebuilt in a register, fma(q, d, m), and multiplied into the R accumulators at once. rec is
-// the panel's first record; the R rows are x[r K ..] and y[r ldy ..].
+// R rows (R <= 16) times one block-quantized panel over all of k: each row of q is unpacked into
+// a register and multiplied into the R block sums at once; the scales are applied into y once per
+// block (the arithmetic of block_rows' comment). rec is the panel's first record; xt the group's
+// packed x ([K][R]), sums its rows' block sums ([R][K / 32]); the rows' outputs are y[r ldy ..].
 template <int R, int Bits, bool Half>
-inline void fused_panel(const float* __restrict x, int64_t K, const uint8_t* __restrict rec, float* __restrict y,
-                        int64_t ldy) {
+inline void fused_panel(const float* __restrict xt, const float* __restrict sums, int64_t K,
+                        const uint8_t* __restrict rec, float* __restrict y, int64_t ldy) {
   constexpr int64_t kRec = record_bytes<Bits, Half>();
   constexpr int64_t kAheadBytes = 4 * kRec;
   const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  __m512 a[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
   const int64_t blocks = K / kBlock;
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_setzero_ps());
   for (int64_t b = 0; b < blocks; ++b, rec += kRec) {
     for (int64_t line = 0; line < kRec; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(rec + kAheadBytes + line), _MM_HINT_T0);
-    __m512 d, m;
-    record_scales<Bits, Half>(rec, d, m);
     const uint8_t* qb = rec + scale_bytes<Bits, Half>();
-    const float* xb = x + b * kBlock;
+    const float* xb = xt + b * kBlock * R;
+    __m512 t[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) t[r] = _mm512_setzero_ps();
 #pragma GCC unroll 2
     for (int64_t k = 0; k < kBlock; k += 2) {
       __m512 q[2];
       unpack_pair<Bits>(qb, k, levels, q[0], q[1]);
 #pragma GCC unroll 2
       for (int i = 0; i < 2; ++i) {  // row k, then row k + 1
-        const __m512 w = _mm512_fmadd_ps(q[i], d, m);
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + k + i]), w, a[r]);
+        for (int r = 0; r < R; ++r) t[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[(k + i) * R + r]), q[i], t[r]);
       }
     }
-  }
+    __m512 d, m;
+    record_scales<Bits, Half>(rec, d, m);
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, a[r]);
+    for (int r = 0; r < R; ++r) {
+      __m512 acc = _mm512_loadu_ps(y + r * ldy);
+      if constexpr (Bits == 4) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * blocks + b]), acc);
+      _mm512_storeu_ps(y + r * ldy, _mm512_fmadd_ps(d, t[r], acc));
+    }
+  }
 }
 
-// 1-3 rows times 4 adjacent block-quantized panels over all of k. With one panel a row's output
-// is one FMA chain, 4 cycles a k step whatever else runs: a 1-row pass would wait on that latency
-// (7 GB/s of blocks here). Four panels are four independent chains and four read streams, and
-// each output's chain is unchanged (a 1-row pass: 0.81x the time of one panel at a time,
+// 1-3 rows times 4 adjacent block-quantized panels over all of k. With one panel a row's block
+// sum is one FMA chain, 4 cycles a k step whatever else runs: a 1-row pass would wait on that
+// latency. Four panels are four independent chains and four read streams, and each output's
+// arithmetic is unchanged (a 1-row pass: 0.81x the time of one panel at a time,
 // benchmarks/results/kernel_isa_amx.md). rec is panel 0's first record, pstride the bytes from one
 // panel's records to the next's.
 template <int R, int Bits, bool Half>
-inline void fused_four(const float* __restrict x, int64_t K, const uint8_t* __restrict rec, int64_t pstride,
-                       float* __restrict y, int64_t ldy) {
+inline void fused_four(const float* __restrict xt, const float* __restrict sums, int64_t K,
+                       const uint8_t* __restrict rec, int64_t pstride, float* __restrict y, int64_t ldy) {
   constexpr int64_t kRec = record_bytes<Bits, Half>();
   constexpr int64_t kAheadBytes = 4 * kRec;
   const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const uint8_t* const rec1 = rec + pstride;
-  const uint8_t* const rec2 = rec + 2 * pstride;
-  const uint8_t* const rec3 = rec + 3 * pstride;
-  __m512 a[R][4];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
+  const uint8_t* const recs[4] = {rec, rec + pstride, rec + 2 * pstride, rec + 3 * pstride};
   const int64_t blocks = K / kBlock;
-  for (int64_t b = 0, off = 0; b < blocks; ++b, off += kRec) {
-    for (int64_t line = 0; line < kRec; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(rec + off + kAheadBytes + line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(rec1 + off + kAheadBytes + line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(rec2 + off + kAheadBytes + line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(rec3 + off + kAheadBytes + line), _MM_HINT_T0);
-    }
-    __m512 d0, d1, d2, d3, m0, m1, m2, m3;
-    record_scales<Bits, Half>(rec + off, d0, m0);
-    record_scales<Bits, Half>(rec1 + off, d1, m1);
-    record_scales<Bits, Half>(rec2 + off, d2, m2);
-    record_scales<Bits, Half>(rec3 + off, d3, m3);
-    const int64_t qoff = off + scale_bytes<Bits, Half>();
-    const float* xb = x + b * kBlock;
-#pragma GCC unroll 2
-    for (int64_t k = 0; k < kBlock; k += 2) {
-      __m512 q0[2], q1[2], q2[2], q3[2];
-      unpack_pair<Bits>(rec + qoff, k, levels, q0[0], q0[1]);
-      unpack_pair<Bits>(rec1 + qoff, k, levels, q1[0], q1[1]);
-      unpack_pair<Bits>(rec2 + qoff, k, levels, q2[0], q2[1]);
-      unpack_pair<Bits>(rec3 + qoff, k, levels, q3[0], q3[1]);
-#pragma GCC unroll 2
-      for (int i = 0; i < 2; ++i) {  // row k, then row k + 1
-        const __m512 w0 = _mm512_fmadd_ps(q0[i], d0, m0), w1 = _mm512_fmadd_ps(q1[i], d1, m1);
-        const __m512 w2 = _mm512_fmadd_ps(q2[i], d2, m2), w3 = _mm512_fmadd_ps(q3[i], d3, m3);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const __m512 xv = _mm512_set1_ps(xb[r * K + k + i]);
-          a[r][0] = _mm512_fmadd_ps(xv, w0, a[r][0]);
-          a[r][1] = _mm512_fmadd_ps(xv, w1, a[r][1]);
-          a[r][2] = _mm512_fmadd_ps(xv, w2, a[r][2]);
-          a[r][3] = _mm512_fmadd_ps(xv, w3, a[r][3]);
-        }
-      }
-    }
-  }
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int g = 0; g < 4; ++g) _mm512_storeu_ps(y + r * ldy + kPanel * g, a[r][g]);
-}
-
-constexpr int kFusedRows = 16;  // rows per fused block: 16 accumulators + d, m, levels, q, w
-
-template <int Bits, bool Half, int R = kFusedRows>
-inline void fused_rows(const float* x, int64_t rows, int64_t K, const uint8_t* rec, float* y, int64_t ldy) {
-  if constexpr (R > 0) {
-    if (rows == R) fused_panel<R, Bits, Half>(x, K, rec, y, ldy);
-    else fused_rows<Bits, Half, R - 1>(x, rows, K, rec, y, ldy);
+    for (int g = 0; g < 4; ++g) _mm512_storeu_ps(y + r * ldy + kPanel * g, _mm512_setzero_ps());
+  for (int64_t b = 0, off = 0; b < blocks; ++b, off += kRec) {
+    for (int64_t line = 0; line < kRec; line += 64)
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) _mm_prefetch(reinterpret_cast<const char*>(recs[g] + off + kAheadBytes + line), _MM_HINT_T0);
+    const int64_t qoff = off + scale_bytes<Bits, Half>();
+    const float* xb = xt + b * kBlock * R;
+    __m512 t[R][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = t[r][2] = t[r][3] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < kBlock; k += 2) {
+      __m512 q[4][2];
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) unpack_pair<Bits>(recs[g] + qoff, k, levels, q[g][0], q[g][1]);
+#pragma GCC unroll 2
+      for (int i = 0; i < 2; ++i) {  // row k, then row k + 1
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(xb[(k + i) * R + r]);
+#pragma GCC unroll 4
+          for (int g = 0; g < 4; ++g) t[r][g] = _mm512_fmadd_ps(xv, q[g][i], t[r][g]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      __m512 d, m;
+      record_scales<Bits, Half>(recs[g] + off, d, m);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        float* yg = y + r * ldy + kPanel * g;
+        __m512 acc = _mm512_loadu_ps(yg);
+        if constexpr (Bits == 4) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * blocks + b]), acc);
+        _mm512_storeu_ps(yg, _mm512_fmadd_ps(d, t[r][g], acc));
+      }
+    }
   }
 }
 
-// Block-quantized panels [p0, p1) for all M rows: 1-3 rows four panels at a time, more rows (and
-// the last 1-3 panels) one panel and 16 rows at a time (the panel's records are in L1 after the
-// first block of rows).
+constexpr int64_t kFusedRows = 16;  // rows per fused group: 16 block sums + d, m, levels, q
+
+template <int Bits, bool Half, int R = kFusedRows>
+inline void fused_rows(const float* xt, const float* sums, int64_t rows, int64_t K, const uint8_t* rec, float* y,
+                       int64_t ldy) {
+  if constexpr (R > 0) {
+    if (rows == R) fused_panel<R, Bits, Half>(xt, sums, K, rec, y, ldy);
+    else fused_rows<Bits, Half, R - 1>(xt, sums, rows, K, rec, y, ldy);
+  }
+}
+
+// Block-quantized panels [p0, p1) for all M rows (xt: block_rows' packing in groups of
+// kFusedRows): 1-3 rows four panels at a time, more rows (and the last 1-3 panels) one panel
+// and 16 rows at a time (the panel's records are in L1 after the first group of rows).
 template <int Bits, bool Half>
-void block_panels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1, float* y,
-                  int64_t ldy) {
+void block_panels(const float* xt, const float* sums, int64_t M, int64_t K, const uint8_t* blob, int64_t p0,
+                  int64_t p1, float* y, int64_t ldy) {
   constexpr int64_t kRec = record_bytes<Bits, Half>();
   const int64_t blocks = K / kBlock, pstride = blocks * kRec;
   int64_t p = p0;
@@ -508,15 +606,16 @@ void block_panels(const float* x, int64_t M, int64_t K, const uint8_t* blob, int
     for (; p + 4 <= p1; p += 4) {
       const uint8_t* rec = blob + p * pstride;
       float* yp = y + kPanel * p;
-      if (M == 1) fused_four<1, Bits, Half>(x, K, rec, pstride, yp, ldy);
-      else if (M == 2) fused_four<2, Bits, Half>(x, K, rec, pstride, yp, ldy);
-      else fused_four<3, Bits, Half>(x, K, rec, pstride, yp, ldy);
+      if (M == 1) fused_four<1, Bits, Half>(xt, sums, K, rec, pstride, yp, ldy);
+      else if (M == 2) fused_four<2, Bits, Half>(xt, sums, K, rec, pstride, yp, ldy);
+      else fused_four<3, Bits, Half>(xt, sums, K, rec, pstride, yp, ldy);
     }
   }
   for (; p < p1; ++p) {
     const uint8_t* rec = blob + p * pstride;
     for (int64_t r = 0; r < M; r += kFusedRows)
-      fused_rows<Bits, Half>(x + r * K, std::min<int64_t>(kFusedRows, M - r), K, rec, y + r * ldy + kPanel * p, ldy);
+      fused_rows<Bits, Half>(xt + r * K, sums + r * blocks, std::min(kFusedRows, M - r), K, rec,
+                             y + r * ldy + kPanel * p, ldy);
   }
 }
 
@@ -558,8 +657,9 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp, int6
 // 32 rows (4 bits: 16 bytes a pair of rows k, k + 1 (k even), byte j = column j, row k in its
 // low nibble and row k + 1 in its high one; 8 bits: 16 signed bytes a row). half_scales (4 bits
 // only): d and m as 16 fp16 numbers each instead of floats (a 320-byte record, not 384).
-// W[16 p + j, k] = d[j] q[k][j] + m[j] exactly. Returns y [M, 16 P], bit-identical to
-// panel_linear on the dequantized panels.
+// W[16 p + j, k] = d[j] q[k][j] + m[j] exactly. Returns y [M, 16 P], with the arithmetic of
+// block_rows' comment: the same bits on the AVX2 and the AVX-512 code, for a row alone or among
+// any others.
 torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, int64_t isa,
                                   bool half_scales) {
   TORCH_CHECK(isa == 0 || isa == 1, "panel_linear_blocks: isa must be 0 (AVX2) or 1 (AVX-512), got ", isa);
@@ -576,21 +676,19 @@ torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& b
   TORCH_CHECK(reinterpret_cast<uintptr_t>(blob.data_ptr()) % 64 == 0, "panel_linear_blocks: blob must be 64-byte aligned");
   auto y = torch::empty({M, ldy}, x.options());
   if (M == 0) return y;
-  const float* xp = x.data_ptr<float>();
+  // x packed once for every thread: in the row groups of the code that runs
+  std::vector<float> packed(M * K + M * (K / kBlock));
+  float* xt = packed.data();
+  float* sums = xt + M * K;
+  block_rows(x.data_ptr<float>(), M, K, isa == 1 ? avx512::kFusedRows : avx2_group(M), xt, sums);
   const uint8_t* bp = blob.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   auto run = [&](auto bits_tag, auto half_tag) {
     constexpr int B = decltype(bits_tag)::value;
     constexpr bool H = decltype(half_tag)::value;
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-      if (isa == 1) return avx512::block_panels<B, H>(xp, M, K, bp, p0, p1, yp, ldy);
-      switch (M) {  // 1-4 rows: fused; more rows share one dequantized chunk per panel
-        case 1: fused_panels<1, B, H>(xp, K, bp, p0, p1, yp, ldy); break;
-        case 2: fused_panels<2, B, H>(xp, K, bp, p0, p1, yp, ldy); break;
-        case 3: fused_panels<3, B, H>(xp, K, bp, p0, p1, yp, ldy); break;
-        case 4: fused_panels<4, B, H>(xp, K, bp, p0, p1, yp, ldy); break;
-        default: qpanels<6, 1, B, H>(xp, M, K, bp, p0, p1, yp, ldy);
-      }
+      if (isa == 1) avx512::block_panels<B, H>(xt, sums, M, K, bp, p0, p1, yp, ldy);
+      else block_panels_avx2<B, H>(xt, sums, M, K, bp, p0, p1, yp, ldy);
     });
   };
   if (bits == 8) run(std::integral_constant<int, 8>{}, std::false_type{});
