@@ -218,6 +218,20 @@ inline void block_rows(const float* x, int64_t M, int64_t K, int64_t group, floa
     }
 }
 
+// One row's 16 outputs yr[0..16) take a block: y = fma(d, t, fma(m, s, y)), s the row's block
+// sum of x (8 bits, m = 0: y = fma(d, t, y)).
+template <int Bits>
+inline void add_block(float* yr, __m256 t0, __m256 t1, __m256 d0, __m256 d1, __m256 m0, __m256 m1, const float* s) {
+  __m256 y0 = _mm256_loadu_ps(yr), y1 = _mm256_loadu_ps(yr + 8);
+  if constexpr (Bits == 4) {
+    const __m256 sv = _mm256_broadcast_ss(s);
+    y0 = _mm256_fmadd_ps(m0, sv, y0);
+    y1 = _mm256_fmadd_ps(m1, sv, y1);
+  }
+  _mm256_storeu_ps(yr, _mm256_fmadd_ps(d0, t0, y0));
+  _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(d1, t1, y1));
+}
+
 // R rows (R <= 4) times block-quantized panels [p0, p1), one panel at a time: each row of q is
 // unpacked into two registers and multiplied into the rows' block sums t at once; the scales are
 // applied once per block. xt is the group's packed x ([K][R]), sums its rows' block sums ([R][K /
@@ -262,17 +276,8 @@ void fused_panels(const float* xt, const float* sums, int64_t K, const uint8_t* 
       __m256 d0, d1, m0, m1;
       load_scales<Bits, Half>(rec, d0, d1, m0, m1);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        float* yr = yp + r * ldy;
-        __m256 y0 = _mm256_loadu_ps(yr), y1 = _mm256_loadu_ps(yr + 8);
-        if constexpr (Bits == 4) {
-          const __m256 s = _mm256_broadcast_ss(sums + r * blocks + b);
-          y0 = _mm256_fmadd_ps(m0, s, y0);
-          y1 = _mm256_fmadd_ps(m1, s, y1);
-        }
-        _mm256_storeu_ps(yr, _mm256_fmadd_ps(d0, t[r][0], y0));
-        _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(d1, t[r][1], y1));
-      }
+      for (int r = 0; r < R; ++r)
+        add_block<Bits>(yp + r * ldy, t[r][0], t[r][1], d0, d1, m0, m1, sums + r * blocks + b);
     }
   }
 }
@@ -335,17 +340,8 @@ inline void buffered_rows(const float* __restrict xt, const float* __restrict su
     __m256 d0, d1, m0, m1;
     load_scales<Bits, Half>(rec, d0, d1, m0, m1);
 #pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      float* yr = y + r * ldy;
-      __m256 y0 = _mm256_loadu_ps(yr), y1 = _mm256_loadu_ps(yr + 8);
-      if constexpr (Bits == 4) {
-        const __m256 s = _mm256_broadcast_ss(sums + r * blocks + b0 + b);
-        y0 = _mm256_fmadd_ps(m0, s, y0);
-        y1 = _mm256_fmadd_ps(m1, s, y1);
-      }
-      _mm256_storeu_ps(yr, _mm256_fmadd_ps(d0, t[r][0], y0));
-      _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(d1, t[r][1], y1));
-    }
+    for (int r = 0; r < R; ++r)
+      add_block<Bits>(y + r * ldy, t[r][0], t[r][1], d0, d1, m0, m1, sums + r * blocks + b0 + b);
   }
 }
 
@@ -483,6 +479,14 @@ inline void record_scales(const uint8_t* __restrict rec, __m512& d, __m512& m) {
   }
 }
 
+// One row's 16 outputs y[0..16) take a block (add_block above, one register wide).
+template <int Bits>
+inline void add_block(float* y, __m512 t, __m512 d, __m512 m, const float* s) {
+  __m512 acc = _mm512_loadu_ps(y);
+  if constexpr (Bits == 4) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(*s), acc);
+  _mm512_storeu_ps(y, _mm512_fmadd_ps(d, t, acc));
+}
+
 // R rows (R <= 16) times one block-quantized panel over all of k: each row of q is unpacked into
 // a register and multiplied into the R block sums at once; the scales are applied into y once per
 // block (the arithmetic of block_rows' comment). rec is the panel's first record; xt the group's
@@ -517,11 +521,7 @@ inline void fused_panel(const float* __restrict xt, const float* __restrict sums
     __m512 d, m;
     record_scales<Bits, Half>(rec, d, m);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      __m512 acc = _mm512_loadu_ps(y + r * ldy);
-      if constexpr (Bits == 4) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * blocks + b]), acc);
-      _mm512_storeu_ps(y + r * ldy, _mm512_fmadd_ps(d, t[r], acc));
-    }
+    for (int r = 0; r < R; ++r) add_block<Bits>(y + r * ldy, t[r], d, m, sums + r * blocks + b);
   }
 }
 
@@ -572,12 +572,7 @@ inline void fused_four(const float* __restrict xt, const float* __restrict sums,
       __m512 d, m;
       record_scales<Bits, Half>(recs[g] + off, d, m);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        float* yg = y + r * ldy + kPanel * g;
-        __m512 acc = _mm512_loadu_ps(yg);
-        if constexpr (Bits == 4) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * blocks + b]), acc);
-        _mm512_storeu_ps(yg, _mm512_fmadd_ps(d, t[r][g], acc));
-      }
+      for (int r = 0; r < R; ++r) add_block<Bits>(y + r * ldy + kPanel * g, t[r][g], d, m, sums + r * blocks + b);
     }
   }
 }
