@@ -208,6 +208,25 @@ def test_calibrate_a_tiny_model():
         calibrate(tiny_llama(num_layers=2), "tiny", ns=(1,), early_exit_layers=3)
 
 
+def test_the_early_exit_copy_runs_on_the_targets_linear_kernel():
+    """The generic drafter curves time a copy of the target's first layers: packed as the
+    target is (a stock copy of a packed target timed PyTorch's GEMM, whose 4-14-row passes of
+    SmolLM2 cost more than its 16-row ones)."""
+    from treespec.calibrate.passes import _truncated_model
+    from treespec.fastpath.kernels import panel_status
+    from treespec.fastpath.packing import linear_kernel, pack_linears
+    from treespec.targets.loader import tiny_llama
+
+    model = tiny_llama(num_layers=2)
+    assert linear_kernel(_truncated_model(model, 1)) == "stock"
+    ok, why = panel_status(build=False)
+    if not ok:
+        pytest.skip(why)
+    pack_linears(model, kernel="panel")
+    draft = _truncated_model(model, 1)
+    assert linear_kernel(draft) == "panel" and len(draft.model.layers) == 1
+
+
 def test_cli_plan_prints_a_table_and_writes_a_plot(tmp_path, capsys):
     cal_path = _calibration().save(tmp_path / "cal.json")
     plot = tmp_path / "plan.png"

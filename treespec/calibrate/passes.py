@@ -104,10 +104,13 @@ def time_interleaved(
 
 def _truncated_model(model: Any, layers: int) -> Any:
     """A copy of ``model`` with only its first ``layers`` decoder layers (same weights, same
-    final norm and LM head): the "early-exit" drafter."""
+    final norm and LM head, its linear layers packed as ``model``'s are): the "early-exit"
+    drafter."""
     import copy
 
     from transformers import AutoModelForCausalLM
+
+    from treespec.fastpath.packing import linear_kernel, pack_linears
 
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = layers
@@ -119,7 +122,11 @@ def _truncated_model(model: Any, layers: int) -> Any:
     missing, _ = draft.load_state_dict(model.state_dict(), strict=False)
     if missing:
         raise RuntimeError(f"early-exit copy misses weights: {missing[:5]}")
-    return draft.eval().requires_grad_(False)
+    draft = draft.eval().requires_grad_(False)
+    kernel = linear_kernel(model)
+    if kernel != "stock":   # a stock copy of a packed target would time PyTorch's GEMM, not the target's
+        pack_linears(draft, kernel=kernel)
+    return draft
 
 
 def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) -> list[Callable[[], None]]:
