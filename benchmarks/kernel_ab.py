@@ -109,9 +109,11 @@ def revisions(base: str, isa: int | None) -> dict:
     spec.loader.exec_module(old_kernels)
     dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", str(SOURCE), str(kernels_py)],
                            cwd=root).returncode != 0
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                          check=True).stdout.strip()
     return {f"base {rev}": (compile_kernel(old_file(SOURCE, f"panel_gemm_{rev}.cpp"), f"treespec_panel_gemm_ab_{rev}"),
                             isa, old_kernels.pack_blocks),
-            "working tree" if dirty else f"HEAD {rev}": (compile_kernel(SOURCE, "treespec_panel_gemm_ab_work"), isa,
+            "working tree" if dirty else f"HEAD {head}": (compile_kernel(SOURCE, "treespec_panel_gemm_ab_work"), isa,
                                                           pack_blocks)}
 
 
