@@ -282,6 +282,7 @@ void fused_panels(const float* xt, const float* sums, int64_t K, const uint8_t* 
   }
 }
 
+// fused_panels for a row count known at run time (1-4).
 template <int Bits, bool Half, int R = 4>
 void fused_group(const float* xt, const float* sums, int64_t rows, int64_t K, const uint8_t* blob, int64_t p0,
                  int64_t p1, float* y, int64_t ldy) {
