@@ -232,6 +232,29 @@ inline void add_block(float* yr, __m256 t0, __m256 t1, __m256 d0, __m256 d1, __m
   _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(d1, t1, y1));
 }
 
+// The R rows' block sums take row k of q (q0: columns 0-7, q1: 8-15): t[r] = fma(x[r, k], q, t[r]),
+// xk pointing at x[0, k] of the group's packed x.
+template <int R>
+inline void add_products(__m256 (&t)[R][2], const float* xk, __m256 q0, __m256 q1) {
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    const __m256 xv = _mm256_broadcast_ss(xk + r);
+    t[r][0] = _mm256_fmadd_ps(xv, q0, t[r][0]);
+    t[r][1] = _mm256_fmadd_ps(xv, q1, t[r][1]);
+  }
+}
+
+// The R rows' outputs y[r ldy ..] take the block whose record is rec: add_block with its scales;
+// s points at row 0's block sum of x, row r's is s[r blocks].
+template <int R, int Bits, bool Half>
+inline void add_blocks(float* y, int64_t ldy, const __m256 (&t)[R][2], const uint8_t* rec, const float* s,
+                       int64_t blocks) {
+  __m256 d0, d1, m0, m1;
+  load_scales<Bits, Half>(rec, d0, d1, m0, m1);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) add_block<Bits>(y + r * ldy, t[r][0], t[r][1], d0, d1, m0, m1, s + r * blocks);
+}
+
 // R rows (R <= 4) times block-quantized panels [p0, p1), one panel at a time: each row of q is
 // unpacked into two registers and multiplied into the rows' block sums t at once; the scales are
 // applied once per block. xt is the group's packed x ([K][R]), sums its rows' block sums ([R][K /
@@ -265,19 +288,10 @@ void fused_panels(const float* xt, const float* sums, int64_t K, const uint8_t* 
           constexpr int I = decltype(odd)::value;
           __m256 q0, q1;
           unpack_row<Bits, I>(qb, k, q0, q1);
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            const __m256 xv = _mm256_broadcast_ss(xb + (k + I) * R + r);
-            t[r][0] = _mm256_fmadd_ps(xv, q0, t[r][0]);
-            t[r][1] = _mm256_fmadd_ps(xv, q1, t[r][1]);
-          }
+          add_products<R>(t, xb + (k + I) * R, q0, q1);
         });
       }
-      __m256 d0, d1, m0, m1;
-      load_scales<Bits, Half>(rec, d0, d1, m0, m1);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
-        add_block<Bits>(yp + r * ldy, t[r][0], t[r][1], d0, d1, m0, m1, sums + r * blocks + b);
+      add_blocks<R, Bits, Half>(yp, ldy, t, rec, sums + b, blocks);
     }
   }
 }
@@ -330,19 +344,9 @@ inline void buffered_rows(const float* __restrict xt, const float* __restrict su
     for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int64_t k = 0; k < kBlock; ++k) {
-      const __m256 q0 = _mm256_load_ps(qb + k * kPanel), q1 = _mm256_load_ps(qb + k * kPanel + 8);
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(xb + k * R + r);
-        t[r][0] = _mm256_fmadd_ps(xv, q0, t[r][0]);
-        t[r][1] = _mm256_fmadd_ps(xv, q1, t[r][1]);
-      }
+      add_products<R>(t, xb + k * R, _mm256_load_ps(qb + k * kPanel), _mm256_load_ps(qb + k * kPanel + 8));
     }
-    __m256 d0, d1, m0, m1;
-    load_scales<Bits, Half>(rec, d0, d1, m0, m1);
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r)
-      add_block<Bits>(y + r * ldy, t[r][0], t[r][1], d0, d1, m0, m1, sums + r * blocks + b0 + b);
+    add_blocks<R, Bits, Half>(y, ldy, t, rec, sums + b0 + b, blocks);
   }
 }
 
