@@ -168,7 +168,8 @@ def bench(versions: dict, ns: list[int], args) -> None:
                      f"{2 * macs * n / ms[a][n] / 1e6:.0f} | {2 * macs * n / ms[b][n] / 1e6:.0f} |")
     md = "\n".join(lines) + "\n"
     print(md)
-    write_results(args.out, {"machine": m, "args": vars(args), "versions": names, "weights": macs, "same_bits": same_bits, "relative_error": error,
+    write_results(args.out, {"machine": m, "args": vars(args), "versions": names, "weights": macs,
+                             "same_bits": same_bits, "relative_error": error,
                              "t_ms": {v: {str(n): t for n, t in row.items()} for v, row in ms.items()}}, md)
 
 

@@ -271,9 +271,9 @@ def _fit_blocks(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
     or, for blocks that fit no such scale, an fp32 number from the block's level spacing (GGUF
     Q4_K: d = d16 * sc with a 6-bit sc, so up to 17 significant bits). 8 bits: q in -128..127,
     m = 0, d from its largest magnitude / 127 (GGUF Q8_0). Every candidate is checked element
-    by element as the kernel computes it: ``fma(q, d, m)`` in float32 must equal the weight bit
-    for bit, and ``q * d`` must be exact in float32 (then one rounding, of the sum, as in the
-    fma). GGUF Q6_K (a scale per 16 values) and Q5_0 (5-bit) fit neither form.
+    by element: ``q * d`` must be exact in float32 and ``q * d + m`` (one rounding, of the sum)
+    must equal the weight bit for bit, so the blocks hold exactly the fp32 weights the kernel's
+    sums stand for. GGUF Q6_K (a scale per 16 values) and Q5_0 (5-bit) fit neither form.
     """
     if bits == 4:
         m = blocks.amin(-1, keepdim=True)
