@@ -254,7 +254,7 @@ def write(data: dict, out: Path) -> str:
             lines += ["", "Quality (paired over prompts): mean log-likelihood per token under the fp32 target, "
                       "speculative minus plain decoding of the same dtype. The fp32 rows are exact by construction (same output "
                       "law as plain decoding), so their differences show how far two runs of one law drift apart "
-                      "on 20 sampled texts: the noise level against which the bf16 rows are read.", ""]
+                      f"on {n_prompts} sampled texts: the noise level against which the bf16 rows are read.", ""]
             for name, q in s["quality"].items():
                 lines.append(f"- {name} − {q['against']}: {q['mean_diff']:+.3f} ± {q['ci95']:.3f} (95 % CI, "
                              f"{q['prompts']} prompts; paired t-test p = {q['p_value']:.2f})")
