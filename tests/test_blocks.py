@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treespec.fastpath.packing import PackedLinear, linear_isa, linear_kernel, pack_linears
+from treespec.fastpath.packing import PANEL_MAX_ROWS, PackedLinear, linear_isa, linear_kernel, pack_linears
 from treespec.fastpath import kernels
 from treespec.fastpath.cpu import CpuInfo
 from treespec.fastpath.kernels import (ISAS, block_linear, kernel_isa, pack_blocks, pack_panels, panel_linear,
@@ -250,8 +250,9 @@ def quantized_llama(seed: int = 0, tied: bool = False) -> nn.Module:
 @pytest.mark.parametrize("n", [1, 2, 5, 17, 64, 65])
 def test_blocks_model_scores_trees_like_the_fp32_model(n) -> None:
     """The same fp32 target in another order of additions: every layer on blocks, a tree's
-    logits within 1e-5 of the stock model's and of the fp32 panel model's (65 nodes: the prefix
-    and the tree go to PyTorch's GEMM over the same weights)."""
+    logits within 1e-5 of the stock model's and of the fp32 panel model's, and, for passes the
+    block kernel runs (up to 64 rows; 65 nodes go to PyTorch's GEMM over the same weights), bit
+    for bit the model whose every layer computes ``blocks_reference``."""
     stock = quantized_llama()
     panel, blocks = copy.deepcopy(stock), copy.deepcopy(stock)
     pack_linears(panel, kernel="panel")
@@ -264,6 +265,32 @@ def test_blocks_model_scores_trees_like_the_fp32_model(n) -> None:
     got = tree_logits(blocks, prefix, tree)
     torch.testing.assert_close(got, tree_logits(panel, prefix, tree), rtol=0, atol=1e-5)
     torch.testing.assert_close(got, tree_logits(stock, prefix, tree), rtol=0, atol=1e-5)
+    if n <= PANEL_MAX_ROWS:   # the block kernel's passes: the bits of its arithmetic, layer after layer
+        assert torch.equal(got, tree_logits(reference_blocks_model(stock), prefix, tree))
+
+
+class ReferenceBlocks(nn.Module):
+    """A linear layer computed by ``blocks_reference`` (the weight must be exact blocks)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear, self.bits = linear, pack_blocks(linear.weight).bits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = blocks_reference(x.reshape(-1, x.shape[-1]), self.linear.weight, self.bits)
+        if self.linear.bias is not None:
+            y = y + self.linear.bias
+        return y.view(*x.shape[:-1], -1)
+
+
+def reference_blocks_model(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose every linear layer runs ``blocks_reference``."""
+    ref = copy.deepcopy(model)
+    for parent in list(ref.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, ReferenceBlocks(child))
+    return ref
 
 
 @needs_panel
