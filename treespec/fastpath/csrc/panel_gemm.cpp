@@ -20,7 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <vector>
+#include <memory>
 #include <type_traits>
 
 namespace {
@@ -203,6 +203,7 @@ inline void for_pair(F&& f) {
 // x reaches the kernels packed by block_rows: rows in groups, each group k-major ([K][rows]),
 // so a tile broadcasts x[r, k] from one pointer at constant offsets (16 rows of x[r K + k] would
 // need 16 address registers and spill them).
+// sums may be null (8 bits: no offsets, so no block sums of x).
 inline void block_rows(const float* x, int64_t M, int64_t K, int64_t group, float* xt, float* sums) {
   const int64_t blocks = K / kBlock;
   for (int64_t r0 = 0; r0 < M; r0 += group) {
@@ -210,6 +211,7 @@ inline void block_rows(const float* x, int64_t M, int64_t K, int64_t group, floa
     for (int64_t k = 0; k < K; ++k)
       for (int64_t r = 0; r < g; ++r) xt[r0 * K + k * g + r] = x[(r0 + r) * K + k];
   }
+  if (sums == nullptr) return;
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
       float s = 0.f;
@@ -677,10 +679,11 @@ torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& b
   auto y = torch::empty({M, ldy}, x.options());
   if (M == 0) return y;
   // x packed once for every thread: in the row groups of the code that runs
-  std::vector<float> packed(M * K + M * (K / kBlock));
-  float* xt = packed.data();
+  // (uninitialized: block_rows writes every value the kernels read)
+  std::unique_ptr<float[]> packed(new float[M * K + M * (K / kBlock)]);
+  float* xt = packed.get();
   float* sums = xt + M * K;
-  block_rows(x.data_ptr<float>(), M, K, isa == 1 ? avx512::kFusedRows : avx2_group(M), xt, sums);
+  block_rows(x.data_ptr<float>(), M, K, isa == 1 ? avx512::kFusedRows : avx2_group(M), xt, bits == 4 ? sums : nullptr);
   const uint8_t* bp = blob.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   auto run = [&](auto bits_tag, auto half_tag) {
