@@ -52,6 +52,11 @@ from treespec.builders import BestFirstBuilder
 PLAIN = ("HF generate", "HF generate (packed)", "treespec plain")
 
 
+def is_plain(name: str) -> bool:
+    """Whether a result row ("<dtype> <row>", e.g. "fp32 treespec plain") decodes plainly."""
+    return name.split(" ", 1)[1] in PLAIN
+
+
 def build(args):
     """{dtype: {row name: callable(ids, T, seed) -> record}} and the fp32 scorer."""
     dtypes = ["fp32"] + (["bf16"] if cpu_info().native_bf16 else [])
@@ -134,7 +139,7 @@ def summarize(data: dict) -> dict:
     summary = {}
     for temp, by_row in data["rows"].items():
         med = {name: statistics.median(r["tokens"] / r["time"] for r in rs) for name, rs in by_row.items() if rs}
-        plain = {n: v for n, v in med.items() if n.split(" ", 1)[1] in PLAIN}
+        plain = {n: v for n, v in med.items() if is_plain(n)}
         fastest_plain = max(plain, key=plain.get)
         hf = med.get("fp32 HF generate")
         table = {}
@@ -174,7 +179,7 @@ def quality(by_row: dict, plain: dict) -> dict:
     out = {}
     for name, rs in by_row.items():
         d = name.split(" ", 1)[0]
-        if " treespec " not in name or name.split(" ", 1)[1] in PLAIN or not rs or "ll_n" not in rs[0]:
+        if " treespec " not in name or is_plain(name) or not rs or "ll_n" not in rs[0]:
             continue
         base = max((n for n in plain if n.startswith(d + " ")), key=plain.get)
         pairs = [(r["ll"] / r["ll_n"], b["ll"] / b["ll_n"]) for r, b in zip(rs, by_row[base])
@@ -194,12 +199,12 @@ def limiter(summary_t: dict, goal: float) -> list[str]:
     lines = []
     rows = summary_t["rows"]
     for d in ("fp32", "bf16"):
-        spec = {n: e for n, e in rows.items() if n.startswith(d + " treespec") and n.split(" ", 1)[1] not in PLAIN}
+        spec = {n: e for n, e in rows.items() if n.startswith(d + " treespec") and not is_plain(n)}
         if not spec:
             continue
         best = max(spec, key=lambda n: spec[n]["tokens_per_s"])
         e = spec[best]
-        plain_name = max((n for n in rows if n.startswith(d + " ") and n.split(" ", 1)[1] in PLAIN),
+        plain_name = max((n for n in rows if n.startswith(d + " ") and is_plain(n)),
                          key=lambda n: rows[n]["tokens_per_s"])
         plain_ms = 1e3 / rows[plain_name]["tokens_per_s"]   # its prefill included
         step = e["draft_ms"] + e["verify_ms"] + e["accept_ms"] + e["other_ms"]
