@@ -85,6 +85,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 
 def _load_target(args):
     from treespec import load_target
+    from treespec.cli.plan import target_pack
 
     from treespec.fastpath.device import resolve_device
 
@@ -93,7 +94,7 @@ def _load_target(args):
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     target = load_target(args.model, dtype=args.dtype, device=resolve_device(args.device),
-                         pack=not args.no_pack)
+                         pack=target_pack(args))
     print(f"[target: {target.speed_path}]", file=sys.stderr, flush=True)
     return target
 

@@ -19,6 +19,7 @@ from treespec.planning.tau import DEFAULT_BETA, acceptance_vector
 from treespec.data import MissingPackageError
 from treespec.planning.calibration import CalibratedCost, Calibration, default_calibration_path
 from treespec.calibrate.passes import DEFAULT_NS, calibrate
+from treespec.fastpath.packing import KERNELS
 from treespec.planning.hardware import get_hardware
 from treespec.planning.planner import RooflineCost, StepCost, TreeChoice, batch_limits, best_choice, plan_curve
 from treespec.planning.roofline import DRAFTER_KINDS, DrafterSpec
@@ -120,7 +121,18 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
                         "fp32 at near-ties); float32 is the exact reference (float16 is API-only)")
     p.add_argument("--no-pack", action="store_true",
                    help="keep HF's stock linear layers (default: weights packed once for the CPU's GEMM)")
+    p.add_argument("--kernel", default="auto", choices=("auto",) + KERNELS,
+                   help="the packed linear layers' kernel; auto (default): picked from the CPU. amx: exact "
+                        "integer blocks on the AMX tile unit with each linear input rounded to bf16 (its own "
+                        "target, like bfloat16; CPUs with AMX-BF16)")
     p.add_argument("--device", default="cpu", help="where the target (and drafter) run: cpu, cuda, cuda:N")
+
+
+def target_pack(args: argparse.Namespace) -> bool | str:
+    """``load_target``'s ``pack`` from --no-pack and --kernel."""
+    if args.no_pack and args.kernel != "auto":
+        raise ValueError(f"--no-pack keeps the stock linear layers; it cannot run --kernel {args.kernel}")
+    return False if args.no_pack else (True if args.kernel == "auto" else args.kernel)
 
 
 def _drafter(args: argparse.Namespace) -> DrafterSpec:
@@ -203,7 +215,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if drafters or args.weights == "pretrained":
         from treespec.targets.loader import load_target
 
-        target = load_target(args.model, dtype=args.dtype, device=device, pack=not args.no_pack)
+        target = load_target(args.model, dtype=args.dtype, device=device, pack=target_pack(args))
         print(f"[target: {target.speed_path}]", flush=True)
         model = target.model
     else:
@@ -216,7 +228,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         dtype, _ = resolve_dtype(args.dtype, device)
         model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL_PRESETS[args.model]), dtype=dtype)
         model.to(device).eval().requires_grad_(False)
-        pack_linears(model, enabled=not args.no_pack)
+        pack = target_pack(args)
+        pack_linears(model, enabled=pack is not False, kernel=pack if isinstance(pack, str) else None)
     if args.clock == "thread" and args.threads != 1:
         raise ValueError("--clock thread counts one thread's CPU time: use it with --threads 1")
     ns = tuple(n for n in DEFAULT_NS if n <= args.max_n)

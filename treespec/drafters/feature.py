@@ -476,10 +476,10 @@ def head_weights(weights: str, target) -> str:
                          f"integer blocks, else as trained), got {weights!r}")
     if weights == "auto":
         return "int8" if stores_blocks(target.model) else "trained"
-    if weights == "int8" and (kernel := linear_kernel(target.model)) != "blocks":
+    if weights == "int8" and (kernel := linear_kernel(target.model)) not in ("blocks", "amx"):
         raise ValueError(f"weights='int8' stores the head as 8-bit blocks for the fp32 block kernel, but the target "
                          f"{target.name!r} runs its linear layers on {kernel!r} ({target.dtype}): load it with "
-                         "dtype=torch.float32, pack='blocks', or keep weights='trained'")
+                         "dtype=torch.float32, pack='blocks' (or 'amx'), or keep weights='trained'")
     return weights
 
 

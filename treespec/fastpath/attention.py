@@ -67,6 +67,40 @@ def grouped_sdpa_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+ROW_ATTENTION = "treespec_row_attention"
+
+
+def row_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """:data:`ROW_ATTENTION`: one-token steps and tree passes (a bool mask) one query row at a
+    time (``row_attention`` in ``treespec/fastpath/csrc/panel_gemm.cpp``): a tree node's row is the
+    bits of the one-token step that decodes its path. Everything else (a prompt's causal pass,
+    another device or dtype, features the kernel lacks) goes to :func:`grouped_sdpa_attention`;
+    a prompt's pass is the same in plain and speculative decoding, so it need not match them."""
+    from treespec.fastpath.kernels import row_attention_kernel
+
+    step = query.shape[2] == 1 and attention_mask is None
+    tree = attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.ndim == 4
+    if (not (step or tree) or query.device.type != "cpu" or query.dtype != torch.float32 or dropout
+            or query.shape[-1] % 16 or query.shape[-1] > 256 or kwargs.get("sliding_window")
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+            or kwargs.get("output_attentions")):
+        return grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    mask = attention_mask if tree else query.new_empty(0, dtype=torch.bool)
+    return row_attention_kernel(query, key, value, mask, scale), None
+
+
 def register_grouped_attention() -> str:
     """Register :data:`GROUPED_SDPA` with HF (idempotent); returns the name."""
     AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
@@ -95,3 +129,34 @@ def use_grouped_attention(model: torch.nn.Module) -> tuple[bool, str]:
     model.set_attn_implementation(register_grouped_attention())
     return True, (f"grouped sdpa ({kv_heads} KV heads read in place by their {heads // kv_heads} "
                   f"query heads each under a tree mask; stock sdpa copies them)")
+
+
+def register_row_attention() -> str:
+    """Register :data:`ROW_ATTENTION` with HF (idempotent); returns the name."""
+    AttentionInterface.register(ROW_ATTENTION, row_attention)
+    AttentionMaskInterface.register(ROW_ATTENTION, sdpa_mask)
+    return ROW_ATTENTION
+
+
+def use_row_attention(model: torch.nn.Module) -> tuple[bool, str]:
+    """Switch a CPU fp32 model on ``sdpa`` (or grouped sdpa) to :data:`ROW_ATTENTION` where the
+    kernel runs (AVX-512 F); returns (switched, why). For targets whose linear layers round their
+    inputs (``kernel="amx"``): there a last-bit difference between a tree pass and a one-token step
+    can flip a rounding and grow, so their rows must be the same bits."""
+    from treespec.fastpath.kernels import kernel_isa, panel_status
+
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl == ROW_ATTENTION:
+        return True, "row attention (already)"
+    if impl not in ("sdpa", GROUPED_SDPA):
+        return False, f"stock {impl or 'eager'} (row attention replaces sdpa)"
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype != torch.float32:
+        return False, f"{impl} (row attention is a CPU fp32 kernel)"
+    ok, why = panel_status()
+    if not ok or kernel_isa() != "avx512":
+        return False, f"{impl} (row attention needs the AVX-512 kernels: {why if not ok else 'no AVX-512 F'})"
+    model.set_attn_implementation(register_row_attention())
+    return True, ("row attention (one-token steps and tree passes one query row at a time, each row the bits "
+                  "of the step that decodes its path; prompts through grouped sdpa)")

@@ -33,6 +33,13 @@ Glossary
   0.64-0.92 of the AVX2 kernels' time there (``benchmarks/results/kernel_isa_amx.md``; 1-3 rows
   run four panels at a time, four independent FMA chains, which a 1-row pass waits on).
 
+- **amx** — :func:`amx_linear`: the same integer blocks on the AMX tile unit of CPUs with
+  AMX-BF16. Each block's 32 products of a row go through one tile product, with the integers as
+  bf16 (exact) and x *rounded to bf16*; then the block is scaled into y as above. Up to 16 rows
+  share a tile, so a pass of 16 rows costs little more than one; but x keeps 8 significant bits,
+  so a model on it is not the fp32 target (like a bf16 one, it is compared with plain decoding on
+  the same path). Its rows are batch-invariant too: a tile row depends on that row only.
+
 The kernel is compiled from source with ``torch.utils.cpp_extension`` the first time it is
 needed (about a minute; cached in PyTorch's extension directory, rebuilt when the source
 changes). Where it cannot be (no AVX2/FMA, no C++ compiler, no ninja), :func:`panel_status`
@@ -52,8 +59,9 @@ import torch
 
 from treespec.fastpath.cpu import CpuInfo, cpu_info
 
-__all__ = ["BLOCK", "ISAS", "PANEL", "BlockPanels", "PanelUnavailable", "block_linear", "kernel_isa", "pack_blocks",
-           "pack_panels", "panel_linear", "panel_status", "round_to_blocks8"]
+__all__ = ["AMX_FLAGS", "BLOCK", "ISAS", "PANEL", "BlockPanels", "PanelUnavailable", "amx_linear", "amx_status",
+           "block_linear", "kernel_isa", "pack_blocks", "pack_panels", "panel_linear", "panel_status",
+           "round_to_blocks8", "row_attention_kernel"]
 
 PANEL = 16
 BLOCK = 32
@@ -62,6 +70,10 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
 ISAS = ("avx2", "avx512")   # the kernels' instruction sets, in the module's numbering (0, 1)
+
+# What the AMX block kernel executes: tile loads and bf16 tile products, and AVX-512 BF16 / BW
+# around them (x rounded to bf16, q widened to bf16; every CPU with AMX also has AVX-512 BW and VL).
+AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512f")
 
 
 class PanelUnavailable(RuntimeError):
@@ -118,6 +130,24 @@ def panel_status(cpu: CpuInfo | None = None, build: bool = True) -> tuple[bool, 
         return True, isa
     module, why = _build()
     return module is not None, why or f"{isa}, kernel built"
+
+
+def amx_status(cpu: CpuInfo | None = None, build: bool = True) -> tuple[bool, str]:
+    """Whether the AMX block kernel (:func:`amx_linear`) runs here, and why not if it does not:
+    the CPU flags of :data:`AMX_FLAGS`, the module built, and the OS granting this process the
+    tile state (Linux asks for it per process). ``build=False`` checks the flags only."""
+    cpu = cpu if cpu is not None else cpu_info()
+    lacking = [f for f in AMX_FLAGS if f not in cpu.flags]
+    if lacking:
+        return False, f"CPU lacks {', '.join(lacking)} ({cpu.model})"
+    if not build:
+        return True, "AMX-BF16"
+    module, why = _build()
+    if module is None:
+        return False, why
+    if not module.amx_permitted():
+        return False, "the OS did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM refused)"
+    return True, "AMX-BF16, kernel built"
 
 
 def kernel_isa(cpu: CpuInfo | None = None) -> str:
@@ -404,3 +434,23 @@ def block_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None
     code = _isa_index(isa)
     return _linear(x, blocks.blob.shape[1] * BLOCK, blocks.out_features, bias,
                    lambda x2: _kernel().panel_linear_blocks(x2, blocks.blob, blocks.bits, code, blocks.half_scales))
+
+
+def amx_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for ``blocks = pack_blocks(W)`` on the AMX tile unit, with x
+    rounded to bf16: per block of 32 k values one tile product of the rounded x with the integers
+    ``q`` (exact as bf16), scaled into y as :func:`block_linear` does. Not the fp32 product: x
+    keeps 8 significant bits (the weights stay exact, the sums fp32), so a model on it is a
+    different target, like a bf16 one; a row's result is the same bits alone or among any
+    others (a tile row depends on that row only). Any number of rows, 16 per tile. Only where
+    :func:`amx_status` says it runs. x [..., K] float32 on the CPU."""
+    return _linear(x, blocks.blob.shape[1] * BLOCK, blocks.out_features, bias,
+                   lambda x2: _kernel().amx_linear_blocks(x2, blocks.blob, blocks.bits, blocks.half_scales))
+
+
+def row_attention_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """softmax(scale q K^T) V, each query row over the keys its bool ``mask`` allows (empty mask:
+    a causal pass over the last rows), in key order: query [B, Hq, T, d], key/value [B, Hkv, S, d]
+    -> [B, T, Hq, d] float32 (:func:`treespec.fastpath.attention.row_attention`). AVX-512 F only."""
+    return _kernel().row_attention(query, key, value, mask, float(scale))

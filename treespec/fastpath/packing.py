@@ -16,6 +16,12 @@ Glossary
   :data:`PANEL_MAX_ROWS` rows, each output one in-order FMA chain (bit-identical for a row alone
   or among others). Chosen for fp32 on every CPU with AVX2 (AVX-512 ones included), over exact
   integer blocks where the weights are ones (``"blocks"``); ask for oneDNN with ``kernel="onednn"``.
+- **amx** — ``kernel="amx"``: the integer blocks of ``"blocks"`` multiplied on the CPU's AMX
+  tile unit with each linear layer's input rounded to bf16 (:func:`treespec.fastpath.kernels.amx_linear`;
+  weights exact, sums fp32, everything outside the linear layers fp32). A pass of 16 rows costs
+  little more than one, where the vector kernels pay each row's multiply-adds. Not the fp32
+  target: like bf16, a different target, compared with plain decoding on the same path. Asked
+  for by name only (``load_target(..., pack="amx")``), on a CPU with AMX-BF16.
 - **native bf16** — matrix units that multiply bf16 directly (x86 ``avx512_bf16`` or
   ``amx_bf16``; a CUDA device with compute capability ≥ 8.0). Without them bf16 is emulated and
   slower than fp32, so ``dtype="auto"`` picks fp32 there.
@@ -42,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespec.fastpath.cpu import BF16_FLAGS, RELEVANT_FLAGS, CpuInfo, _read_cpuinfo, cpu_info  # noqa: F401 (re-exported)
-from treespec.fastpath.kernels import (ISAS, BlockPanels, block_linear, kernel_isa, pack_blocks, pack_panels,
-                                      panel_linear, panel_status)
+from treespec.fastpath.kernels import (ISAS, BlockPanels, amx_linear, amx_status, block_linear, kernel_isa,
+                                      pack_blocks, pack_panels, panel_linear, panel_status)
 
 __all__ = [
     "CpuInfo",
@@ -85,8 +91,9 @@ PANEL_MAX_ROWS = 64
 BF16_PAD_ROWS = 4
 BF16_PAD_MIN_WEIGHT = 4_000_000   # elements
 
-KERNELS = ("onednn", "panel", "blocks")
-PANEL_KERNELS = ("panel", "blocks")
+KERNELS = ("onednn", "panel", "blocks", "amx")
+PANEL_KERNELS = ("panel", "blocks")     # treespec's vector kernels (an ISA to pick, 1..PANEL_MAX_ROWS rows)
+FP32_KERNELS = ("panel", "blocks", "amx")
 _ISA_NAMES = {"avx2": "AVX2", "avx512": "AVX-512"}   # the panel kernels' instruction sets, as printed
 
 
@@ -241,7 +248,9 @@ class PackedLinear(nn.Module):
     exact 4- or 8-bit integer blocks where it is one (a weight dequantized from a GGUF Q4_1 or
     Q8_0 checkpoint is; :func:`treespec.fastpath.kernels.pack_blocks` checks every value), fp32 panels
     where it is not; the same fp32 weights as ``"panel"``, summed block by block (a few ulp from
-    its outputs, closer to the exact product), from 5.3-6.4x (4-bit) or 3.6x (8-bit) fewer bytes. ``isa`` picks the panel and block kernels' instruction set (one of
+    its outputs, closer to the exact product), from 5.3-6.4x (4-bit) or 3.6x (8-bit) fewer bytes.
+    ``kernel="amx"``: those blocks on the AMX tile unit, every pass, with x rounded to bf16 (the
+    module's glossary: *amx*; a different target). ``isa`` picks the panel and block kernels' instruction set (one of
     :data:`treespec.fastpath.kernels.ISAS`; None: the CPU's best); the outputs are the same bits.
     Other inputs take the stock ``F.linear`` on the original weight. The packed copy is rebuilt
     if the weight changes in place (its version counter moves), so it never goes stale.
@@ -256,7 +265,7 @@ class PackedLinear(nn.Module):
             raise ValueError(f"PackedLinear packs CPU weights; this one is on {linear.weight.device}")
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        if kernel in PANEL_KERNELS and linear.weight.dtype != torch.float32:
+        if kernel in FP32_KERNELS and linear.weight.dtype != torch.float32:
             raise ValueError(f"the {kernel} kernel is float32 only; this weight is {linear.weight.dtype} "
                              "(use kernel='onednn')")
         self.in_features = linear.in_features
@@ -279,7 +288,7 @@ class PackedLinear(nn.Module):
 
     def _pack(self) -> None:
         packed = None
-        if self.kernel == "blocks":
+        if self.kernel in ("blocks", "amx"):
             packed = pack_blocks(self.weight)
         if packed is None:
             packed = pack_weight(self.weight) if self.kernel == "onednn" else pack_panels(self.weight)
@@ -317,6 +326,8 @@ class PackedLinear(nn.Module):
         if _fast_path_ok(x, weight, torch.float32, rows, self.min_rows, self.max_rows):
             packed = self._packed
             if isinstance(packed, BlockPanels):
+                if self.kernel == "amx":
+                    return amx_linear(x, packed, bias)
                 return block_linear(x, packed, bias, self.isa)
             return panel_linear(x, packed, self.out_features, bias, self.isa)
         return F.linear(x, weight, bias)
@@ -362,10 +373,17 @@ def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
     """The plan, or the reason to leave the model as it is. ``kernel`` None picks by the CPU."""
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be None (pick by CPU) or one of {KERNELS}, got {kernel!r}")
-    if kernel in PANEL_KERNELS and dtype != torch.float32:
+    if kernel in FP32_KERNELS and dtype != torch.float32:
         raise ValueError(f"kernel={kernel!r} is float32 only; these weights are {dtype} (use kernel='onednn')")
     if device.type != "cpu":
         return f"weights on {device}: packing is a CPU path"
+    if kernel == "amx":
+        ok, why = amx_status(cpu)
+        if not ok:
+            raise ValueError(f"kernel='amx' is not available here: {why}")
+        return _Plan("amx", 1, None, "exact 4/8-bit integer blocks times each layer's input rounded to bf16 on the "
+                     "AMX tile unit, every pass (treespec.fastpath.kernels.amx_linear); fp32 panels on the "
+                     "vector kernels for weights that are not blocks")
     # The block GEMM wins wherever a pass is bound by reading the weights: measured on an AVX2-only
     # EPYC and on an AVX-512-BF16 EPYC (SmolLM2, one thread: a 1-token pass 32 ms against 80 ms for
     # oneDNN/stock fp32, and ahead of oneDNN up to 32 rows; benchmarks/results/verify_cost_epyc_
@@ -433,9 +451,9 @@ def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = N
                                      pad_rows_for(child.weight, plan.pad_rows))
                 setattr(parent, name, layer)
                 layers.append(layer)
-    if plan.kernel in PANEL_KERNELS:
-        kind = f"fp32, {plan.min_rows}..{plan.max_rows} rows"
-        if plan.kernel == "blocks":
+    if plan.kernel in FP32_KERNELS:
+        kind = f"fp32, {plan.min_rows}..{plan.max_rows} rows" if plan.max_rows else "fp32 weights, x as bf16"
+        if plan.kernel in ("blocks", "amx"):
             stored = Counter(layer.storage for layer in layers)
             kind += "; " + ", ".join(f"{n} as {what}" for what, n in sorted(stored.items()))
     else:

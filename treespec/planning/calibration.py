@@ -402,20 +402,22 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
     verify curve depends on the dtype far more than on anything else. A target whose linear
     layers run on a packed kernel (``treespec.fastpath.packing.linear_kernel``) has its own curve too:
     ``...-packed.json`` for oneDNN (``packed=True`` or ``"onednn"``), ``...-panel.json`` for the
-    panel GEMM on fp32 panels, ``...-blocks.json`` for it on exact integer blocks. A model on
+    panel GEMM on fp32 panels, ``...-blocks.json`` for it on exact integer blocks, ``...-amx.json``
+    for those blocks on the AMX tile unit. A model on
     treespec's grouped sdpa attention (``attention``, the model's attention implementation;
     :mod:`treespec.fastpath.attention`) adds ``-grouped``: its tree passes cost less than stock
-    attention's, so a curve measured with the other must not be reused. The panel and block
+    attention's, so a curve measured with the other must not be reused; row attention (the amx
+    targets') adds ``-rows``. The panel and block
     kernels on their AVX-512 code (``isa="avx512"``, :func:`treespec.fastpath.kernels.kernel_isa`)
     add ``-avx512`` after the kernel: their passes of 4 rows and more cost up to a third less
     than the AVX2 code's, whose files keep their names."""
     if not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
     kernel_suffix = {False: "", "stock": "", True: "-packed", "onednn": "-packed", "panel": "-panel",
-                     "blocks": "-blocks"}
+                     "blocks": "-blocks", "amx": "-amx"}
     if packed not in kernel_suffix:
-        raise ValueError(f"packed must be a bool or one of 'stock', 'onednn', 'panel', 'blocks'; got {packed!r}")
-    from treespec.fastpath.attention import GROUPED_SDPA
+        raise ValueError(f"packed must be a bool or one of 'stock', 'onednn', 'panel', 'blocks', 'amx'; got {packed!r}")
+    from treespec.fastpath.attention import GROUPED_SDPA, ROW_ATTENTION
     from treespec.fastpath.kernels import ISAS
 
     if isa is not None and isa not in ISAS:
@@ -424,7 +426,7 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
 
     suffix = (("" if dtype == "float32" else f"-{dtype}") + kernel_suffix[packed]
               + ("-avx512" if isa == "avx512" and packed in ("panel", "blocks") else "")
-              + ("-grouped" if attention == GROUPED_SDPA else ""))
+              + {GROUPED_SDPA: "-grouped", ROW_ATTENTION: "-rows"}.get(attention, ""))
     return (Path(root) if root else Path.home() / ".cache" / "treespec") / f"calibration-{model}{suffix}.json"
 
 

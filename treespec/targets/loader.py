@@ -52,7 +52,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from treespec.fastpath.attention import GROUPED_SDPA
+from treespec.fastpath.attention import GROUPED_SDPA, ROW_ATTENTION
 from treespec.data import MissingPackageError, find_package_file
 from treespec.targets.gguf_parts import (QWEN_CODER_0_5B, QWEN_CODER_1_5B, SPLIT_GGUFS, SplitGGUF, assembled_gguf,
                                         assembled_path)
@@ -152,7 +152,7 @@ class Target:
 # pass and then gathers the accepted rows (``TreeVerifier.compact``). A sliding-window layer is
 # such a layer while the context fits in its window (it drops rows only past it).
 _ROW_CACHE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
-_SDPA_LIKE = ("sdpa", GROUPED_SDPA)
+_SDPA_LIKE = ("sdpa", GROUPED_SDPA, ROW_ATTENTION)
 
 
 def _decoder_config(model: PreTrainedModel):
@@ -422,26 +422,32 @@ def load_target(
     target from the fp32 one; compare it with plain decoding of the same weights.
     ``pack``: pre-pack the linear layers for the CPU's GEMM where it helps
     (:func:`treespec.fastpath.packing.pack_linears`; fp32 output stays token-identical to HF ``generate``);
-    ``"blocks"``, ``"panel"`` or ``"onednn"`` names the kernel instead of letting the CPU decide
-    (``"blocks"``: the panel GEMM over exact integer blocks, see ``PackedLinear``); ``False`` keeps
+    ``"blocks"``, ``"amx"``, ``"panel"`` or ``"onednn"`` names the kernel instead of letting the CPU decide
+    (``"blocks"``: the panel GEMM over exact integer blocks, see ``PackedLinear``; ``"amx"``: those
+    blocks on the AMX tile unit with each linear input rounded to bf16, a different target); ``False`` keeps
     the stock modules. With packing on, a CPU model with grouped KV heads also gets the grouped
     sdpa attention (:mod:`treespec.fastpath.attention`: tree passes read the KV heads in place instead of
     copying them; bit-identical numbers); ``False`` keeps stock attention too.
     ``Target.speed_path`` says what was chosen and why.
     """
-    from treespec.fastpath.attention import use_grouped_attention
+    from treespec.fastpath.attention import use_grouped_attention, use_row_attention
     from treespec.fastpath.packing import pack_linears, resolve_dtype
 
     if name not in TARGET_LOADERS:
         raise KeyError(f"unknown target {name!r}; known targets: {sorted(TARGET_LOADERS)}")
     if not isinstance(pack, (bool, str)):
-        raise TypeError(f"pack must be True, False, 'blocks', 'panel' or 'onednn', got {pack!r}")
+        raise TypeError(f"pack must be True, False, 'blocks', 'amx', 'panel' or 'onednn', got {pack!r}")
     types = gguf_matrix_types(name, cache_dir) if dtype == "auto" and pack is not False else None
     resolved, why = resolve_dtype(dtype, device, weight_types=types)
     target = TARGET_LOADERS[name](dtype=resolved, device=device, cache_dir=cache_dir)
     report = pack_linears(target.model, enabled=pack is not False,
                           kernel=pack if isinstance(pack, str) else None)
-    attention = use_grouped_attention(target.model)[1] if pack is not False else "stock (packing turned off)"
+    if pack is False:
+        attention = "stock (packing turned off)"
+    elif pack == "amx":   # inputs rounded to bf16: tree rows must be the one-token steps' bits
+        attention = use_row_attention(target.model)[1]
+    else:
+        attention = use_grouped_attention(target.model)[1]
     dtype_name = str(resolved).removeprefix("torch.")
     return dataclasses.replace(target, speed_path=f"{dtype_name} ({why}); linear layers: {report}; "
                                                   f"attention: {attention}")

@@ -1,4 +1,4 @@
-// Panel GEMM for the fp32 tree pass on AVX2 + FMA CPUs (AVX-512 ones: see the end):
+// Panel GEMM for the fp32 tree pass on AVX2 + FMA CPUs (AVX-512 ones and AMX tiles: see the end):
 // y[M, N] = x[M, K] @ W[N, K]^T.
 //
 // Glossary
@@ -20,8 +20,16 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
 #include <memory>
 #include <type_traits>
+
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -624,6 +632,258 @@ void block_panels(const float* xt, const float* sums, int64_t M, int64_t K, cons
 }  // namespace avx512
 #pragma GCC pop_options
 
+// AMX: integer blocks times x rounded to bf16, on the CPU's tile unit (amx_linear_blocks below).
+// Each block's 32 products of one row go through one TDPBF16PS into a fresh tile (q as bf16 is
+// exact: |q| < 256), then the block is scaled into y as on the vector code:
+// y = fma(d, t, fma(m, sx, y)) (8 bits: fma(d, t, y)), where t is the tile's dot product and sx
+// the block's sum of the rounded x (fp32, k order). A tile row's dot product depends only on
+// that row and the weights, so a row gets the same bits alone or among 15 others in a tile, in
+// any row group; the order inside the unit is the hardware's, so the bits are this code's own
+// (tests compare them with float64 within a bound and row against row for equality).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+namespace amx {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int kRows = 16;       // rows of x per tile
+constexpr int kRing = 4;        // unpacked weight tiles in flight
+constexpr int64_t kFetch = 8;   // records prefetched ahead: one thread reads one stream, and without
+                                // it a 1-row pass ran slower than on the vector block kernel
+constexpr int kAhead = 2;       // blocks unpacked ahead of the one multiplied: a tile load right
+                                // after the stores that wrote its data waits for them to retire
+
+// tiles 0, 1: y's block sums (rows x 16 fp32); 2, 3: x (rows x 32 bf16); 4, 5: q (16 pairs of
+// k values x 16 columns, bf16). Even blocks use 0, 2, 4, odd ones 1, 3, 5, so a block's tile
+// is read back while the next one multiplies.
+inline void configure(int rows) {
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) { c.rows[t] = rows; c.colsb[t] = 64; }
+  for (int t = 4; t < 6; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
+  _tile_loadconfig(&c);
+}
+
+// A block's q (the record after its scales) as the bf16 tile TDPBF16PS takes: row kk holds, for
+// each column n, q[2 kk][n] and q[2 kk + 1][n] (the pair layout 4-bit records already have).
+template <int Bits>
+inline void unpack(const uint8_t* q, uint16_t* out) {
+  if constexpr (Bits == 4) {
+    alignas(64) static const uint16_t kTable[32] = {   // bf16 of 0..15, twice
+        0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130,
+        0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+        0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+    const __m512i table = _mm512_load_si512(kTable), nibbles = _mm512_set1_epi32(0x000F000F);
+#pragma GCC unroll 16
+    for (int kk = 0; kk < 16; ++kk) {
+      // byte n -> 32-bit lane n: low nibble in bits 0-3, high nibble in bits 16-19
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * kk)));
+      const __m512i idx = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nibbles, 0xA8);  // (a | b) & c
+      _mm512_store_si512(out + 32 * kk, _mm512_permutexvar_epi16(idx, table));
+    }
+  } else {
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+#pragma GCC unroll 16
+    for (int kk = 0; kk < 16; ++kk) {
+      // int8 -> fp32 is exact, and so is its top half (at most 8 significant bits): bf16
+      const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 32 * kk))));
+      const __m512 odd = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 32 * kk + 16))));
+      _mm512_store_si512(out + 32 * kk, _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                                                  _mm512_castps_si512(odd), high, 0xF8));  // a | (b & c)
+    }
+  }
+}
+
+template <int Bits, bool Half>
+inline __m512 load_scale(const uint8_t* p) {
+  if constexpr (Half) return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
+  else return _mm512_load_ps(reinterpret_cast<const float*>(p));
+}
+
+// Panels [p0, p1) for one group of rows <= kRows (xb: their bf16 rows, stride K; sx: their block
+// sums of x, stride K / 32). The tile configuration for `rows` is loaded by the caller.
+template <int Bits, bool Half>
+void panels(const uint16_t* xb, const float* sx, int rows, int64_t K, const uint8_t* blob, int64_t p0, int64_t p1,
+            float* y, int64_t ldy) {
+  constexpr int64_t kRec = record_bytes<Bits, Half>(), kScale = scale_bytes<Bits, Half>();
+  constexpr int64_t kOffset = Half ? 32 : 64;    // m after d (4 bits)
+  const int64_t nb = K / kBlock, total = (p1 - p0) * nb;
+  const uint8_t* base = blob + p0 * nb * kRec;   // records in (panel, block) order, contiguous
+  alignas(64) uint16_t ring[kRing][kBlock * kPanel];
+  alignas(64) float tile_out[kRows * kPanel];
+  __m512 acc[kRows];
+  for (int64_t i = 0; i < std::min<int64_t>(kAhead, total); ++i) unpack<Bits>(base + i * kRec + kScale, ring[i % kRing]);
+  auto drain = [&](int64_t i) {   // block i's tile into y
+    if (i & 1) _tile_stored(1, tile_out, 64);
+    else _tile_stored(0, tile_out, 64);
+    const int64_t b = i % nb;
+    const uint8_t* rec = base + i * kRec;
+    const __m512 d = load_scale<Bits, Half>(rec);
+    if (b == 0) for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+    if constexpr (Bits == 4) {
+      const __m512 m = load_scale<Bits, Half>(rec + kOffset);
+      for (int r = 0; r < rows; ++r)
+        acc[r] = _mm512_fmadd_ps(d, _mm512_load_ps(tile_out + kPanel * r),
+                                 _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b]), acc[r]));
+    } else {
+      for (int r = 0; r < rows; ++r) acc[r] = _mm512_fmadd_ps(d, _mm512_load_ps(tile_out + kPanel * r), acc[r]);
+    }
+    if (b == nb - 1) {
+      float* yp = y + kPanel * (p0 + i / nb);
+      for (int r = 0; r < rows; ++r) _mm512_storeu_ps(yp + r * ldy, acc[r]);
+    }
+  };
+  for (int64_t i = 0; i < total; ++i) {
+    if (i + kFetch < total)   // one record's lines a block: a single stream needs reads in flight
+      for (int64_t line = 0; line < kRec; line += 64) _mm_prefetch(reinterpret_cast<const char*>(base + (i + kFetch) * kRec + line), _MM_HINT_T0);
+    if (i + kAhead < total) unpack<Bits>(base + (i + kAhead) * kRec + kScale, ring[(i + kAhead) % kRing]);
+    const uint16_t* xk = xb + (i % nb) * kBlock;
+    if (i & 1) {
+      _tile_loadd(5, ring[i % kRing], 64);
+      _tile_loadd(3, xk, K * 2);
+      _tile_zero(1);
+      _tile_dpbf16ps(1, 3, 5);
+    } else {
+      _tile_loadd(4, ring[i % kRing], 64);
+      _tile_loadd(2, xk, K * 2);
+      _tile_zero(0);
+      _tile_dpbf16ps(0, 2, 4);
+    }
+    if (i > 0) drain(i - 1);
+  }
+  if (total > 0) drain(total - 1);
+}
+
+// x [M, K] -> its rows rounded to bf16 (round to nearest even) and, for 4 bits, each row's block
+// sums of the rounded values (fp32, in k order).
+void round_rows(const float* x, int64_t M, int64_t K, uint16_t* xb, float* sx) {
+  for (int64_t i = 0; i < M * K; i += 16) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + i), reinterpret_cast<const __m256i&>(h));
+  }
+  if (sx == nullptr) return;
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const uint32_t bits = static_cast<uint32_t>(xb[r * K + b * kBlock + k]) << 16;
+        float v;
+        std::memcpy(&v, &bits, 4);
+        s += v;
+      }
+      sx[r * (K / kBlock) + b] = s;
+    }
+}
+
+template <int Bits, bool Half>
+void linear(const uint16_t* xb, const float* sx, int64_t M, int64_t K, const uint8_t* blob, int64_t P, float* y,
+            int64_t ldy) {
+  const int64_t nb = K / kBlock;
+  for (int64_t g = 0; g < M; g += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - g));
+    at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+      configure(rows);   // per thread: the tile state is a thread's own
+      panels<Bits, Half>(xb + g * K, sx + g * nb, rows, K, blob, p0, p1, y + g * ldy, ldy);
+      _tile_release();
+    });
+  }
+}
+
+}  // namespace amx
+#pragma GCC pop_options
+
+// Row attention: softmax(scale q K^T) V for each query row over the keys its mask allows, in
+// increasing key order, one row at a time. A row's output depends only on that row's query and
+// the allowed keys and values (each score one dot product, the exponentials lane by lane, the sum
+// and the weighted values in key order), so a tree node's row is the same bits as the one-token
+// step that decodes the same path: the cache then holds the same keys, in the same order. PyTorch's
+// SDPA multiplies a pass's rows as one small GEMM, whose order of additions may depend on the row
+// count (row_attention below).
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace row_attn {
+
+// exp(x) for x <= 0, lane by lane (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times 2^n);
+// below -87.3 (under fp32's normal range) it is 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 floor = _mm512_set1_ps(-87.3f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, floor);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+
+// q.k over d values (d a multiple of 16): one FMA chain per key, then a fixed reduction.
+inline float dot(const float* q, const float* k, int64_t d) {
+  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+  for (int64_t c = 16; c < d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+// One query row over the keys `keys[0 .. nk)` (increasing): o[d] (d <= 256). s: scratch of nk
+// rounded up to 16 floats.
+void row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, const int32_t* keys, int64_t nk,
+         int64_t d, float scale, float* s, float* o) {
+  int64_t a = 0;
+  for (; a + 4 <= nk; a += 4) {   // four keys' chains in flight; each score is still its own chain
+    s[a] = dot(q, k + keys[a] * ks, d);
+    s[a + 1] = dot(q, k + keys[a + 1] * ks, d);
+    s[a + 2] = dot(q, k + keys[a + 2] * ks, d);
+    s[a + 3] = dot(q, k + keys[a + 3] * ks, d);
+  }
+  for (; a < nk; ++a) s[a] = dot(q, k + keys[a] * ks, d);
+  float top = -INFINITY;
+  for (a = 0; a < nk; ++a) top = std::max(top, s[a] *= scale);
+  const __m512 shift = _mm512_set1_ps(top);
+  __m512 total = _mm512_setzero_ps();
+  for (a = 0; a < nk; a += 16) {
+    const __mmask16 live = nk - a >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nk - a)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + a), shift)));
+    _mm512_mask_storeu_ps(s + a, live, e);
+    total = _mm512_add_ps(total, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+  __m512 acc[16];
+  const int64_t vecs = d / 16;
+  for (int64_t c = 0; c < vecs; ++c) acc[c] = _mm512_setzero_ps();
+  for (a = 0; a < nk; ++a) {
+    const __m512 w = _mm512_set1_ps(s[a]);
+    const float* vj = v + keys[a] * vs;
+    for (int64_t c = 0; c < vecs; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 16 * c), acc[c]);
+  }
+  for (int64_t c = 0; c < vecs; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], inv));
+}
+
+}  // namespace row_attn
+#pragma GCC pop_options
+
+// Linux hands out the tile registers' state on request only (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA), once per process; false where the kernel or the CPU refuses.
+bool amx_permitted() {
+  static const bool ok = [] {
+#ifdef __linux__
+    constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
 }  // namespace
 
 // x [M, K] float32 contiguous; wp [P, K, 16] float32 contiguous -> y [M, 16 P].
@@ -700,6 +960,97 @@ torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& b
   return y;
 }
 
+// x [M, K] float32; blob as panel_linear_blocks'. y = x @ W^T on the AMX tile unit with x rounded
+// to bf16 (the amx namespace's comment): a different product from panel_linear_blocks' (x keeps
+// 8 significant bits), the same bits for a row alone or among any others. Only on a CPU with
+// amx_bf16 and avx512_bf16 whose OS grants the tile state (amx_permitted(); the caller checks).
+torch::Tensor amx_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, bool half_scales) {
+  TORCH_CHECK(bits == 4 || bits == 8, "amx_linear_blocks: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || !half_scales, "amx_linear_blocks: fp16 scales are a 4-bit record kind");
+  TORCH_CHECK(x.dim() == 2 && blob.dim() == 3, "amx_linear_blocks: x [M, K], blob [P, K / 32, record]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && blob.scalar_type() == at::kByte, "amx_linear_blocks: x float32, blob uint8");
+  TORCH_CHECK(x.is_contiguous() && blob.is_contiguous(), "amx_linear_blocks: contiguous inputs only");
+  const int64_t M = x.size(0), K = x.size(1), P = blob.size(0), ldy = kPanel * P;
+  TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock, "amx_linear_blocks: x has K = ", K,
+              ", the blob ", blob.size(1), " blocks of ", kBlock);
+  const int64_t rec = bits == 8 ? record_bytes<8, false>() : half_scales ? record_bytes<4, true>() : record_bytes<4, false>();
+  TORCH_CHECK(blob.size(2) == rec, "amx_linear_blocks: ", bits, "-bit records are ", rec, " bytes, got ", blob.size(2));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(blob.data_ptr()) % 64 == 0, "amx_linear_blocks: blob must be 64-byte aligned");
+  TORCH_CHECK(amx_permitted(), "amx_linear_blocks: the OS did not grant the AMX tile state to this process");
+  auto y = torch::empty({M, ldy}, x.options());
+  if (M == 0) return y;
+  const int64_t nb = K / kBlock;
+  // rows rounded to bf16 (M K is a multiple of 32, the vector conversion's 16), block sums of x
+  std::unique_ptr<uint16_t[]> xb(new uint16_t[M * K]);
+  std::unique_ptr<float[]> sx(new float[M * nb]);
+  const float* xp = x.data_ptr<float>();
+  amx::round_rows(xp, M, K, xb.get(), bits == 4 ? sx.get() : nullptr);
+  const uint8_t* bp = blob.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (bits == 8) amx::linear<8, false>(xb.get(), sx.get(), M, K, bp, P, yp, ldy);
+  else if (half_scales) amx::linear<4, true>(xb.get(), sx.get(), M, K, bp, P, yp, ldy);
+  else amx::linear<4, false>(xb.get(), sx.get(), M, K, bp, P, yp, ldy);
+  return y;
+}
+
+// q [B, Hq, T, d], k and v [B, Hkv, S, d] (any strides, unit stride over d; Hq a multiple of Hkv),
+// mask: bool [B, 1 or Hq, T, >= S] (key j of row t allowed where true) or empty, then row t sees
+// keys 0 .. S - T + t (a causal pass over the last T positions). -> out [B, T, Hq, d] float32,
+// each row by row_attn::row (its comment). AVX-512 F only (the caller checks); d a multiple of 16, <= 256.
+torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "row_attention: q, k, v are [B, H, T|S, d]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "row_attention: float32 only");
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), d = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && k.size(3) == d && v.size(3) == d,
+              "row_attention: k and v must be [B, Hkv, S, d] with q's B and d");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "row_attention: query heads must be a multiple of key/value heads");
+  TORCH_CHECK(d % 16 == 0 && d <= 256, "row_attention: head size must be a multiple of 16, at most 256; got ", d);
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "row_attention: unit stride over d");
+  TORCH_CHECK(S >= T, "row_attention: fewer keys than query rows");
+  const bool masked = mask.defined() && mask.numel() > 0;
+  if (masked) {
+    TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) == B && mask.size(2) == T &&
+                mask.size(3) >= S && (mask.size(1) == 1 || mask.size(1) == Hq),
+                "row_attention: mask must be bool [B, 1 or Hq, T, >= S]");
+  }
+  auto out = torch::empty({B, T, Hq, d}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t groups = Hq / Hkv;
+  at::parallel_for(0, B * Hq, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<int32_t> keys(S);
+    std::vector<float> scratch((S + 15) / 16 * 16);
+    for (int64_t bh = h0; bh < h1; ++bh) {
+      const int64_t b = bh / Hq, h = bh % Hq, g = h / groups;
+      const float* kb = kp + b * k.stride(0) + g * k.stride(1);
+      const float* vb = vp + b * v.stride(0) + g * v.stride(1);
+      for (int64_t t = 0; t < T; ++t) {
+        int64_t nk = 0;
+        if (masked) {
+          const bool* mr = mp + b * mask.stride(0) + (mask.size(1) == 1 ? 0 : h * mask.stride(1)) + t * mask.stride(2);
+          for (int64_t j = 0; j < S; ++j)
+            if (mr[j * mask.stride(3)]) keys[nk++] = static_cast<int32_t>(j);
+        } else {
+          for (int64_t j = 0; j <= S - T + t; ++j) keys[nk++] = static_cast<int32_t>(j);
+        }
+        float* o = op + ((b * T + t) * Hq + h) * d;
+        if (nk == 0) {   // a fully masked row: zeros (SDPA would give NaN)
+          std::fill(o, o + d, 0.0f);
+          continue;
+        }
+        row_attn::row(qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), kb, k.stride(2), vb, v.stride(2), keys.data(),
+                  nk, d, static_cast<float>(scale), scratch.data(), o);
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "y = x @ W^T with W stored as 16-column panels",
         pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("isa") = 0);
@@ -707,4 +1058,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x @ W^T with W stored as 16-column panels of 4- or 8-bit integers and per-32 scales",
         pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("bits"), pybind11::arg("isa") = 0,
         pybind11::arg("half_scales") = false);
+  m.def("amx_linear_blocks", &amx_linear_blocks,
+        "y = x @ W^T on the AMX tile unit, x rounded to bf16, W as panel_linear_blocks' integer blocks",
+        pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("bits"), pybind11::arg("half_scales") = false);
+  m.def("amx_permitted", &amx_permitted, "whether the OS granted this process the AMX tile state");
+  m.def("row_attention", &row_attention, "softmax(scale q K^T) V one query row at a time over its allowed keys",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"));
 }
