@@ -15,10 +15,11 @@ MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sam
 - treespec lookup adaptive: prompt lookup (suffix n-grams of ``--lookup-min-ngram`` tokens or
   more) drafting an adaptive chain (``ChainBuilder(k, min_confidence=...)``): up to k tokens
   where the text repeats, no draft (a plain step) where it does not.
-fp32 is the exact reference target; bf16 rows run only where the CPU has native bf16 units (a
-bf16 target is a different target: its rows are compared with plain decoding of the same bf16
-weights, and with the fastest plain decoding of any dtype, so a bf16 row cannot win by slowing
-its own baseline). At T = 1 every output is scored under the fp32 target (mean log-likelihood
+fp32 is the exact reference target; bf16 rows run only where the CPU has native bf16 units, amx
+rows only where it has AMX-BF16 (the fp32 model with its linear layers on the AMX block kernel,
+each linear input rounded to bf16: ``load_target(..., pack="amx")``). bf16 and amx targets are
+different targets: their rows are compared with plain decoding of the same target, and with the
+fastest plain decoding of any of them, so a row cannot win by slowing its own baseline. At T = 1 every output is scored under the fp32 target (mean log-likelihood
 per token): bf16 speculative decoding must not cost quality against bf16 plain decoding.
 
     python benchmarks/engine.py --prompts 20 --max-new-tokens 128 --threads 1
@@ -44,6 +45,7 @@ from harness import RESULTS, hf_generate, log_likelihood, machine_info, machine_
 from treespec.cli.main import ensure_calibration, make_builder
 from treespec.planning import auto_threshold_text
 from treespec.data import chat_prompt, mtbench_questions
+from treespec.fastpath.kernels import amx_status
 from treespec.fastpath.packing import cpu_info
 from treespec.builders import BestFirstBuilder
 
@@ -59,20 +61,23 @@ def is_plain(name: str) -> bool:
 
 def build(args):
     """{dtype: {row name: callable(ids, T, seed) -> record}} and the fp32 scorer."""
-    dtypes = ["fp32"] + (["bf16"] if cpu_info().native_bf16 else [])
+    dtypes = ["fp32"] + (["bf16"] if cpu_info().native_bf16 else []) + (["amx"] if amx_status()[0] else [])
     if args.dtypes:
         asked = [d.strip() for d in args.dtypes.split(",") if d.strip()]
         if not asked or set(asked) - set(dtypes):
             raise SystemExit(f"--dtypes takes a comma-separated subset of {dtypes} on this CPU, got {args.dtypes!r}")
         dtypes = [d for d in dtypes if d in asked]
-    runners, paths = {}, {}
+    runners, paths, stocks = {}, {}, {}
     scorer = None
     for d in dtypes:
-        dtype = torch.float32 if d == "fp32" else torch.bfloat16
-        stock = treespec.load_target("smollm2-135m", dtype=dtype, pack=False)
-        packed = treespec.load_target("smollm2-135m", dtype=dtype,
-                                      pack=args.fp32_kernel if d == "fp32" and args.fp32_kernel != "auto" else True)
-        paths[d] = {"stock": stock.speed_path, "packed": packed.speed_path}
+        dtype = torch.bfloat16 if d == "bf16" else torch.float32
+        if dtype not in stocks:
+            stocks[dtype] = treespec.load_target("smollm2-135m", dtype=dtype, pack=False)
+        stock = stocks[dtype]
+        pack = "amx" if d == "amx" else args.fp32_kernel if d == "fp32" and args.fp32_kernel != "auto" else True
+        packed = treespec.load_target("smollm2-135m", dtype=dtype, pack=pack)
+        paths[d] = {"packed": packed.speed_path} if d == "amx" else {"stock": stock.speed_path,
+                                                                      "packed": packed.speed_path}
         if d == "fp32":
             scorer = stock.model
         eos = list(stock.eos_token_ids)
@@ -97,9 +102,9 @@ def build(args):
         paths[d]["auto"] = (f"T = 0: {auto.builder.config}, T = 1: {auto.builder_for(1.0).config} (calibration "
                             f"{cal}; {auto_threshold_text(auto.calibration)}; {auto.calibration.loop_text('eagle3')})")
         paths[d]["lookup adaptive"] = f"{lookup.config}, {gens['treespec lookup adaptive'].builder}"
-        rows = {
-            "HF generate": lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s),
-        }
+        rows = {}
+        if d != "amx":   # amx's stock model is fp32's: its row would be fp32's HF generate again
+            rows["HF generate"] = lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s)
         if d == "fp32" or args.all_peers:   # the peers as a user runs them: stock fp32
             small = treespec.load_drafter("small", stock).model
             rows["HF assisted (small)"] = lambda ids, t, s, m=stock.model, e=eos, a=small: hf_generate(
@@ -108,17 +113,23 @@ def build(args):
                 m, ids, args.max_new_tokens, e, t, s, lookup=args.chain_k)
         # plain decoding on the fast path: the honest baseline wherever it is faster (bf16 packed,
         # fp32 on the panel GEMM)
+        plain = treespec.SpeculativeGenerator(
+            packed, eagle3, treespec.DynamicTreeBuilder(budget=1, depth=1, top_k=1))   # budget 1: no drafting
+        if d == "amx":   # the greedy reference (first row): the loop whose prompt pass the trees share
+            rows["treespec plain"] = plain
         rows["HF generate (packed)"] = lambda ids, t, s, m=packed.model, e=eos: hf_generate(
             m, ids, args.max_new_tokens, e, t, s)
-        rows["treespec plain"] = treespec.SpeculativeGenerator(
-            packed, eagle3, treespec.DynamicTreeBuilder(budget=1, depth=1, top_k=1))   # budget 1: no drafting
+        rows["treespec plain"] = plain
         for name, g in gens.items():
             rows[name] = g
-        skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-        if skip - set(rows):
-            raise SystemExit(f"--skip names no row: {sorted(skip - set(rows))}; rows are {sorted(rows)}")
-        runners[d] = {n: r for n, r in rows.items() if n not in skip}
-    return runners, paths, scorer
+        runners[d] = rows
+    if scorer is None:   # the fp32 rows left out: the log-likelihoods still score under the fp32 target
+        scorer = treespec.load_target("smollm2-135m", dtype=torch.float32, pack=False).model
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    names = {n for rows in runners.values() for n in rows}
+    if skip - names:
+        raise SystemExit(f"--skip names no row: {sorted(skip - names)}; rows are {sorted(names)}")
+    return {d: {n: r for n, r in rows.items() if n not in skip} for d, rows in runners.items()}, paths, scorer
 
 
 def run_row(runner, ids, temperature, seed, max_new):
@@ -198,7 +209,7 @@ def limiter(summary_t: dict, goal: float) -> list[str]:
     """Why the best treespec row of each dtype is where it is: τ, verify cost, draft cost."""
     lines = []
     rows = summary_t["rows"]
-    for d in ("fp32", "bf16"):
+    for d in ("fp32", "bf16", "amx"):
         spec = {n: e for n, e in rows.items() if n.startswith(d + " treespec") and not is_plain(n)}
         if not spec:
             continue
@@ -238,7 +249,10 @@ def write(data: dict, out: Path) -> str:
         "fastest plain decoding of that dtype; *fastest plain* = against the fastest plain decoding of any "
         "dtype on this machine; *fp32 HF* = against stock fp32 HF `generate`. ll = mean per-token "
         "log-likelihood of the output under the fp32 target (T = 1; ± 95 % CI over prompts). = plain: prompts "
-        "whose greedy output equals the first row of the same dtype (stock HF `generate`) token for token.",
+        "whose greedy output equals the first row of the same dtype token for token (stock HF `generate`; for "
+        "amx, treespec's plain loop: HF `generate` scores the prompt's last token inside the prompt's pass, "
+        "whose attention rounds differently from a one-token step's, and the amx kernel's rounding of each "
+        "linear input to bf16 can turn that last-bit difference into another token).",
     ]
     for temp, s in data["summary"].items():
         lines += ["", f"## T = {temp}", "",
@@ -296,7 +310,8 @@ def main() -> None:
     ap.add_argument("--all-peers", action="store_true",
                     help="also run HF assisted / prompt lookup in bf16 (default: fp32 only, as users run them)")
     ap.add_argument("--dtypes", default="",
-                    help="comma-separated subset of fp32,bf16 (default: fp32, and bf16 where the CPU has it natively)")
+                    help="comma-separated subset of fp32,bf16,amx (default: fp32, bf16 where the CPU has it "
+                         "natively, amx where it has AMX-BF16)")
     ap.add_argument("--skip", default="", help="comma-separated rows to leave out, e.g. 'HF prompt lookup'")
     ap.add_argument("--note", default="", help="how the machine was used during the run")
     ap.add_argument("--resume", action="store_true", help="continue the run saved at --out")
