@@ -5,7 +5,8 @@ noise hits all alike): fp32 with HF's stock linear layers, fp32 with oneDNN-pack
 the panel GEMM (``treespec.fastpath.kernels``, where it builds; all exact fp32 paths), the block kernel
 with HF's stock sdpa attention instead of treespec's grouped sdpa (same numbers, KV heads copied
 per query head), the block kernel on its AVX2 code where the CPU runs its AVX-512 code (same
-bits), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units).
+bits), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units), and the
+integer blocks on the AMX tile unit with x rounded to bf16 (``pack="amx"``, where the CPU has AMX-BF16).
 Each point is one ``TreeVerifier.score`` (forward over n tree nodes with the tree mask after a
 cached prefix of P tokens, then softmax) followed by ``compact`` back to the prefix; the median of
 ``--reps`` is kept. Beside them, the machine's physical limit per dtype:
@@ -28,7 +29,7 @@ import torch
 import treespec
 from harness import RESULTS, figure, interleaved, machine_info, median_ms, save_figure, time_calls, write_results
 from treespec.fastpath.packing import cpu_info
-from treespec.fastpath.kernels import kernel_isa, panel_status
+from treespec.fastpath.kernels import amx_status, kernel_isa, panel_status
 from treespec.fastpath.packing import PackedLinear
 from treespec.core.sampling import SamplingConfig
 from treespec.core.tree import DraftTree
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=300, help="cached prefix tokens P")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--ns", default=",".join(map(str, NS)))
+    ap.add_argument("--paths", default="", help="comma-separated subset of the paths (default: every one this CPU runs)")
     ap.add_argument("--out", default=str(RESULTS / "verify_cost"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -87,6 +89,8 @@ def main() -> None:
         paths["fp32 blocks"] = (torch.float32, "blocks")
     if cpu_info().native_bf16:
         paths.update({"bf16 stock": (torch.bfloat16, False), "bf16 packed": (torch.bfloat16, True)})
+    if amx_status()[0]:
+        paths["fp32 amx"] = (torch.float32, "amx")
     verifiers, described = {}, {}
     rng = random.Random(0)
     prompt = torch.tensor([rng.randrange(49152) for _ in range(args.prefix + 1)])
@@ -94,6 +98,11 @@ def main() -> None:
         paths["fp32 blocks, stock sdpa"] = (torch.float32, "blocks")
         if kernel_isa() == "avx512":   # the same bits from the AVX2 kernels: what AVX-512 saves
             paths["fp32 blocks, AVX2"] = (torch.float32, "blocks")
+    if args.paths:
+        asked = [p.strip() for p in args.paths.split(",") if p.strip()]
+        if not asked or set(asked) - set(paths):
+            raise SystemExit(f"--paths takes a subset of {list(paths)} on this CPU, got {args.paths!r}")
+        paths = {k: v for k, v in paths.items() if k in asked}
     for name, (dtype, pack) in paths.items():
         target = treespec.load_target("smollm2-135m", dtype=dtype, pack=pack)
         if name.endswith("stock sdpa"):
@@ -131,9 +140,9 @@ def main() -> None:
 
     bandwidth = measure_bandwidth()
     peaks = {"fp32": measure_gemm_peak(torch.float32)}
-    if "bf16 packed" in paths:
+    if "bf16 packed" in paths or "fp32 amx" in paths:
         peaks["bf16"] = measure_gemm_peak(torch.bfloat16)
-    model = verifiers["fp32 stock"].model
+    model = next(iter(verifiers.values())).model
     params = linear_params(model)
 
     def roofline(nbytes: float, peak: float) -> dict[int, float]:
@@ -141,8 +150,9 @@ def main() -> None:
         return {n: max(nbytes / bandwidth, 2 * params * n / peak) for n in ns}
 
     limit = {dt_name: roofline(params * (4 if dt_name == "fp32" else 2), peak) for dt_name, peak in peaks.items()}
-    if "fp32 blocks" in verifiers:   # the same FLOPs from the bytes the block kernel reads
-        limit["fp32 blocks"] = roofline(stored_bytes(verifiers["fp32 blocks"].model), peaks["fp32"])
+    for name, peak in (("fp32 blocks", "fp32"), ("fp32 amx", "bf16")):   # the FLOPs from the bytes read
+        if name in verifiers:
+            limit[name] = roofline(stored_bytes(verifiers[name].model), peaks[peak])
 
     ms = {name: {n: median_ms(samples[(name, n)]) for n in ns} for name in paths}
     result = {
