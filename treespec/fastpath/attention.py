@@ -1,4 +1,5 @@
-"""Tree attention on grouped KV heads without copying them: SDPA with ``enable_gqa`` under a mask.
+"""Tree attention on grouped KV heads without copying them (SDPA with ``enable_gqa`` under a mask),
+and row attention for the amx targets.
 
 Glossary
 --------
@@ -15,6 +16,11 @@ Glossary
   ``enable_gqa=True``, which reads each KV head in place for its whole group; every other call
   (no mask, no GQA, another device, features SDPA's GQA path does not take) goes to HF's own
   ``sdpa`` function unchanged. The masks are HF's ``sdpa`` masks (bool).
+
+- **row attention** — :data:`ROW_ATTENTION`, for targets whose linear layers round their inputs
+  (``load_target(..., pack="amx")``): one-token steps and tree passes one query row at a time
+  over exactly the keys the row may see, so a tree's row has the bits of the step that decodes
+  its path; a prompt's pass goes to grouped sdpa.
 
 Same numbers: PyTorch's CPU SDPA computes every (query head, key) pair with the same kernel and
 the same order whether the KV head is read in place or from a copy, so logits and cache rows
@@ -35,6 +41,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from treespec.fastpath.kernels import row_attention_kernel
 
 GROUPED_SDPA = "treespec_grouped_sdpa"
 
@@ -86,8 +94,6 @@ def row_attention(
     bits of the one-token step that decodes its path. Everything else (a prompt's causal pass,
     another device or dtype, features the kernel lacks) goes to :func:`grouped_sdpa_attention`;
     a prompt's pass is the same in plain and speculative decoding, so it need not match them."""
-    from treespec.fastpath.kernels import row_attention_kernel
-
     step = query.shape[2] == 1 and attention_mask is None
     tree = attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.ndim == 4
     if (not (step or tree) or query.device.type != "cpu" or query.dtype != torch.float32 or dropout

@@ -826,25 +826,29 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
 }
 
-// q.k over d values (d a multiple of 16): one FMA chain per key, then a fixed reduction.
-inline float dot(const float* q, const float* k, int64_t d) {
+// q.k over 16 V values: one FMA chain per key, then a fixed reduction.
+template <int V>
+inline float dot(const float* q, const float* k) {
   __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-  for (int64_t c = 16; c < d; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), acc);
+#pragma GCC unroll 16
+  for (int c = 1; c < V; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(k + 16 * c), acc);
   return _mm512_reduce_add_ps(acc);
 }
 
-// One query row over the keys `keys[0 .. nk)` (increasing): o[d] (d <= 256). s: scratch of nk
-// rounded up to 16 floats.
+// One query row over the keys `keys[0 .. nk)` (increasing), head size 16 V: o[16 V]. s: scratch of
+// nk rounded up to 16 floats. V is a template argument so the accumulators stay in registers;
+// every value goes through the same operations in the same order for any V loop shape.
+template <int V>
 void row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, const int32_t* keys, int64_t nk,
-         int64_t d, float scale, float* s, float* o) {
+         float scale, float* s, float* o) {
   int64_t a = 0;
   for (; a + 4 <= nk; a += 4) {   // four keys' chains in flight; each score is still its own chain
-    s[a] = dot(q, k + keys[a] * ks, d);
-    s[a + 1] = dot(q, k + keys[a + 1] * ks, d);
-    s[a + 2] = dot(q, k + keys[a + 2] * ks, d);
-    s[a + 3] = dot(q, k + keys[a + 3] * ks, d);
+    s[a] = dot<V>(q, k + keys[a] * ks);
+    s[a + 1] = dot<V>(q, k + keys[a + 1] * ks);
+    s[a + 2] = dot<V>(q, k + keys[a + 2] * ks);
+    s[a + 3] = dot<V>(q, k + keys[a + 3] * ks);
   }
-  for (; a < nk; ++a) s[a] = dot(q, k + keys[a] * ks, d);
+  for (; a < nk; ++a) s[a] = dot<V>(q, k + keys[a] * ks);
   float top = -INFINITY;
   for (a = 0; a < nk; ++a) top = std::max(top, s[a] *= scale);
   const __m512 shift = _mm512_set1_ps(top);
@@ -856,15 +860,38 @@ void row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
     total = _mm512_add_ps(total, e);
   }
   const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-  __m512 acc[16];
-  const int64_t vecs = d / 16;
-  for (int64_t c = 0; c < vecs; ++c) acc[c] = _mm512_setzero_ps();
+  __m512 acc[V];
+#pragma GCC unroll 16
+  for (int c = 0; c < V; ++c) acc[c] = _mm512_setzero_ps();
   for (a = 0; a < nk; ++a) {
     const __m512 w = _mm512_set1_ps(s[a]);
     const float* vj = v + keys[a] * vs;
-    for (int64_t c = 0; c < vecs; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 16 * c), acc[c]);
+#pragma GCC unroll 16
+    for (int c = 0; c < V; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 16 * c), acc[c]);
   }
-  for (int64_t c = 0; c < vecs; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], inv));
+#pragma GCC unroll 16
+  for (int c = 0; c < V; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], inv));
+}
+
+using RowFn = void (*)(const float*, const float*, int64_t, const float*, int64_t, const int32_t*, int64_t, float,
+                       float*, float*);
+
+// row<d / 16> (d a multiple of 16, at most 256)
+inline RowFn row_for(int64_t d) {
+  switch (d / 16) {
+    case 1: return row<1>;
+    case 2: return row<2>;
+    case 3: return row<3>;
+    case 4: return row<4>;
+    case 5: return row<5>;
+    case 6: return row<6>;
+    case 7: return row<7>;
+    case 8: return row<8>;
+    case 10: return row<10>;
+    case 12: return row<12>;
+    case 16: return row<16>;
+    default: return nullptr;
+  }
 }
 
 }  // namespace row_attn
@@ -914,6 +941,22 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp, int6
   return y;
 }
 
+// The arguments panel_linear_blocks and amx_linear_blocks share: x [M, K] float32 and a blob of
+// `bits`-bit records (see panel_linear_blocks) that matches it.
+void check_blocks(const char* name, const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, bool half_scales) {
+  TORCH_CHECK(bits == 4 || bits == 8, name, ": bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || !half_scales, name, ": fp16 scales are a 4-bit record kind");
+  TORCH_CHECK(x.dim() == 2 && blob.dim() == 3, name, ": x [M, K], blob [P, K / 32, record]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && blob.scalar_type() == at::kByte, name, ": x float32, blob uint8");
+  TORCH_CHECK(x.is_contiguous() && blob.is_contiguous(), name, ": contiguous inputs only");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock, name, ": x has K = ", K, ", the blob ", blob.size(1),
+              " blocks of ", kBlock);
+  const int64_t rec = bits == 8 ? record_bytes<8, false>() : half_scales ? record_bytes<4, true>() : record_bytes<4, false>();
+  TORCH_CHECK(blob.size(2) == rec, name, ": ", bits, "-bit records are ", rec, " bytes, got ", blob.size(2));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(blob.data_ptr()) % 64 == 0, name, ": blob must be 64-byte aligned");
+}
+
 // x [M, K] float32; blob uint8 [P, K / 32, record]: per panel p and block of 32 k values, one
 // 64-byte-aligned record of d[16] floats, m[16] floats (4 bits only; 0 for 8 bits) and q for the
 // 32 rows (4 bits: 16 bytes a pair of rows k, k + 1 (k even), byte j = column j, row k in its
@@ -925,17 +968,8 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp, int6
 torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, int64_t isa,
                                   bool half_scales) {
   TORCH_CHECK(isa == 0 || isa == 1, "panel_linear_blocks: isa must be 0 (AVX2) or 1 (AVX-512), got ", isa);
-  TORCH_CHECK(bits == 4 || bits == 8, "panel_linear_blocks: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(bits == 4 || !half_scales, "panel_linear_blocks: fp16 scales are a 4-bit record kind");
-  TORCH_CHECK(x.dim() == 2 && blob.dim() == 3, "panel_linear_blocks: x [M, K], blob [P, K / 32, record]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && blob.scalar_type() == at::kByte, "panel_linear_blocks: x float32, blob uint8");
-  TORCH_CHECK(x.is_contiguous() && blob.is_contiguous(), "panel_linear_blocks: contiguous inputs only");
+  check_blocks("panel_linear_blocks", x, blob, bits, half_scales);
   const int64_t M = x.size(0), K = x.size(1), P = blob.size(0), ldy = kPanel * P;
-  TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock, "panel_linear_blocks: x has K = ", K,
-              ", the blob ", blob.size(1), " blocks of ", kBlock);
-  const int64_t rec = bits == 8 ? record_bytes<8, false>() : half_scales ? record_bytes<4, true>() : record_bytes<4, false>();
-  TORCH_CHECK(blob.size(2) == rec, "panel_linear_blocks: ", bits, "-bit records are ", rec, " bytes, got ", blob.size(2));
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(blob.data_ptr()) % 64 == 0, "panel_linear_blocks: blob must be 64-byte aligned");
   auto y = torch::empty({M, ldy}, x.options());
   if (M == 0) return y;
   // x packed once for every thread: in the row groups of the code that runs
@@ -965,17 +999,8 @@ torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& b
 // 8 significant bits), the same bits for a row alone or among any others. Only on a CPU with
 // amx_bf16 and avx512_bf16 whose OS grants the tile state (amx_permitted(); the caller checks).
 torch::Tensor amx_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, bool half_scales) {
-  TORCH_CHECK(bits == 4 || bits == 8, "amx_linear_blocks: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(bits == 4 || !half_scales, "amx_linear_blocks: fp16 scales are a 4-bit record kind");
-  TORCH_CHECK(x.dim() == 2 && blob.dim() == 3, "amx_linear_blocks: x [M, K], blob [P, K / 32, record]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && blob.scalar_type() == at::kByte, "amx_linear_blocks: x float32, blob uint8");
-  TORCH_CHECK(x.is_contiguous() && blob.is_contiguous(), "amx_linear_blocks: contiguous inputs only");
+  check_blocks("amx_linear_blocks", x, blob, bits, half_scales);
   const int64_t M = x.size(0), K = x.size(1), P = blob.size(0), ldy = kPanel * P;
-  TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock, "amx_linear_blocks: x has K = ", K,
-              ", the blob ", blob.size(1), " blocks of ", kBlock);
-  const int64_t rec = bits == 8 ? record_bytes<8, false>() : half_scales ? record_bytes<4, true>() : record_bytes<4, false>();
-  TORCH_CHECK(blob.size(2) == rec, "amx_linear_blocks: ", bits, "-bit records are ", rec, " bytes, got ", blob.size(2));
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(blob.data_ptr()) % 64 == 0, "amx_linear_blocks: blob must be 64-byte aligned");
   TORCH_CHECK(amx_permitted(), "amx_linear_blocks: the OS did not grant the AMX tile state to this process");
   auto y = torch::empty({M, ldy}, x.options());
   if (M == 0) return y;
@@ -996,7 +1021,8 @@ torch::Tensor amx_linear_blocks(const torch::Tensor& x, const torch::Tensor& blo
 // q [B, Hq, T, d], k and v [B, Hkv, S, d] (any strides, unit stride over d; Hq a multiple of Hkv),
 // mask: bool [B, 1 or Hq, T, >= S] (key j of row t allowed where true) or empty, then row t sees
 // keys 0 .. S - T + t (a causal pass over the last T positions). -> out [B, T, Hq, d] float32,
-// each row by row_attn::row (its comment). AVX-512 F only (the caller checks); d a multiple of 16, <= 256.
+// each row by row_attn::row (its comment). AVX-512 F only (the caller checks); d a multiple of 16, <= 256
+// (the sizes row_for lists).
 torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             const torch::Tensor& mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "row_attention: q, k, v are [B, H, T|S, d]");
@@ -1022,29 +1048,35 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t groups = Hq / Hkv;
-  at::parallel_for(0, B * Hq, 1, [&](int64_t h0, int64_t h1) {
+  const row_attn::RowFn run = row_attn::row_for(d);
+  TORCH_CHECK(run != nullptr, "row_attention: no kernel for head size ", d);
+  const bool per_head = masked && mask.size(1) != 1;
+  at::parallel_for(0, B * T, 1, [&](int64_t r0, int64_t r1) {
     std::vector<int32_t> keys(S);
     std::vector<float> scratch((S + 15) / 16 * 16);
-    for (int64_t bh = h0; bh < h1; ++bh) {
-      const int64_t b = bh / Hq, h = bh % Hq, g = h / groups;
-      const float* kb = kp + b * k.stride(0) + g * k.stride(1);
-      const float* vb = vp + b * v.stride(0) + g * v.stride(1);
-      for (int64_t t = 0; t < T; ++t) {
-        int64_t nk = 0;
-        if (masked) {
-          const bool* mr = mp + b * mask.stride(0) + (mask.size(1) == 1 ? 0 : h * mask.stride(1)) + t * mask.stride(2);
-          for (int64_t j = 0; j < S; ++j)
-            if (mr[j * mask.stride(3)]) keys[nk++] = static_cast<int32_t>(j);
-        } else {
-          for (int64_t j = 0; j <= S - T + t; ++j) keys[nk++] = static_cast<int32_t>(j);
+    for (int64_t bt = r0; bt < r1; ++bt) {
+      const int64_t b = bt / T, t = bt % T;
+      int64_t nk = 0;
+      for (int64_t h = 0; h < Hq; ++h) {
+        if (h == 0 || per_head) {   // the row's allowed keys, in increasing order
+          nk = 0;
+          if (masked) {
+            const bool* mr = mp + b * mask.stride(0) + (per_head ? h * mask.stride(1) : 0) + t * mask.stride(2);
+            for (int64_t j = 0; j < S; ++j)
+              if (mr[j * mask.stride(3)]) keys[nk++] = static_cast<int32_t>(j);
+          } else {
+            for (int64_t j = 0; j <= S - T + t; ++j) keys[nk++] = static_cast<int32_t>(j);
+          }
         }
         float* o = op + ((b * T + t) * Hq + h) * d;
         if (nk == 0) {   // a fully masked row: zeros (SDPA would give NaN)
           std::fill(o, o + d, 0.0f);
           continue;
         }
-        row_attn::row(qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), kb, k.stride(2), vb, v.stride(2), keys.data(),
-                  nk, d, static_cast<float>(scale), scratch.data(), o);
+        const int64_t g = h / groups;
+        run(qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), kp + b * k.stride(0) + g * k.stride(1),
+            k.stride(2), vp + b * v.stride(0) + g * v.stride(1), v.stride(2), keys.data(), nk,
+            static_cast<float>(scale), scratch.data(), o);
       }
     }
   });
