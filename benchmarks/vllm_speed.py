@@ -133,7 +133,7 @@ def setup_run(args):
         args.vllm_dtype = args.dtype
     elif args.vllm_dtype == "auto":
         args.vllm_dtype = "bfloat16" if cpu_info().native_bf16 else "float32"
-    if args.kernel in ("blocks", "panel") and args.dtype != "float32":
+    if args.kernel in ("blocks", "panel", "amx") and args.dtype != "float32":
         raise SystemExit(f"--kernel {args.kernel} is a float32 kernel; this run is {args.dtype} "
                          "(add --dtype float32, or use --kernel auto / onednn)")
     work = Path(args.work)
@@ -305,9 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eagle-k", default="3,5", help="vLLM EAGLE-3 draft lengths (comma-separated)")
     p.add_argument("--vllm-dtype", default="same", choices=("same", "auto", "float32", "bfloat16"),
                    help="vLLM's dtype: same as --dtype (default), or its own (auto: bf16 where native)")
-    p.add_argument("--kernel", default="auto", choices=("auto", "blocks", "panel", "onednn"),
+    p.add_argument("--kernel", default="auto", choices=("auto", "blocks", "panel", "onednn", "amx"),
                    help="treespec's linear kernel (auto: the CPU decides; blocks: the fp32 panel GEMM over "
-                        "exact integer blocks, the fp32 default on CPUs with AVX2)")
+                        "exact integer blocks, the fp32 default on CPUs with AVX2; amx: those blocks on the AMX "
+                        "tile unit, linear inputs rounded to bf16, its own target)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vllm-python", default=str(VLLM_PYTHON), help="the vLLM venv's interpreter")
     p.add_argument("--work", default=".cache/vllm-speed", help="export, prompts and the vLLM rows' files")
