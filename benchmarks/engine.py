@@ -115,11 +115,13 @@ def build(args):
         # fp32 on the panel GEMM)
         plain = treespec.SpeculativeGenerator(
             packed, eagle3, treespec.DynamicTreeBuilder(budget=1, depth=1, top_k=1))   # budget 1: no drafting
-        if d == "amx":   # the greedy reference (first row): the loop whose prompt pass the trees share
-            rows["treespec plain"] = plain
-        rows["HF generate (packed)"] = lambda ids, t, s, m=packed.model, e=eos: hf_generate(
-            m, ids, args.max_new_tokens, e, t, s)
-        rows["treespec plain"] = plain
+        hf_packed = lambda ids, t, s, m=packed.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s)
+        # a dtype's first row is its greedy reference: for amx, treespec's plain loop, whose prompt
+        # pass the trees share (HF generate scores the prompt's last token inside that pass)
+        if d == "amx":
+            rows.update({"treespec plain": plain, "HF generate (packed)": hf_packed})
+        else:
+            rows.update({"HF generate (packed)": hf_packed, "treespec plain": plain})
         for name, g in gens.items():
             rows[name] = g
         runners[d] = rows

@@ -107,11 +107,16 @@ def row_attention(
     return row_attention_kernel(query, key, value, mask, scale), None
 
 
+def _register(name: str, attention) -> str:
+    """Register ``attention`` with HF under ``name``, with HF's sdpa (bool) masks (idempotent)."""
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
 def register_grouped_attention() -> str:
     """Register :data:`GROUPED_SDPA` with HF (idempotent); returns the name."""
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
-    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
-    return GROUPED_SDPA
+    return _register(GROUPED_SDPA, grouped_sdpa_attention)
 
 
 def use_grouped_attention(model: torch.nn.Module) -> tuple[bool, str]:
@@ -139,9 +144,7 @@ def use_grouped_attention(model: torch.nn.Module) -> tuple[bool, str]:
 
 def register_row_attention() -> str:
     """Register :data:`ROW_ATTENTION` with HF (idempotent); returns the name."""
-    AttentionInterface.register(ROW_ATTENTION, row_attention)
-    AttentionMaskInterface.register(ROW_ATTENTION, sdpa_mask)
-    return ROW_ATTENTION
+    return _register(ROW_ATTENTION, row_attention)
 
 
 def use_row_attention(model: torch.nn.Module) -> tuple[bool, str]:
