@@ -18,6 +18,13 @@ With a clean working tree both builds are the same source: an A/A run, which mea
 floor a kernel change must clear on this machine (``results/kernel_aa_avx2.md``: within 4 % at
 41 reps, but identical tiles have differed by up to 13 % between runs on a busy host).
 
+``--attention`` times the row attention kernel (``row_attention``: one query row at a time over
+the keys its mask allows, the amx path's attention) of the two revisions instead: one forward's
+worth of it (30 layers, each its own cache of ``--prefix`` keys: SmolLM2's 9 query heads over 3
+key/value heads of 64) for an n-node tree (a random one, the same for both) after the prefix:
+
+    OMP_NUM_THREADS=1 python benchmarks/kernel_ab.py --base HEAD~1 --attention --reps 15 --out benchmarks/results/kernel_ab_row_attention
+
 ``--isas`` compares instead the working tree's kernel built once and run with its AVX2 and its
 AVX-512 code (the latter only on a CPU with AVX-512 F), the same bits by construction:
 
@@ -70,6 +77,9 @@ def main() -> None:
     ap.add_argument("--isa", choices=ISAS, default="avx2",
                     help="the code both revisions run (avx512: only on a CPU with AVX-512 F, and only for "
                          "revisions whose kernel has it)")
+    ap.add_argument("--attention", action="store_true",
+                    help="time the row attention kernel of the two revisions instead of the block kernel")
+    ap.add_argument("--prefix", type=int, default=300, help="cached keys before the tree (--attention)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS / "kernel_ab"))
@@ -85,7 +95,7 @@ def main() -> None:
         if args.isa == "avx512" and kernel_isa() != "avx512":
             raise SystemExit("--isa avx512 needs a CPU with AVX-512 F")
         versions = revisions(args.base, None if args.isa == "avx2" else ISAS.index(args.isa))
-    bench(versions, ns, args)
+    (bench_attention if args.attention else bench)(versions, ns, args)
 
 
 def revisions(base: str, isa: int | None) -> dict:
@@ -170,6 +180,60 @@ def bench(versions: dict, ns: list[int], args) -> None:
     print(md)
     write_results(args.out, {"machine": m, "args": vars(args), "versions": names, "weights": macs,
                              "same_bits": same_bits, "relative_error": error,
+                             "t_ms": {v: {str(n): t for n, t in row.items()} for v, row in ms.items()}}, md)
+
+
+def bench_attention(versions: dict, ns: list[int], args) -> None:
+    """Times and writes the row attention of ``versions`` (as for :func:`bench`) for n-node trees."""
+    from treespec.core.masks import hf_tree_mask
+    from treespec.core.tree import DraftTree
+
+    heads, kv_heads, d, p = 9, 3, 64, args.prefix
+    gen = torch.Generator().manual_seed(0)
+    cases = {}
+    for n in ns:
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+        tree = DraftTree(torch.arange(n), torch.tensor(parents), sampling="deterministic")
+        mask = hf_tree_mask(tree, p, "sdpa", torch.float32, None)
+        q = torch.randn(LAYERS, 1, n, heads, d, generator=gen).transpose(2, 3)   # HF's layout: a transposed view
+        kv = torch.randn(LAYERS, 2, 1, kv_heads, p + n, d, generator=gen)
+        cases[n] = (q, kv, mask)
+
+    def one_pass(version: tuple, n: int) -> list[torch.Tensor]:
+        q, kv, mask = cases[n]
+        return [version[0].row_attention(q[i], kv[i, 0], kv[i, 1], mask, d ** -0.5) for i in range(LAYERS)]
+
+    names = list(versions)
+    same_bits, error = True, {v: 0.0 for v in names}
+    for n in ns:   # against float64 SDPA on the first layer, and each other (and warm up)
+        outs = [one_pass(versions[v], n) for v in names]
+        same_bits &= all(torch.equal(a, b) for a, b in zip(*outs))
+        q, kv, mask = cases[n]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[0].double(), kv[0, 0].double(), kv[0, 1].double(), attn_mask=mask, enable_gqa=True).transpose(1, 2)
+        for v, out in zip(names, outs):
+            error[v] = max(error[v], float((out[0].double() - ref).abs().max()))
+    samples = interleaved({(v, n): (lambda v=v, n=n: one_pass(versions[v], n)) for v in names for n in ns},
+                          args.reps, warmup=0)
+    ms = {v: {n: median_ms(samples[(v, n)]) for n in ns} for v in names}
+    a, b = names
+    m = machine_info()
+    lines = [f"# Row attention A/B: {a} vs {b}", "",
+             f"CPU: {m['cpu_model']}; flags: {', '.join(m['cpu_flags'])}; torch {m['torch']}, "
+             f"{m['torch_threads']} thread(s). One point = the row attention of one SmolLM2-135M forward "
+             f"({LAYERS} layers, {heads} query heads over {kv_heads} key/value heads of {d}, each layer its own "
+             f"cache of {p} keys) for a random n-node tree after them; medians of {args.reps} interleaved reps.", "",
+             f"Outputs: {'the same bits in both versions' if same_bits else 'the versions differ in the last bits'}; "
+             f"largest absolute error against float64 SDPA on the first layer: {a} {error[a]:.1e}, {b} {error[b]:.1e}.",
+             "", f"| n | {a} ms | {b} ms | {b} / {a} | {a} ms a row | {b} ms a row |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for n in ns:
+        lines.append(f"| {n} | {ms[a][n]:.2f} | {ms[b][n]:.2f} | {ms[b][n] / ms[a][n]:.2f} | "
+                     f"{ms[a][n] / n:.3f} | {ms[b][n] / n:.3f} |")
+    md = "\n".join(lines) + "\n"
+    print(md)
+    write_results(args.out, {"machine": m, "args": vars(args), "versions": names, "same_bits": same_bits,
+                             "absolute_error": error,
                              "t_ms": {v: {str(n): t for n, t in row.items()} for v, row in ms.items()}}, md)
 
 

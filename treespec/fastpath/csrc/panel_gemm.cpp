@@ -826,70 +826,190 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
 }
 
-// q.k over 16 V values: one FMA chain per key, then a fixed reduction.
-template <int V>
-inline float dot(const float* q, const float* k) {
-  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-#pragma GCC unroll 16
-  for (int c = 1; c < V; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(k + 16 * c), acc);
-  return _mm512_reduce_add_ps(acc);
+// Sixteen keys' scores at once: slot i's chain of V FMAs (q.k over 16 V values) sums into lane
+// i's dot product through one fixed tree (x[l] + x[l + 8], then + 4, + 2, + 1 lanes apart, the
+// same shape for every slot). The tree leaves slot i's sum in lane (i % 4) * 4 + i / 4, so slot i
+// takes key (i % 4) * 4 + i / 4 of the block, and lane l holds key l's score. A key's score
+// depends only on q and that key: the same bits in any block position and for any key count.
+inline int slot_key(int i) { return (i % 4) * 4 + i / 4; }
+
+inline __m512 reduce16(__m512* a) {
+  __m512 h[8], g[4], f[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)   // 256-bit halves: [a_2i lo + hi, a_2i+1 lo + hi]
+    h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)   // 128-bit quarters: four slots' 4-lane sums
+    g[i] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xDD));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)   // pairs of lanes
+    f[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(g[2 * i]), _mm512_castps_pd(g[2 * i + 1]))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(g[2 * i]), _mm512_castps_pd(g[2 * i + 1]))));
+  return _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
 }
 
-// One query row over the keys `keys[0 .. nk)` (increasing), head size 16 V: o[16 V]. s: scratch of
-// nk rounded up to 16 floats. V is a template argument so the accumulators stay in registers;
-// every value goes through the same operations in the same order for any V loop shape.
+// Rows of one key/value head: up to kRowGroup query rows (each with its allowed keys, increasing)
+// times the G query heads that read that head. Each (row, head) pair gets the same operations in
+// the same order as it would alone: scores sixteen keys a block (reduce16), scaled, their maximum,
+// the exponentials lane by lane, their sum over blocks in key order, then the weighted values
+// summed over even and over odd keys (two chains per register of o), each in key order, and
+// added. Only the loop order is shared: key block outer, rows and heads inner, so a block's keys
+// and values are read from memory once for every row and head that sees them (a tree pass's rows
+// share their prefix), then from L1.
+constexpr int kRowGroup = 16;
+
+struct Rows {
+  int n = 0;                             // rows
+  int G = 0;                             // query heads per key/value head
+  const float* q[kRowGroup] = {};        // row r's query of head 0 (head h at + h * qh)
+  int64_t qh = 0;
+  float* o[kRowGroup] = {};              // row r's output of head 0 (head h at + h * oh)
+  int64_t oh = 0;
+  const int32_t* keys[kRowGroup] = {};   // row r's allowed keys
+  int64_t nk[kRowGroup] = {};
+};
+
 template <int V>
-void row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, const int32_t* keys, int64_t nk,
-         float scale, float* s, float* o) {
-  int64_t a = 0;
-  for (; a + 4 <= nk; a += 4) {   // four keys' chains in flight; each score is still its own chain
-    s[a] = dot<V>(q, k + keys[a] * ks);
-    s[a + 1] = dot<V>(q, k + keys[a + 1] * ks);
-    s[a + 2] = dot<V>(q, k + keys[a + 2] * ks);
-    s[a + 3] = dot<V>(q, k + keys[a + 3] * ks);
-  }
-  for (; a < nk; ++a) s[a] = dot<V>(q, k + keys[a] * ks);
-  float top = -INFINITY;
-  for (a = 0; a < nk; ++a) top = std::max(top, s[a] *= scale);
-  const __m512 shift = _mm512_set1_ps(top);
-  __m512 total = _mm512_setzero_ps();
-  for (a = 0; a < nk; a += 16) {
-    const __mmask16 live = nk - a >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nk - a)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + a), shift)));
-    _mm512_mask_storeu_ps(s + a, live, e);
-    total = _mm512_add_ps(total, e);
-  }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-  __m512 acc[V];
+void rows(const Rows& R, const float* k, int64_t ks, const float* v, int64_t vs, float scale, float* s,
+          int64_t spad, float* accs) {
+  const int G = R.G;
+  int64_t most = 0;
+  for (int r = 0; r < R.n; ++r) most = std::max(most, R.nk[r]);
+  const __m512 scl = _mm512_set1_ps(scale);
+  alignas(64) float tops[kRowGroup * 16 * 16];   // G <= 16
+  for (int i = 0; i < R.n * G; ++i) _mm512_store_ps(tops + 16 * i, _mm512_set1_ps(-INFINITY));
+  for (int64_t a = 0; a < most; a += 16) {
+    for (int r = 0; r < R.n; ++r) {
+      if (a >= R.nk[r]) continue;
+      const int n = static_cast<int>(std::min<int64_t>(16, R.nk[r] - a));
+      const int32_t* keys = R.keys[r] + a;
+      const __mmask16 live = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+      for (int h = 0; h < G; ++h) {
+        const float* q = R.q[r] + h * R.qh;
+        __m512 qv[V], acc[16];
 #pragma GCC unroll 16
-  for (int c = 0; c < V; ++c) acc[c] = _mm512_setzero_ps();
-  for (a = 0; a < nk; ++a) {
-    const __m512 w = _mm512_set1_ps(s[a]);
-    const float* vj = v + keys[a] * vs;
+        for (int c = 0; c < V; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
 #pragma GCC unroll 16
-    for (int c = 0; c < V; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 16 * c), acc[c]);
+        for (int i = 0; i < 16; ++i) {
+          const int j = slot_key(i);
+          if (j < n) {
+            const float* kj = k + keys[j] * ks;
+            acc[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
+#pragma GCC unroll 16
+            for (int c = 1; c < V; ++c) acc[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + 16 * c), acc[i]);
+          } else {
+            acc[i] = _mm512_setzero_ps();
+          }
+        }
+        const __m512 sc = _mm512_mul_ps(reduce16(acc), scl);
+        const int i = r * G + h;
+        _mm512_storeu_ps(s + i * spad + a, sc);
+        _mm512_store_ps(tops + 16 * i, _mm512_mask_max_ps(_mm512_load_ps(tops + 16 * i), live, _mm512_load_ps(tops + 16 * i), sc));
+      }
+    }
   }
+  alignas(64) float inv[kRowGroup * 16];
+  for (int r = 0; r < R.n; ++r) {
+    const int64_t nk = R.nk[r];
+    for (int h = 0; h < G; ++h) {
+      const int i = r * G + h;
+      float* si = s + i * spad;
+      const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_load_ps(tops + 16 * i)));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t a = 0; a < nk; a += 16) {
+        const __mmask16 live = nk - a >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nk - a)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, si + a), shift)));
+        _mm512_mask_storeu_ps(si + a, live, e);
+        total = _mm512_add_ps(total, e);
+      }
+      inv[i] = 1.0f / _mm512_reduce_add_ps(total);
+      for (int c = 0; c < 2 * V; ++c) _mm512_storeu_ps(accs + (i * 2 * V + c) * 16, _mm512_setzero_ps());
+    }
+  }
+  for (int64_t a0 = 0; a0 < most; a0 += 16) {
+    for (int r = 0; r < R.n; ++r) {
+      const int64_t end = std::min<int64_t>(a0 + 16, R.nk[r]);
+      if (a0 >= end) continue;
+      const int32_t* keys = R.keys[r];
+      for (int h = 0; h < G; ++h) {
+        const int i = r * G + h;
+        const float* si = s + i * spad;
+        float* ai = accs + i * 2 * V * 16;
+        __m512 even[V], odd[V];
 #pragma GCC unroll 16
-  for (int c = 0; c < V; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], inv));
+        for (int c = 0; c < V; ++c) {
+          even[c] = _mm512_loadu_ps(ai + 16 * c);
+          odd[c] = _mm512_loadu_ps(ai + 16 * (V + c));
+        }
+        int64_t a = a0;
+        for (; a + 2 <= end; a += 2) {
+          const __m512 w0 = _mm512_set1_ps(si[a]), w1 = _mm512_set1_ps(si[a + 1]);
+          const float* v0 = v + keys[a] * vs;
+          const float* v1 = v + keys[a + 1] * vs;
+#pragma GCC unroll 16
+          for (int c = 0; c < V; ++c) {
+            even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+            odd[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
+          }
+        }
+        if (a < end) {   // the row's last key, when its count is odd
+          const __m512 w0 = _mm512_set1_ps(si[a]);
+          const float* v0 = v + keys[a] * vs;
+#pragma GCC unroll 16
+          for (int c = 0; c < V; ++c) even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+        }
+        if (end == R.nk[r]) {
+          const __m512 w = _mm512_set1_ps(inv[i]);
+          float* o = R.o[r] + h * R.oh;
+#pragma GCC unroll 16
+          for (int c = 0; c < V; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), w));
+        } else {
+#pragma GCC unroll 16
+          for (int c = 0; c < V; ++c) {
+            _mm512_storeu_ps(ai + 16 * c, even[c]);
+            _mm512_storeu_ps(ai + 16 * (V + c), odd[c]);
+          }
+        }
+      }
+    }
+  }
 }
 
-using RowFn = void (*)(const float*, const float*, int64_t, const float*, int64_t, const int32_t*, int64_t, float,
-                       float*, float*);
+// The keys j < S with mr[j * stride] true, in increasing order, into out; returns their count.
+inline int64_t allowed_keys(const bool* mr, int64_t stride, int64_t S, int32_t* out) {
+  int64_t j = 0, n = 0;
+  if (stride == 1) {   // sixteen mask bytes at a time
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; j + 16 <= S; j += 16) {
+      const __mmask16 on = _mm512_cmpneq_epi32_mask(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mr + j))), _mm512_setzero_si512());
+      _mm512_mask_compressstoreu_epi32(out + n, on, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(j))));
+      n += __builtin_popcount(on);
+    }
+  }
+  for (; j < S; ++j)
+    if (mr[j * stride]) out[n++] = static_cast<int32_t>(j);
+  return n;
+}
 
-// row<d / 16> (d a multiple of 16, at most 256)
-inline RowFn row_for(int64_t d) {
+using RowsFn = void (*)(const Rows&, const float*, int64_t, const float*, int64_t, float, float*, int64_t, float*);
+
+// rows<d / 16> (d a multiple of 16, at most 256)
+inline RowsFn rows_for(int64_t d) {
   switch (d / 16) {
-    case 1: return row<1>;
-    case 2: return row<2>;
-    case 3: return row<3>;
-    case 4: return row<4>;
-    case 5: return row<5>;
-    case 6: return row<6>;
-    case 7: return row<7>;
-    case 8: return row<8>;
-    case 10: return row<10>;
-    case 12: return row<12>;
-    case 16: return row<16>;
+    case 1: return rows<1>;
+    case 2: return rows<2>;
+    case 3: return rows<3>;
+    case 4: return rows<4>;
+    case 5: return rows<5>;
+    case 6: return rows<6>;
+    case 7: return rows<7>;
+    case 8: return rows<8>;
+    case 10: return rows<10>;
+    case 12: return rows<12>;
+    case 16: return rows<16>;
     default: return nullptr;
   }
 }
@@ -1021,8 +1141,8 @@ torch::Tensor amx_linear_blocks(const torch::Tensor& x, const torch::Tensor& blo
 // q [B, Hq, T, d], k and v [B, Hkv, S, d] (any strides, unit stride over d; Hq a multiple of Hkv),
 // mask: bool [B, 1 or Hq, T, >= S] (key j of row t allowed where true) or empty, then row t sees
 // keys 0 .. S - T + t (a causal pass over the last T positions). -> out [B, T, Hq, d] float32,
-// each row by row_attn::row (its comment). AVX-512 F only (the caller checks); d a multiple of 16, <= 256
-// (the sizes row_for lists).
+// each row by row_attn::rows (its comment). AVX-512 F only (the caller checks); d a multiple of 16, <= 256
+// (the sizes rows_for lists).
 torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             const torch::Tensor& mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "row_attention: q, k, v are [B, H, T|S, d]");
@@ -1048,36 +1168,50 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t groups = Hq / Hkv;
-  const row_attn::RowFn run = row_attn::row_for(d);
+  const row_attn::RowsFn run = row_attn::rows_for(d);
   TORCH_CHECK(run != nullptr, "row_attention: no kernel for head size ", d);
   const bool per_head = masked && mask.size(1) != 1;
-  at::parallel_for(0, B * T, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<int32_t> keys(S);
-    std::vector<float> scratch((S + 15) / 16 * 16);
-    for (int64_t bt = r0; bt < r1; ++bt) {
-      const int64_t b = bt / T, t = bt % T;
-      int64_t nk = 0;
-      for (int64_t h = 0; h < Hq; ++h) {
-        if (h == 0 || per_head) {   // the row's allowed keys, in increasing order
-          nk = 0;
-          if (masked) {
-            const bool* mr = mp + b * mask.stride(0) + (per_head ? h * mask.stride(1) : 0) + t * mask.stride(2);
-            for (int64_t j = 0; j < S; ++j)
-              if (mr[j * mask.stride(3)]) keys[nk++] = static_cast<int32_t>(j);
-          } else {
-            for (int64_t j = 0; j <= S - T + t; ++j) keys[nk++] = static_cast<int32_t>(j);
-          }
+  // A task: one batch entry, up to kRowGroup rows, and the query heads that share their key lists
+  // (those of one key/value head; one head where the mask is per head), at most 16 at a time.
+  const int64_t G = per_head ? 1 : std::min<int64_t>(groups, 16);
+  const int64_t sets = Hq / G + (Hq % G != 0), chunks = (T + row_attn::kRowGroup - 1) / row_attn::kRowGroup;
+  const int64_t spad = (S + 15) / 16 * 16;
+  at::parallel_for(0, B * sets * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<int32_t> keys(row_attn::kRowGroup * S);
+    std::vector<float> scores(row_attn::kRowGroup * G * spad);
+    std::vector<float> accs(row_attn::kRowGroup * G * (d / 16) * 2 * 16);
+    for (int64_t task = i0; task < i1; ++task) {
+      const int64_t b = task / (sets * chunks), set = task / chunks % sets, t0 = task % chunks * row_attn::kRowGroup;
+      // heads [h0, h1): inside one key/value head's group
+      const int64_t h0 = per_head ? set : set / ((groups + G - 1) / G) * groups + set % ((groups + G - 1) / G) * G;
+      const int64_t h1 = per_head ? h0 + 1 : std::min(h0 + G, (h0 / groups + 1) * groups);
+      const int64_t g = h0 / groups;
+      row_attn::Rows R;
+      R.G = static_cast<int>(h1 - h0);
+      R.qh = q.stride(1);
+      R.oh = d;
+      for (int64_t t = t0; t < std::min(T, t0 + row_attn::kRowGroup); ++t) {
+        int32_t* kr = keys.data() + (t - t0) * S;
+        int64_t nk = 0;   // the row's allowed keys, in increasing order
+        if (masked) {
+          const bool* mr = mp + b * mask.stride(0) + (per_head ? h0 * mask.stride(1) : 0) + t * mask.stride(2);
+          nk = row_attn::allowed_keys(mr, mask.stride(3), S, kr);
+        } else {
+          for (int64_t j = 0; j <= S - T + t; ++j) kr[nk++] = static_cast<int32_t>(j);
         }
-        float* o = op + ((b * T + t) * Hq + h) * d;
+        float* o = op + ((b * T + t) * Hq + h0) * d;
         if (nk == 0) {   // a fully masked row: zeros (SDPA would give NaN)
-          std::fill(o, o + d, 0.0f);
+          std::fill(o, o + (h1 - h0) * d, 0.0f);
           continue;
         }
-        const int64_t g = h / groups;
-        run(qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), kp + b * k.stride(0) + g * k.stride(1),
-            k.stride(2), vp + b * v.stride(0) + g * v.stride(1), v.stride(2), keys.data(), nk,
-            static_cast<float>(scale), scratch.data(), o);
+        R.q[R.n] = qp + b * q.stride(0) + h0 * q.stride(1) + t * q.stride(2);
+        R.o[R.n] = o;
+        R.keys[R.n] = kr;
+        R.nk[R.n++] = nk;
       }
+      if (R.n > 0)
+        run(R, kp + b * k.stride(0) + g * k.stride(1), k.stride(2), vp + b * v.stride(0) + g * v.stride(1),
+            v.stride(2), static_cast<float>(scale), scores.data(), spad, accs.data());
     }
   });
   return out;
