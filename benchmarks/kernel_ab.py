@@ -18,8 +18,8 @@ With a clean working tree both builds are the same source: an A/A run, which mea
 floor a kernel change must clear on this machine (``results/kernel_aa_avx2.md``: within 4 % at
 41 reps, but identical tiles have differed by up to 13 % between runs on a busy host).
 
-``--attention`` times the row attention kernel (``row_attention``: one query row at a time over
-the keys its mask allows, the amx path's attention) of the two revisions instead: one forward's
+``--attention`` times the row attention kernel (``row_attention``: each query row over the keys
+its mask allows, with the operations it would get alone; the amx path's attention) of the two revisions instead: one forward's
 worth of it (30 layers, each its own cache of ``--prefix`` keys: SmolLM2's 9 query heads over 3
 key/value heads of 64) for an n-node tree (a random one, the same for both) after the prefix:
 

@@ -18,8 +18,9 @@ Glossary
   ``sdpa`` function unchanged. The masks are HF's ``sdpa`` masks (bool).
 
 - **row attention** — :data:`ROW_ATTENTION`, for targets whose linear layers round their inputs
-  (``load_target(..., pack="amx")``): one-token steps and tree passes one query row at a time
-  over exactly the keys the row may see, so a tree's row has the bits of the step that decodes
+  (``load_target(..., pack="amx")``): one-token steps and tree passes row by row, each query
+  row over exactly the keys it may see with the operations it would get alone (the rows share
+  only the reads of each block of keys), so a tree's row has the bits of the step that decodes
   its path; a prompt's pass goes to grouped sdpa.
 
 Same numbers: PyTorch's CPU SDPA computes every (query head, key) pair with the same kernel and
@@ -89,8 +90,8 @@ def row_attention(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """:data:`ROW_ATTENTION`: one-token steps and tree passes (a bool mask) one query row at a
-    time (``row_attention`` in ``treespec/fastpath/csrc/panel_gemm.cpp``): a tree node's row is the
+    """:data:`ROW_ATTENTION`: one-token steps and tree passes (a bool mask) row by row
+    (``row_attention`` in ``treespec/fastpath/csrc/panel_gemm.cpp``): a tree node's row is the
     bits of the one-token step that decodes its path. Everything else (a prompt's causal pass,
     another device or dtype, features the kernel lacks) goes to :func:`grouped_sdpa_attention`;
     a prompt's pass is the same in plain and speculative decoding, so it need not match them."""
@@ -167,5 +168,5 @@ def use_row_attention(model: torch.nn.Module) -> tuple[bool, str]:
     if not ok or kernel_isa() != "avx512":
         return False, f"{impl} (row attention needs the AVX-512 kernels: {why if not ok else 'no AVX-512 F'})"
     model.set_attn_implementation(register_row_attention())
-    return True, ("row attention (one-token steps and tree passes one query row at a time, each row the bits "
-                  "of the step that decodes its path; prompts through grouped sdpa)")
+    return True, ("row attention (one-token steps and tree passes row by row, each row the bits of the step "
+                  "that decodes its path, a block of keys read once for all rows; prompts through grouped sdpa)")

@@ -796,12 +796,11 @@ void linear(const uint16_t* xb, const float* sx, int64_t M, int64_t K, const uin
 #pragma GCC pop_options
 
 // Row attention: softmax(scale q K^T) V for each query row over the keys its mask allows, in
-// increasing key order, one row at a time. A row's output depends only on that row's query and
-// the allowed keys and values (each score one dot product, the exponentials lane by lane, the sum
-// and the weighted values in key order), so a tree node's row is the same bits as the one-token
-// step that decodes the same path: the cache then holds the same keys, in the same order. PyTorch's
-// SDPA multiplies a pass's rows as one small GEMM, whose order of additions may depend on the row
-// count (row_attention below).
+// increasing key order. A row's output depends only on that row's query and the allowed keys and
+// values (rows() below: the same operations in the same order for a row alone or among others),
+// so a tree node's row is the same bits as the one-token step that decodes the same path: the
+// cache then holds the same keys, in the same order. PyTorch's SDPA multiplies a pass's rows as
+// one small GEMM, whose order of additions may depend on the row count (row_attention below).
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 namespace row_attn {
@@ -1228,6 +1227,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x @ W^T on the AMX tile unit, x rounded to bf16, W as panel_linear_blocks' integer blocks",
         pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("bits"), pybind11::arg("half_scales") = false);
   m.def("amx_permitted", &amx_permitted, "whether the OS granted this process the AMX tile state");
-  m.def("row_attention", &row_attention, "softmax(scale q K^T) V one query row at a time over its allowed keys",
+  m.def("row_attention", &row_attention, "softmax(scale q K^T) V, each query row over its allowed keys as alone",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"));
 }
