@@ -164,10 +164,11 @@ def tree_mask(tree, prefix: int) -> torch.Tensor:
 
 
 @needs_avx512
-@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (128, 4, 4), (16, 2, 1)])
-def test_row_attention_is_attention(d, hq, hkv) -> None:
+@pytest.mark.parametrize("d,hq,hkv,n", [(64, 9, 3, 7), (128, 4, 4, 7), (16, 2, 1, 7),
+                                        (16, 40, 2, 20)])   # 20 query heads a KV head, 20 rows: 16 + 4 of each
+def test_row_attention_is_attention(d, hq, hkv, n) -> None:
     torch.manual_seed(d)
-    p, n = 45, 7
+    p = 45
     tree = random_tree(random.Random(d), n, 300)
     mask = tree_mask(tree, p)
     q = torch.randn(1, n, hq, d).transpose(1, 2)          # HF's layout: a transposed view
@@ -181,6 +182,20 @@ def test_row_attention_is_attention(d, hq, hkv) -> None:
         q.double(), k.double(), v.double(), attn_mask=torch.ones(n, p + n, dtype=torch.bool).tril(p),
         enable_gqa=hkv != hq).transpose(1, 2)
     torch.testing.assert_close(causal.double(), ref, rtol=0, atol=2e-6)
+
+
+@needs_avx512
+def test_row_attention_takes_a_mask_per_head_and_batch_entry() -> None:
+    torch.manual_seed(3)
+    b, hq, hkv, n, s, d = 2, 6, 2, 5, 40, 32
+    mask = torch.rand(b, hq, n, s) < 0.5
+    mask[..., torch.arange(n), s - n + torch.arange(n)] = True   # each row sees at least its own key
+    q = torch.randn(b, hq, n, d)
+    k, v = torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+    got = row_attention_kernel(q, k, v, mask, d ** -0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6)
 
 
 @needs_avx512

@@ -1173,7 +1173,8 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   // A task: one batch entry, up to kRowGroup rows, and the query heads that share their key lists
   // (those of one key/value head; one head where the mask is per head), at most 16 at a time.
   const int64_t G = per_head ? 1 : std::min<int64_t>(groups, 16);
-  const int64_t sets = Hq / G + (Hq % G != 0), chunks = (T + row_attn::kRowGroup - 1) / row_attn::kRowGroup;
+  const int64_t per_group = (groups + G - 1) / G, sets = Hkv * per_group;   // head sets
+  const int64_t chunks = (T + row_attn::kRowGroup - 1) / row_attn::kRowGroup;
   const int64_t spad = (S + 15) / 16 * 16;
   at::parallel_for(0, B * sets * chunks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<int32_t> keys(row_attn::kRowGroup * S);
@@ -1181,10 +1182,8 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
     std::vector<float> accs(row_attn::kRowGroup * G * (d / 16) * 2 * 16);
     for (int64_t task = i0; task < i1; ++task) {
       const int64_t b = task / (sets * chunks), set = task / chunks % sets, t0 = task % chunks * row_attn::kRowGroup;
-      // heads [h0, h1): inside one key/value head's group
-      const int64_t h0 = per_head ? set : set / ((groups + G - 1) / G) * groups + set % ((groups + G - 1) / G) * G;
-      const int64_t h1 = per_head ? h0 + 1 : std::min(h0 + G, (h0 / groups + 1) * groups);
-      const int64_t g = h0 / groups;
+      const int64_t g = set / per_group;   // the key/value head; its query heads [h0, h1)
+      const int64_t h0 = g * groups + set % per_group * G, h1 = std::min(h0 + G, (g + 1) * groups);
       row_attn::Rows R;
       R.G = static_cast<int>(h1 - h0);
       R.qh = q.stride(1);
