@@ -856,12 +856,14 @@ inline __m512 reduce16(__m512* a) {
 // summed over even and over odd keys (two chains per register of o), each in key order, and
 // added. Only the loop order is shared: key block outer, rows and heads inner, so a block's keys
 // and values are read from memory once for every row and head that sees them (a tree pass's rows
-// share their prefix), then from L1.
+// share their prefix), then from L1. k, v: that key/value head's keys and values (key j at
+// + j * ks, + j * vs); s: the scores, (row r, head h) at + (r * G + h) * spad; accs: the weighted
+// values' chains, 2 V registers a (row, head), kept between key blocks.
 constexpr int kRowGroup = 16;
 
 struct Rows {
   int n = 0;                             // rows
-  int G = 0;                             // query heads per key/value head
+  int G = 0;                             // query heads in this call, all of one key/value head (<= 16)
   const float* q[kRowGroup] = {};        // row r's query of head 0 (head h at + h * qh)
   int64_t qh = 0;
   float* o[kRowGroup] = {};              // row r's output of head 0 (head h at + h * oh)
