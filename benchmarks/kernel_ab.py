@@ -127,6 +127,23 @@ def revisions(base: str, isa: int | None) -> dict:
                                                           pack_blocks)}
 
 
+def measure(versions: dict, ns: list[int], reps: int, one_pass, error_of) -> tuple[list, bool, dict, dict]:
+    """One pass of each version per n to warm up and check it (``error_of(n, outputs)``: its error
+    against float64; whether the versions give the same bits), then ``one_pass(version, n)`` timed
+    for every version and n, interleaved. Returns (names, same bits, largest error by name,
+    median ms by name and n)."""
+    names = list(versions)
+    same_bits, error = True, {v: 0.0 for v in names}
+    for n in ns:
+        outs = [one_pass(versions[v], n) for v in names]
+        same_bits &= all(torch.equal(a, b) for a, b in zip(*outs))
+        for v, out in zip(names, outs):
+            error[v] = max(error[v], error_of(n, out))
+    samples = interleaved({(v, n): (lambda v=v, n=n: one_pass(versions[v], n)) for v in names for n in ns},
+                          reps, warmup=0)
+    return names, same_bits, error, {v: {n: median_ms(samples[(v, n)]) for n in ns} for v in names}
+
+
 def bench(versions: dict, ns: list[int], args) -> None:
     """Times and writes ``versions`` (name -> (module, isa number or None for the default, pack_blocks))."""
     gen = torch.Generator().manual_seed(0)
@@ -150,18 +167,11 @@ def bench(versions: dict, ns: list[int], args) -> None:
             return () if isa is None else (isa,)
         return [mod.panel_linear_blocks(xs[n][b.blob.shape[1] * 32], b.blob, b.bits, *extra(b)) for b in blobs[packer]]
 
-    names = list(versions)
-    same_bits, error = True, {v: 0.0 for v in names}
-    for n in ns:  # how far each version is from float64 on the checked layers, whether they agree (and warm up)
-        outs = [one_pass(versions[v], n) for v in names]
-        same_bits &= all(torch.equal(a, b) for a, b in zip(*outs))
-        for v, out in zip(names, outs):
-            for i in checked:
-                ref = xs[n][exact[i].shape[1]].double() @ exact[i].double().T
-                error[v] = max(error[v], float(((out[i].double() - ref).abs() / ref.abs().max()).max()))
-    samples = interleaved({(v, n): (lambda v=v, n=n: one_pass(versions[v], n)) for v in names for n in ns},
-                          args.reps, warmup=0)
-    ms = {v: {n: median_ms(samples[(v, n)]) for n in ns} for v in names}
+    def error_of(n: int, out: list[torch.Tensor]) -> float:   # on the checked layers, relative to the largest output
+        refs = {i: xs[n][exact[i].shape[1]].double() @ exact[i].double().T for i in checked}
+        return max(float(((out[i].double() - ref).abs() / ref.abs().max()).max()) for i, ref in refs.items())
+
+    names, same_bits, error, ms = measure(versions, ns, args.reps, one_pass, error_of)
     a, b = names
     m = machine_info()
     lines = [f"# Block kernel A/B: {a} vs {b}", "",
@@ -203,19 +213,13 @@ def bench_attention(versions: dict, ns: list[int], args) -> None:
         q, kv, mask = cases[n]
         return [version[0].row_attention(q[i], kv[i, 0], kv[i, 1], mask, d ** -0.5) for i in range(LAYERS)]
 
-    names = list(versions)
-    same_bits, error = True, {v: 0.0 for v in names}
-    for n in ns:   # against float64 SDPA on the first layer, and each other (and warm up)
-        outs = [one_pass(versions[v], n) for v in names]
-        same_bits &= all(torch.equal(a, b) for a, b in zip(*outs))
+    def error_of(n: int, out: list[torch.Tensor]) -> float:   # the first layer's, absolute
         q, kv, mask = cases[n]
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[0].double(), kv[0, 0].double(), kv[0, 1].double(), attn_mask=mask, enable_gqa=True).transpose(1, 2)
-        for v, out in zip(names, outs):
-            error[v] = max(error[v], float((out[0].double() - ref).abs().max()))
-    samples = interleaved({(v, n): (lambda v=v, n=n: one_pass(versions[v], n)) for v in names for n in ns},
-                          args.reps, warmup=0)
-    ms = {v: {n: median_ms(samples[(v, n)]) for n in ns} for v in names}
+        return float((out[0].double() - ref).abs().max())
+
+    names, same_bits, error, ms = measure(versions, ns, args.reps, one_pass, error_of)
     a, b = names
     m = machine_info()
     lines = [f"# Row attention A/B: {a} vs {b}", "",
