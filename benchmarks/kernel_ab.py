@@ -172,25 +172,36 @@ def bench(versions: dict, ns: list[int], args) -> None:
         return max(float(((out[i].double() - ref).abs() / ref.abs().max()).max()) for i, ref in refs.items())
 
     names, same_bits, error, ms = measure(versions, ns, args.reps, one_pass, error_of)
+    write_ab(args, "Block kernel A/B", names, same_bits, ms, ns,
+             f"{args.isa if not args.isas else 'each ISA'}'s code. One point = every linear layer of one "
+             f"SmolLM2-135M forward ({macs / 1e6:.1f} M weights as blocks) over n rows",
+             ("relative_error", "largest error against float64 on the first layer's seven weights and the LM head, "
+                                "relative to the output's largest magnitude", error),
+             ("GFLOP/s", lambda v, n: f"{2 * macs * n / ms[v][n] / 1e6:.0f}"), {"weights": macs})
+
+
+def write_ab(args, title: str, names: list, same_bits: bool, ms: dict, ns: list[int], setup: str, error: tuple,
+             extra: tuple, data: dict | None = None) -> None:
+    """Prints and writes an A/B of ``names`` (``measure``'s results): ``setup`` says what one
+    point is; ``error`` = (JSON key, what the error is, error by name); ``extra`` = (a column's
+    name, cell(name, n)) shown for each version."""
     a, b = names
+    key, what, err = error
+    column, cell = extra
     m = machine_info()
-    lines = [f"# Block kernel A/B: {a} vs {b}", "",
+    lines = [f"# {title}: {a} vs {b}", "",
              f"CPU: {m['cpu_model']}; flags: {', '.join(m['cpu_flags'])}; torch {m['torch']}, "
-             f"{m['torch_threads']} thread(s), {args.isa if not args.isas else 'each ISA'}'s code. One point = every linear layer of one SmolLM2-135M forward "
-             f"({macs / 1e6:.1f} M weights as blocks) over n rows; medians of {args.reps} interleaved reps.", "",
+             f"{m['torch_threads']} thread(s), {setup}; medians of {args.reps} interleaved reps.", "",
              f"Outputs: {'the same bits in both versions' if same_bits else 'the versions differ in the last bits'}; "
-             f"largest error against float64 on the first layer's seven weights and the LM head, relative to "
-             f"the output's largest magnitude: {a} {error[a]:.1e}, {b} {error[b]:.1e}.", "",
-             f"| n | {a} ms | {b} ms | {b} / {a} | {a} GFLOP/s | {b} GFLOP/s |",
+             f"{what}: {a} {err[a]:.1e}, {b} {err[b]:.1e}.", "",
+             f"| n | {a} ms | {b} ms | {b} / {a} | {a} {column} | {b} {column} |",
              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for n in ns:
-        lines.append(f"| {n} | {ms[a][n]:.1f} | {ms[b][n]:.1f} | {ms[b][n] / ms[a][n]:.2f} | "
-                     f"{2 * macs * n / ms[a][n] / 1e6:.0f} | {2 * macs * n / ms[b][n] / 1e6:.0f} |")
+        lines.append(f"| {n} | {ms[a][n]:.2f} | {ms[b][n]:.2f} | {ms[b][n] / ms[a][n]:.2f} | {cell(a, n)} | {cell(b, n)} |")
     md = "\n".join(lines) + "\n"
     print(md)
-    write_results(args.out, {"machine": m, "args": vars(args), "versions": names, "weights": macs,
-                             "same_bits": same_bits, "relative_error": error,
-                             "t_ms": {v: {str(n): t for n, t in row.items()} for v, row in ms.items()}}, md)
+    write_results(args.out, {"machine": m, "args": vars(args), "versions": names, "same_bits": same_bits, key: err,
+                             "t_ms": {v: {str(n): t for n, t in row.items()} for v, row in ms.items()}, **(data or {})}, md)
 
 
 def bench_attention(versions: dict, ns: list[int], args) -> None:
@@ -220,25 +231,11 @@ def bench_attention(versions: dict, ns: list[int], args) -> None:
         return float((out[0].double() - ref).abs().max())
 
     names, same_bits, error, ms = measure(versions, ns, args.reps, one_pass, error_of)
-    a, b = names
-    m = machine_info()
-    lines = [f"# Row attention A/B: {a} vs {b}", "",
-             f"CPU: {m['cpu_model']}; flags: {', '.join(m['cpu_flags'])}; torch {m['torch']}, "
-             f"{m['torch_threads']} thread(s). One point = the row attention of one SmolLM2-135M forward "
-             f"({LAYERS} layers, {heads} query heads over {kv_heads} key/value heads of {d}, each layer its own "
-             f"cache of {p} keys) for a random n-node tree after them; medians of {args.reps} interleaved reps.", "",
-             f"Outputs: {'the same bits in both versions' if same_bits else 'the versions differ in the last bits'}; "
-             f"largest absolute error against float64 SDPA on the first layer: {a} {error[a]:.1e}, {b} {error[b]:.1e}.",
-             "", f"| n | {a} ms | {b} ms | {b} / {a} | {a} ms a row | {b} ms a row |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for n in ns:
-        lines.append(f"| {n} | {ms[a][n]:.2f} | {ms[b][n]:.2f} | {ms[b][n] / ms[a][n]:.2f} | "
-                     f"{ms[a][n] / n:.3f} | {ms[b][n] / n:.3f} |")
-    md = "\n".join(lines) + "\n"
-    print(md)
-    write_results(args.out, {"machine": m, "args": vars(args), "versions": names, "same_bits": same_bits,
-                             "absolute_error": error,
-                             "t_ms": {v: {str(n): t for n, t in row.items()} for v, row in ms.items()}}, md)
+    write_ab(args, "Row attention A/B", names, same_bits, ms, ns,
+             f"one point = the row attention of one SmolLM2-135M forward ({LAYERS} layers, {heads} query heads over "
+             f"{kv_heads} key/value heads of {d}, each layer its own cache of {p} keys) for a random n-node tree after them",
+             ("absolute_error", "largest absolute error against float64 SDPA on the first layer", error),
+             ("ms a row", lambda v, n: f"{ms[v][n] / n:.3f}"))
 
 
 if __name__ == "__main__":
