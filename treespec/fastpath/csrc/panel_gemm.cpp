@@ -1179,9 +1179,10 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   const int64_t chunks = (T + row_attn::kRowGroup - 1) / row_attn::kRowGroup;
   const int64_t spad = (S + 15) / 16 * 16;
   at::parallel_for(0, B * sets * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<int32_t> keys(row_attn::kRowGroup * S);
-    std::vector<float> scores(row_attn::kRowGroup * G * spad);
-    std::vector<float> accs(row_attn::kRowGroup * G * (d / 16) * 2 * 16);
+    // scratch for a task's rows (written before it is read: no zero fill)
+    const int64_t most = std::min<int64_t>(T, row_attn::kRowGroup);
+    std::unique_ptr<int32_t[]> keys(new int32_t[most * S]);
+    std::unique_ptr<float[]> scores(new float[most * G * spad]), accs(new float[most * G * (d / 16) * 2 * 16]);
     for (int64_t task = i0; task < i1; ++task) {
       const int64_t b = task / (sets * chunks), set = task / chunks % sets, t0 = task % chunks * row_attn::kRowGroup;
       const int64_t g = set / per_group;   // the key/value head; its query heads [h0, h1)
@@ -1191,7 +1192,7 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
       R.qh = q.stride(1);
       R.oh = d;
       for (int64_t t = t0; t < std::min(T, t0 + row_attn::kRowGroup); ++t) {
-        int32_t* kr = keys.data() + (t - t0) * S;
+        int32_t* kr = keys.get() + (t - t0) * S;
         int64_t nk = 0;   // the row's allowed keys, in increasing order
         if (masked) {
           const bool* mr = mp + b * mask.stride(0) + (per_head ? h0 * mask.stride(1) : 0) + t * mask.stride(2);
@@ -1211,7 +1212,7 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
       }
       if (R.n > 0)
         run(R, kp + b * k.stride(0) + g * k.stride(1), k.stride(2), vp + b * v.stride(0) + g * v.stride(1),
-            v.stride(2), static_cast<float>(scale), scores.data(), spad, accs.data());
+            v.stride(2), static_cast<float>(scale), scores.get(), spad, accs.get());
     }
   });
   return out;
