@@ -872,6 +872,12 @@ struct Rows {
   int64_t nk[kRowGroup] = {};
 };
 
+// The rows of keys [a, a + 16) of a key list (x: keys or values, row j at + j * stride, 16 V floats).
+inline void prefetch_block(const float* x, int64_t stride, int V, const int32_t* keys, int64_t nk, int64_t a) {
+  for (int64_t j = a; j < std::min(a + 16, nk); ++j)
+    for (int c = 0; c < V; ++c) _mm_prefetch(reinterpret_cast<const char*>(x + keys[j] * stride + 16 * c), _MM_HINT_T0);
+}
+
 template <int V>
 void rows(const Rows& R, const float* k, int64_t ks, const float* v, int64_t vs, float scale, float* s,
           int64_t spad, float* accs) {
@@ -882,6 +888,7 @@ void rows(const Rows& R, const float* k, int64_t ks, const float* v, int64_t vs,
   alignas(64) float tops[kRowGroup * 16 * 16];   // G <= 16
   for (int i = 0; i < R.n * G; ++i) _mm512_store_ps(tops + 16 * i, _mm512_set1_ps(-INFINITY));
   for (int64_t a = 0; a < most; a += 16) {
+    prefetch_block(k, ks, V, R.keys[0], R.nk[0], a + 16);
     for (int r = 0; r < R.n; ++r) {
       if (a >= R.nk[r]) continue;
       const int n = static_cast<int>(std::min<int64_t>(16, R.nk[r] - a));
@@ -930,6 +937,7 @@ void rows(const Rows& R, const float* k, int64_t ks, const float* v, int64_t vs,
     }
   }
   for (int64_t a0 = 0; a0 < most; a0 += 16) {
+    prefetch_block(v, vs, V, R.keys[0], R.nk[0], a0 + 16);
     for (int r = 0; r < R.n; ++r) {
       const int64_t end = std::min<int64_t>(a0 + 16, R.nk[r]);
       if (a0 >= end) continue;
