@@ -33,8 +33,8 @@ from treespec.planning.calibration import default_calibration_path
 
 from _engine_helpers import NoisyTargetDrafter
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
-from test_blocks import gguf_q4_1, gguf_q8_0, quantized_llama
-from test_fastpath import random_tree, tree_logits
+from test_blocks import gguf_q4_1, gguf_q8_0, packed_blocks_copy, quantized_llama
+from test_fastpath import prefix_and_tree, random_tree, tree_logits
 
 U = 2.0 ** -24   # fp32's unit round-off
 
@@ -92,13 +92,8 @@ def test_amx_rows_have_the_same_bits_alone_or_together(amx, fmt) -> None:
 def test_amx_model_scores_trees_near_the_fp32_model(amx, n) -> None:
     """Each linear input rounded to bf16 moves logits by about bf16's precision, no more."""
     stock = quantized_llama()
-    packed = copy.deepcopy(stock)
-    report = pack_linears(packed, kernel="amx")
-    assert linear_kernel(packed) == "amx"
-    assert "14 as 4-bit blocks" in report.path and "1 as 8-bit blocks" in report.path
-    rng = random.Random(n)
-    prefix = torch.tensor([rng.randrange(300) for _ in range(37)])
-    tree = random_tree(rng, n, 300)
+    packed = packed_blocks_copy(stock, "amx")
+    prefix, tree = prefix_and_tree(n)
     got, ref = tree_logits(packed, prefix, tree), tree_logits(stock, prefix, tree)
     assert not torch.equal(got, ref)                      # a different target...
     torch.testing.assert_close(got, ref, rtol=0, atol=0.05)   # ...close to the fp32 one

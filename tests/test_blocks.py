@@ -11,7 +11,6 @@ model packed this way is the same fp32 target, summed in another order.
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from treespec.fastpath.kernels import (ISAS, block_linear, kernel_isa, pack_bloc
                                       panel_status)
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
-from test_fastpath import AVX2_ONLY, random_tree, small_llama, tree_logits
+from test_fastpath import AVX2_ONLY, prefix_and_tree, small_llama, tree_logits
 
 needs_panel = pytest.mark.skipif(not panel_status(build=False)[0], reason=panel_status(build=False)[1])
 
@@ -246,6 +245,16 @@ def quantized_llama(seed: int = 0, tied: bool = False) -> nn.Module:
     return model
 
 
+def packed_blocks_copy(stock: nn.Module, kernel: str) -> nn.Module:
+    """A copy of a ``quantized_llama`` packed on ``kernel`` ("blocks" or "amx"), its 14 layer
+    weights stored as 4-bit blocks and its LM head as 8-bit ones."""
+    packed = copy.deepcopy(stock)
+    report = pack_linears(packed, kernel=kernel)
+    assert linear_kernel(packed) == kernel
+    assert "14 as 4-bit blocks" in report.path and "1 as 8-bit blocks" in report.path
+    return packed
+
+
 @needs_panel
 @pytest.mark.parametrize("n", [1, 2, 5, 17, 64, 65])
 def test_blocks_model_scores_trees_like_the_fp32_model(n) -> None:
@@ -254,14 +263,10 @@ def test_blocks_model_scores_trees_like_the_fp32_model(n) -> None:
     block kernel runs (up to 64 rows; 65 nodes go to PyTorch's GEMM over the same weights), bit
     for bit the model whose every layer computes ``blocks_reference``."""
     stock = quantized_llama()
-    panel, blocks = copy.deepcopy(stock), copy.deepcopy(stock)
+    panel = copy.deepcopy(stock)
     pack_linears(panel, kernel="panel")
-    report = pack_linears(blocks, kernel="blocks")
-    assert linear_kernel(blocks) == "blocks"
-    assert "14 as 4-bit blocks" in report.path and "1 as 8-bit blocks" in report.path
-    rng = random.Random(n)
-    prefix = torch.tensor([rng.randrange(300) for _ in range(37)])
-    tree = random_tree(rng, n, 300)
+    blocks = packed_blocks_copy(stock, "blocks")
+    prefix, tree = prefix_and_tree(n)
     got = tree_logits(blocks, prefix, tree)
     torch.testing.assert_close(got, tree_logits(panel, prefix, tree), rtol=0, atol=1e-5)
     torch.testing.assert_close(got, tree_logits(stock, prefix, tree), rtol=0, atol=1e-5)
@@ -310,9 +315,7 @@ def test_a_model_scores_trees_with_the_same_bits_on_either_isa(n) -> None:
         models[isa] = model
     assert {m.storage for m in models["avx2"].modules() if isinstance(m, PackedLinear)} == {
         "4-bit blocks", "8-bit blocks", "fp32 panels"}
-    rng = random.Random(n)
-    prefix = torch.tensor([rng.randrange(300) for _ in range(37)])
-    tree = random_tree(rng, n, 300)
+    prefix, tree = prefix_and_tree(n)
     assert torch.equal(tree_logits(models["avx512"], prefix, tree), tree_logits(models["avx2"], prefix, tree))
 
 

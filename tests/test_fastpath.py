@@ -58,6 +58,13 @@ def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
     return DraftTree(torch.tensor(tokens), torch.tensor(parents), sampling="deterministic")
 
 
+def prefix_and_tree(n: int) -> tuple[torch.Tensor, DraftTree]:
+    """A 37-token prefix and an n-node random tree after it, over 300 tokens, seeded by n."""
+    rng = random.Random(n)
+    prefix = torch.tensor([rng.randrange(300) for _ in range(37)])
+    return prefix, random_tree(rng, n, 300)
+
+
 def tree_logits(model, prefix: torch.Tensor, tree: DraftTree) -> torch.Tensor:
     """[N, V] logits of every tree node after a cached prefix, as the verifier computes them."""
     with torch.inference_mode():
@@ -76,9 +83,7 @@ def test_packed_fp32_scores_trees_like_the_stock_model(n, kernel) -> None:
     packed = copy.deepcopy(stock)
     report = pack_linears(packed, kernel=kernel)
     assert report.packed == 2 * 7 + 1 and "fp32" in report.path and linear_kernel(packed) == kernel
-    rng = random.Random(n)
-    prefix = torch.tensor([rng.randrange(300) for _ in range(37)])
-    tree = random_tree(rng, n, 300)
+    prefix, tree = prefix_and_tree(n)
     ref, got = tree_logits(stock, prefix, tree), tree_logits(packed, prefix, tree)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
