@@ -469,14 +469,14 @@ def head_weights(weights: str, target) -> str:
     step on one AMX core with its held-out acceptance unchanged
     (``benchmarks/results/head_weights_amx.md``). A target
     with no blocks (bf16, a GPU, random test weights) keeps the head as trained."""
-    from treespec.fastpath.packing import linear_kernel, stores_blocks
+    from treespec.fastpath.packing import BLOCK_KERNELS, linear_kernel, stores_blocks
 
     if weights not in HEAD_WEIGHTS:
         raise ValueError(f"weights must be one of {HEAD_WEIGHTS} ('auto': 8-bit where the target is stored as "
                          f"integer blocks, else as trained), got {weights!r}")
     if weights == "auto":
         return "int8" if stores_blocks(target.model) else "trained"
-    if weights == "int8" and (kernel := linear_kernel(target.model)) not in ("blocks", "amx"):
+    if weights == "int8" and (kernel := linear_kernel(target.model)) not in BLOCK_KERNELS:
         raise ValueError(f"weights='int8' stores the head as 8-bit blocks for the fp32 block kernel, but the target "
                          f"{target.name!r} runs its linear layers on {kernel!r} ({target.dtype}): load it with "
                          "dtype=torch.float32, pack='blocks' (or 'amx'), or keep weights='trained'")

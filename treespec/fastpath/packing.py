@@ -93,7 +93,8 @@ BF16_PAD_MIN_WEIGHT = 4_000_000   # elements
 
 KERNELS = ("onednn", "panel", "blocks", "amx")
 PANEL_KERNELS = ("panel", "blocks")     # treespec's vector kernels (an ISA to pick, 1..PANEL_MAX_ROWS rows)
-FP32_KERNELS = ("panel", "blocks", "amx")
+BLOCK_KERNELS = ("blocks", "amx")     # the kernels that store exact integer blocks where a weight is one
+FP32_KERNELS = ("panel",) + BLOCK_KERNELS
 _ISA_NAMES = {"avx2": "AVX2", "avx512": "AVX-512"}   # the panel kernels' instruction sets, as printed
 
 
@@ -288,7 +289,7 @@ class PackedLinear(nn.Module):
 
     def _pack(self) -> None:
         packed = None
-        if self.kernel in ("blocks", "amx"):
+        if self.kernel in BLOCK_KERNELS:
             packed = pack_blocks(self.weight)
         if packed is None:
             packed = pack_weight(self.weight) if self.kernel == "onednn" else pack_panels(self.weight)
@@ -453,7 +454,7 @@ def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = N
                 layers.append(layer)
     if plan.kernel in FP32_KERNELS:
         kind = f"fp32, {plan.min_rows}..{plan.max_rows} rows" if plan.max_rows else "fp32 weights, x as bf16"
-        if plan.kernel in ("blocks", "amx"):
+        if plan.kernel in BLOCK_KERNELS:
             stored = Counter(layer.storage for layer in layers)
             kind += "; " + ", ".join(f"{n} as {what}" for what, n in sorted(stored.items()))
     else:
