@@ -114,6 +114,37 @@ def test_expand_compact_agrees_with_expand() -> None:
     assert pair[1].lookup_nodes == 3 and float(full[0, 25].exp()) > 0.25  # "20" -> 25 by lookup
 
 
+def test_compact_columns_grow_with_the_history() -> None:
+    """The compact columns are the head's draft ids in their order, then each committed token
+    outside them once, in order of first occurrence; a commit appends columns in a new tensor
+    (trees already built keep theirs), and q on them still equals ``expand``'s."""
+    target = peaky_target(32, seed=0, num_layers=2, std=0.3)
+    prompt = torch.tensor([3, 20, 25, 3, 20, 25, 3, 20])
+    feats = TargetFeatures({l: torch.randn(len(prompt) - 1, 16) for l in (2, 1, 0)})
+    new = torch.tensor([31, 30, 5, 31])   # 5 is a draft id; 31 twice, before 30
+    new_feats = TargetFeatures({l: torch.randn(len(new), 16) for l in (2, 1, 0)})
+    pair = []
+    for _ in range(2):   # the same drafter twice: one answers expand, the other expand_compact
+        hybrid = HybridDrafter(random_feature_drafter(target, "eagle3", draft_vocab=12), HybridConfig(min_ngram=1))
+        hybrid.begin(prompt, feats)
+        pair.append(hybrid)
+    _, before = pair[1].expand_compact(PartialTree.rooted(20), [0])
+    kept = before.clone()
+    trees = []
+    for hybrid in pair:
+        hybrid.commit(torch.zeros(0, dtype=torch.long), new, new_feats)
+        tree = PartialTree.rooted(31)
+        tree.add(0, 30)
+        trees.append(tree)
+    full = torch.cat([pair[0].expand(trees[0], [n]) for n in (0, 1)])   # the root on its own first
+    parts = [pair[1].expand_compact(trees[1], [n]) for n in (0, 1)]
+    ids = parts[1][1]
+    assert ids.tolist() == list(range(12)) + [20, 25, 31, 30]
+    assert torch.equal(before, kept)
+    torch.testing.assert_close(torch.cat([lg for lg, _ in parts]).exp(), full[:, ids].exp(), atol=1e-6, rtol=0)
+    assert float(full[0, 30].exp()) > 0.25   # "31" -> 30 by lookup (column 15)
+
+
 def test_expand_before_begin_or_on_a_stale_root_is_an_error() -> None:
     hybrid = HybridDrafter(TableDrafter(10), HybridConfig())
     with pytest.raises(ValueError, match="begin"):

@@ -106,8 +106,11 @@ class HybridDrafter:
         self.trials = [0] * (config.max_ngram + 1)
         self.lookup_nodes = 0
         self.calls = 0
-        self._support_key: tuple | None = None   # (history length, draft ids) of _support_cache
-        self._support_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the compact columns (``_support``): the head's draft ids, then committed tokens outside them
+        self._head_ids: torch.Tensor | None = None   # the draft ids the columns were laid out for
+        self._support_ids: torch.Tensor | None = None   # LongTensor[S]: column -> token id
+        self._column: dict[int, int] = {}               # token id -> column
+        self._placed = 0                                # history tokens already given a column
 
     def __repr__(self) -> str:
         return f"HybridDrafter(head={type(self.head).__name__}, config={self.config})"
@@ -121,7 +124,7 @@ class HybridDrafter:
         self.hits = [0] * (self.config.max_ngram + 1)
         self.trials = [0] * (self.config.max_ngram + 1)
         self.lookup_nodes = 0
-        self._support_key = None
+        self._head_ids = None   # committed tokens of the last request leave the columns
 
     def expand(self, tree: PartialTree, nodes: list[int]) -> torch.Tensor:
         """FloatTensor[F, V]: log of λ·v + (1 − λ)·q_head for each node (-inf: q = 0)."""
@@ -135,8 +138,9 @@ class HybridDrafter:
 
         With a reduced-vocabulary head (EAGLE-3) q is zero outside its draft ids and the tokens
         the lookup can vote for, which all occur in the context: committed tokens (fixed while
-        a tree is built) or path tokens (drawn from these very columns). So ids = draft ids ∪
-        committed tokens, sorted; the builders' O(V) passes run on S columns instead of V.
+        a tree is built) or path tokens (drawn from these very columns). So ids = the draft ids
+        (the head's own columns, in its order) then the committed tokens outside them, in order
+        of first occurrence; the builders' O(V) passes run on S columns instead of V.
         """
         compact = getattr(self.head, "expand_compact", None)
         if compact is None:
@@ -146,10 +150,9 @@ class HybridDrafter:
         q = logits.float().softmax(-1)
         if head_ids is None:
             return self._mix(q, tree, nodes, None).log(), None
-        support, cols = self._support(head_ids)
-        # [F, S] the head's q on the support's columns
-        wide = q.new_zeros(q.shape[0], support.numel())
-        wide[:, cols] = q
+        support = self._support(head_ids)
+        # [F, S] the head's q on its own columns, zero on the committed tokens outside them
+        wide = torch.nn.functional.pad(q, (0, support.numel() - q.shape[1]))
         return self._mix(wide, tree, nodes, support).log(), support
 
     def commit(self, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
@@ -196,26 +199,35 @@ class HybridDrafter:
         # [F, W]: scale each row's head part, then add the lookup's point masses
         mix = q * keep.to(q.device)[:, None]
         if rows:
-            cols = torch.tensor(toks, device=q.device)
             if support is not None:
-                cols = torch.searchsorted(support, cols).clamp_max(support.numel() - 1)
-                if not torch.equal(support[cols], torch.tensor(toks, device=q.device)):
-                    raise RuntimeError("a lookup token outside the compact support (a path token not "
-                                       "drawn from these columns?)")
-            index = (torch.tensor(rows, device=q.device), cols)
+                outside = [t for t in toks if t not in self._column]
+                if outside:
+                    raise RuntimeError(f"lookup tokens {outside[:4]} outside the compact support (a path "
+                                       f"token not drawn from these columns?)")
+                toks = [self._column[t] for t in toks]
+            index = (torch.tensor(rows, device=q.device), torch.tensor(toks, device=q.device))
             mix.index_put_(index, torch.tensor(mass, dtype=q.dtype, device=q.device), accumulate=True)
         return mix
 
-    def _support(self, head_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(support LongTensor[S], cols LongTensor[Vd]): sorted draft ids ∪ committed tokens, and
-        where each draft id sits in it; cached until the history grows."""
-        key = (len(self.history), head_ids.data_ptr(), head_ids.numel())
-        if self._support_key != key or self._support_cache is None:
-            seen = torch.tensor(self.history, dtype=torch.long, device=head_ids.device)
-            support = torch.unique(torch.cat((head_ids.long(), seen)))  # sorted
-            self._support_cache = support, torch.searchsorted(support, head_ids.long())
-            self._support_key = key
-        return self._support_cache
+    def _support(self, head_ids: torch.Tensor) -> torch.Tensor:
+        """LongTensor[S], column -> token id: ``head_ids`` in their order, then the committed
+        tokens outside them in order of first occurrence. Grown as the history grows (a new
+        tensor each time, so trees already built keep theirs); laid out again for other ids."""
+        if self._head_ids is not head_ids:
+            self._head_ids, self._support_ids, self._placed = head_ids, head_ids.long(), 0
+            self._column = {t: c for c, t in enumerate(head_ids.tolist())}
+        history = self.history
+        if self._placed < len(history):
+            new: list[int] = []
+            for t in history[self._placed:]:
+                if t not in self._column:
+                    self._column[t] = self._support_ids.numel() + len(new)
+                    new.append(t)
+            self._placed = len(history)
+            if new:
+                extra = torch.tensor(new, dtype=torch.long, device=head_ids.device)
+                self._support_ids = torch.cat((self._support_ids, extra))
+        return self._support_ids
 
     def weight(self, n: int) -> float:
         """λ at match length n: the prior ``weight`` or, adapting, the running hit rate."""
