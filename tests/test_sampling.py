@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from treespec.core.sampling import SamplingConfig, logits_to_probs, process
+from treespec.core.sampling import ARGMAX_CHUNK, SamplingConfig, first_argmax, logits_to_probs, process
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture)
 
@@ -55,6 +55,24 @@ def test_greedy_ties_go_to_the_lowest_id_on_a_real_vocabulary(dtype):
     out = logits_to_probs(logits, temperature=0.0)
     assert out.argmax(-1).tolist() == [min(p) for p in pairs]
     assert torch.equal(out.sum(-1), torch.ones(len(pairs), dtype=out.dtype))
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936, 8 * ARGMAX_CHUNK + 1, 8 * ARGMAX_CHUNK - 1, 40])
+def test_first_argmax_is_max_indices(vocab):
+    """The chunked argmax greedy decoding uses gives ``max(-1).indices`` exactly: random rows,
+    ties inside a chunk, across a chunk boundary, in the padded last chunk, rows of -inf, NaN
+    (the first NaN, as max), and leading dims."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    c = min(ARGMAX_CHUNK, vocab // 2)
+    ties = [(1, 2), (c - 1, c), (vocab - 2, vocab - 1), (0, vocab - 1), (c + 3, vocab - 1)]
+    for row, (a, b) in enumerate(ties):
+        x[row, b] = x[row, a] = 50.0
+    x[5] = -math.inf
+    x[6, vocab // 2] = x[6, vocab - 1] = math.nan
+    x[7, vocab - 1] = math.inf
+    for t in (x, x[:, None].expand(9, 2, vocab), x.double()):
+        assert torch.equal(first_argmax(t), t.max(-1, keepdim=True).indices)
 
 
 def test_top_k():

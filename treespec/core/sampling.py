@@ -74,10 +74,7 @@ def process(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     x = logits.to(dtype)
     vocab = x.shape[-1]
     if cfg.greedy:
-        out = torch.zeros_like(x)
-        # max's indices are argmax's (the first maximal one); PyTorch's CPU max over a dim is the
-        # faster of the two on a few rows of a large vocabulary
-        return out.scatter_(-1, x.max(-1, keepdim=True).indices, 1.0)
+        return torch.zeros_like(x).scatter_(-1, first_argmax(x), 1.0)
     if cfg.temperature != 1.0:   # x / 1 is x, bit for bit: skip a pass over [..., V]
         x = x / cfg.temperature
     if 0 < cfg.top_k < vocab:
@@ -98,3 +95,32 @@ def process(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+ARGMAX_CHUNK = 512   # columns per chunk in ``first_argmax``
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """LongTensor[..., 1]: the first index of each row's maximum over the last dim, as
+    ``x.max(-1, keepdim=True).indices`` (NaN counts as the maximum, as there).
+
+    PyTorch's CPU max over a dim with its index is a scalar loop (about 50 us a row of 49,152
+    here), its max without the index a vector one (about 5 us). So: each row's chunks of
+    ``ARGMAX_CHUNK`` columns reduced by the vector max (the last chunk padded with -inf), the
+    first chunk holding the row's maximum found among those few values, and the index found
+    inside that chunk alone. The first maximal chunk holds the first maximal column, so ties
+    break toward the lowest index, as before."""
+    vocab = x.shape[-1]
+    if vocab < 8 * ARGMAX_CHUNK:
+        return x.max(-1, keepdim=True).indices
+    rows = x.reshape(-1, vocab)
+    chunks = -(-vocab // ARGMAX_CHUNK)
+    if chunks * ARGMAX_CHUNK != vocab:
+        rows = torch.nn.functional.pad(rows, (0, chunks * ARGMAX_CHUNK - vocab), value=-math.inf)
+    # [R, C, ARGMAX_CHUNK]
+    blocks = rows.view(rows.shape[0], chunks, ARGMAX_CHUNK)
+    # [R, 1]: the first chunk holding each row's maximum
+    chunk = blocks.amax(-1).max(-1, keepdim=True).indices
+    inside = blocks[torch.arange(rows.shape[0], device=x.device), chunk[:, 0]].max(-1, keepdim=True).indices
+    return (chunk * ARGMAX_CHUNK + inside).reshape(*x.shape[:-1], 1)
+
