@@ -11,7 +11,8 @@ MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sam
   as a user runs them; ``--all-peers`` adds them in bf16);
 - treespec on the packed target with the shipped eagle3 head: a chain, a best-first tree, and
   ``builder="auto"`` (the cost model with this machine's calibration of the same path);
-  ``--hybrid`` adds a best-first tree drafted by prompt lookup + eagle3 (``hybrid``);
+  ``--hybrid`` adds a best-first tree and ``builder="auto"`` drafted by prompt lookup + eagle3
+  (``hybrid``, calibrated as its own drafter);
 - treespec lookup adaptive: prompt lookup (suffix n-grams of ``--lookup-min-ngram`` tokens or
   more) drafting an adaptive chain (``ChainBuilder(k, min_confidence=...)``): up to k tokens
   where the text repeats, no draft (a plain step) where it does not.
@@ -92,8 +93,10 @@ def build(args):
         }
         if args.hybrid:
             hybrid = treespec.load_drafter("hybrid", packed)
+            hybrid_cal = ensure_calibration(packed, "hybrid")   # the same file, the hybrid's entries added
             gens[f"treespec hybrid best-first {args.budget}"] = treespec.SpeculativeGenerator(
                 packed, hybrid, BestFirstBuilder(args.budget, max_width=4))
+            gens["treespec hybrid auto"] = treespec.SpeculativeGenerator(packed, hybrid, "auto")
         lookup = treespec.load_drafter("lookup", packed, max_ngram=max(3, args.lookup_min_ngram),
                                        min_ngram=args.lookup_min_ngram)
         gens["treespec lookup adaptive"] = treespec.SpeculativeGenerator(
@@ -101,6 +104,10 @@ def build(args):
         auto = gens['treespec auto']
         paths[d]["auto"] = (f"T = 0: {auto.builder.config}, T = 1: {auto.builder_for(1.0).config} (calibration "
                             f"{cal}; {auto_threshold_text(auto.calibration)}; {auto.calibration.loop_text('eagle3')})")
+        if args.hybrid:
+            auto = gens["treespec hybrid auto"]
+            paths[d]["hybrid auto"] = (f"T = 0: {auto.builder.config}, T = 1: {auto.builder_for(1.0).config} "
+                                       f"(calibration {hybrid_cal}; {auto.calibration.loop_text('hybrid')})")
         paths[d]["lookup adaptive"] = f"{lookup.config}, {gens['treespec lookup adaptive'].builder}"
         rows = {}
         if d != "amx":   # amx's stock model is fp32's: its row would be fp32's HF generate again
@@ -308,7 +315,7 @@ def main() -> None:
                     help="the fp32 packed rows' linear kernel (auto: the CPU decides: the block kernel "
                          "wherever there is AVX2)")
     ap.add_argument("--hybrid", action="store_true",
-                    help="add a best-first row with the hybrid drafter (prompt lookup + eagle3)")
+                    help="add a best-first row and an auto row with the hybrid drafter (prompt lookup + eagle3)")
     ap.add_argument("--all-peers", action="store_true",
                     help="also run HF assisted / prompt lookup in bf16 (default: fp32 only, as users run them)")
     ap.add_argument("--dtypes", default="",
