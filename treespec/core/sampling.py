@@ -123,4 +123,3 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     chunk = blocks.amax(-1).max(-1, keepdim=True).indices
     inside = blocks[torch.arange(rows.shape[0], device=x.device), chunk[:, 0]].max(-1, keepdim=True).indices
     return (chunk * ARGMAX_CHUNK + inside).reshape(*x.shape[:-1], 1)
-
