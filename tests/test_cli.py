@@ -131,3 +131,14 @@ def test_bad_input_is_one_error_line_not_a_traceback(capsys, monkeypatch):
     assert cli.main(["generate", "--prompt", "Hi"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "error: builder='auto' needs a calibration; run `treespec calibrate` first"
+
+
+def test_demo_drafts_with_the_hybrid_and_generate_with_eagle3():
+    """The demo's default drafter is the hybrid (its best T = 0 rows in engine_fp32_hybrid and
+    engine_amx_hybrid); ``generate`` keeps eagle3; --drafter overrides either."""
+    from treespec.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["demo"]).drafter == "hybrid"
+    assert parser.parse_args(["demo", "--drafter", "eagle3"]).drafter == "eagle3"
+    assert parser.parse_args(["generate", "--prompt", "Hi"]).drafter == "eagle3"

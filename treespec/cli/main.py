@@ -422,7 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--question", type=int, default=0, help="index into the 80 MT-bench questions")
     # One thread by default: on a small shared machine a 2-thread forward of this model slows
     # down several-fold whenever the other core is busy (OpenMP workers wait for each other).
-    d.set_defaults(func=cmd_demo, budget="auto", threads=1)
+    # The hybrid drafter (prompt lookup mixed into eagle3's q): with auto's tree it reached a
+    # higher tau at T = 0 than eagle3 alone for a little more drafting, on the exact fp32 target
+    # and the amx path alike (benchmarks/results/engine_fp32_hybrid.md, engine_amx_hybrid.md).
+    d.set_defaults(func=cmd_demo, budget="auto", threads=1, drafter="hybrid")
 
     try:
         from treespec.cli.plan import register as register_cost
