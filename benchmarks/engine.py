@@ -60,6 +60,13 @@ def is_plain(name: str) -> bool:
     return name.split(" ", 1)[1] in PLAIN
 
 
+def auto_path(gen, calibration_path, drafter: str) -> str:
+    """What a builder="auto" row runs: its trees at T = 0 and 1, the calibration, the
+    speculation threshold and the generator's own work with ``drafter``."""
+    return (f"T = 0: {gen.builder.config}, T = 1: {gen.builder_for(1.0).config} (calibration "
+            f"{calibration_path}; {auto_threshold_text(gen.calibration)}; {gen.calibration.loop_text(drafter)})")
+
+
 def build(args):
     """{dtype: {row name: callable(ids, T, seed) -> record}} and the fp32 scorer."""
     dtypes = ["fp32"] + (["bf16"] if cpu_info().native_bf16 else []) + (["amx"] if amx_status()[0] else [])
@@ -101,13 +108,9 @@ def build(args):
                                        min_ngram=args.lookup_min_ngram)
         gens["treespec lookup adaptive"] = treespec.SpeculativeGenerator(
             packed, lookup, make_builder("chain", args.chain_k + 1, 5, 4, min_confidence=args.min_confidence))
-        auto = gens['treespec auto']
-        paths[d]["auto"] = (f"T = 0: {auto.builder.config}, T = 1: {auto.builder_for(1.0).config} (calibration "
-                            f"{cal}; {auto_threshold_text(auto.calibration)}; {auto.calibration.loop_text('eagle3')})")
+        paths[d]["auto"] = auto_path(gens["treespec auto"], cal, "eagle3")
         if args.hybrid:
-            auto = gens["treespec hybrid auto"]
-            paths[d]["hybrid auto"] = (f"T = 0: {auto.builder.config}, T = 1: {auto.builder_for(1.0).config} "
-                                       f"(calibration {hybrid_cal}; {auto.calibration.loop_text('hybrid')})")
+            paths[d]["hybrid auto"] = auto_path(gens["treespec hybrid auto"], hybrid_cal, "hybrid")
         paths[d]["lookup adaptive"] = f"{lookup.config}, {gens['treespec lookup adaptive'].builder}"
         rows = {}
         if d != "amx":   # amx's stock model is fp32's: its row would be fp32's HF generate again
