@@ -142,3 +142,24 @@ def test_demo_drafts_with_the_hybrid_and_generate_with_eagle3():
     assert parser.parse_args(["demo"]).drafter == "hybrid"
     assert parser.parse_args(["demo", "--drafter", "eagle3"]).drafter == "eagle3"
     assert parser.parse_args(["generate", "--prompt", "Hi"]).drafter == "eagle3"
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hi", "--budget", "auto"], ["demo"]])
+def test_auto_measures_the_drafter_under_its_key_before_planning(command, monkeypatch):
+    """``generate --budget auto`` and the demo hand the drafter, keyed with its options, to
+    ``ensure_calibration`` (which measures it where the cached file lacks it) before planning."""
+    from treespec.cli import main as cli
+    from treespec.targets.loader import tiny_target
+
+    target = tiny_target(vocab_size=32, seed=0)
+    monkeypatch.setattr(cli, "_load_target", lambda args: target)
+    seen = []
+
+    def ensure(t, key):
+        seen.append((t, key))
+        raise ValueError("stopped after the calibration")
+
+    monkeypatch.setattr(cli, "ensure_calibration", ensure)
+    argv = command + ["--drafter", "lookup", "--drafter-option", "min_ngram=3"]
+    assert cli.main(argv) == 2
+    assert seen == [(target, "lookup[min_ngram=3]")]

@@ -106,16 +106,25 @@ def auto_threshold_line(calibration, n_nodes: int) -> str:
     return auto_threshold_text(calibration) + ("; no tree does: plain decoding" if n_nodes == 1 else "")
 
 
-def _build_generator(args, target=None):
+def _build_generator(args):
     from treespec import SpeculativeGenerator, load_drafter
 
     options = drafter_options(args.drafter_option)     # malformed flags fail before the model loads
-    if args.budget == "auto" and args.min_confidence:
-        raise ValueError("--min-confidence sets a fixed builder's stop; with --budget auto the cost model "
-                         "chooses the tree (give a --budget number to use it)")
-    target = target if target is not None else _load_target(args)
+    key = None   # --budget auto: the name the drafter's calibration entries go under
+    if args.budget == "auto":
+        if args.min_confidence:
+            raise ValueError("--min-confidence sets a fixed builder's stop; with --budget auto the cost model "
+                             "chooses the tree (give a --budget number to use it)")
+        from treespec.drafters.base import drafter_key, merged_options
+
+        key = drafter_key(*merged_options(args.drafter, options))   # its options change its costs
+        if key is None:
+            raise ValueError(f"--drafter-option: {args.drafter_option} cannot name a calibration (a value with "
+                             f"one of [],=); give --budget a number instead of auto")
+    target = _load_target(args)
     drafter = load_drafter(args.drafter, target, **options)
     if args.budget == "auto":
+        ensure_calibration(target, key)   # measures the drafter once where the cached file lacks it
         gen = SpeculativeGenerator(target, drafter, "auto", verify=args.verify)
         print(f"[auto tree: {gen.builder.config}; {auto_threshold_line(gen.calibration, gen.builder.budget)}]",
               file=sys.stderr)
@@ -353,16 +362,7 @@ def cmd_demo(args) -> int:
         raise ValueError(f"--question must be an index from 0 to {len(questions) - 1} (the MT-bench "
                          f"questions), got {args.question}")
     q = questions[args.question]
-    target = _load_target(args)
-    if args.budget == "auto":   # calibrate the drafter as loaded: its options change its costs
-        from treespec.drafters.base import drafter_key, merged_options
-
-        key = drafter_key(*merged_options(args.drafter, drafter_options(args.drafter_option)))
-        if key is None:
-            raise ValueError(f"--drafter-option: {args.drafter_option} cannot name a calibration (a value with "
-                             f"one of [],=); give --budget a number instead of auto")
-        ensure_calibration(target, key)
-    target, gen = _build_generator(args, target)
+    target, gen = _build_generator(args)
     print(f"MT-bench #{q.question_id} ({q.category}): {q.turns[0]}\n", flush=True)
     ids = gen.encode(q.turns[0])
     gen.generate(ids, max_new_tokens=8)  # warm-up
