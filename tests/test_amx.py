@@ -28,7 +28,7 @@ from treespec.core.tree import DraftTree
 from treespec.fastpath.attention import use_row_attention
 from treespec.fastpath.kernels import amx_linear, amx_status, kernel_isa, pack_blocks, row_attention_kernel
 from treespec.runtime.verifier import TreeVerifier
-from treespec.fastpath.packing import PackedLinear, linear_kernel, pack_linears
+from treespec.fastpath.packing import PackedLinear, pack_linears
 from treespec.planning.calibration import default_calibration_path
 
 from _engine_helpers import NoisyTargetDrafter

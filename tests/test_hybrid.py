@@ -87,9 +87,10 @@ def test_lambda_learns_the_lookups_hit_rate_per_match_length() -> None:
     assert fixed.weight(2) == 0.5 and fixed.trials == [0] * 5
 
 
-def test_expand_compact_agrees_with_expand() -> None:
-    """With an EAGLE-3 head (draft ids 0..11 of 32) the compact columns are draft ids ∪ committed
-    tokens, and q there equals ``expand``'s; ``expand`` is -inf everywhere else."""
+def eagle3_hybrid_pair() -> list[HybridDrafter]:
+    """Two copies of one hybrid over a random EAGLE-3 head (draft ids 0..11 of 32), begun on the
+    same prompt ("3 20 25" three times, then 3 20) and features: one answers ``expand``, the other
+    ``expand_compact`` (a feature head expands each node once)."""
     target = peaky_target(32, seed=0, num_layers=2, std=0.3)
     prompt = torch.tensor([3, 20, 25, 3, 20, 25, 3, 20])
     feats = TargetFeatures({l: torch.randn(len(prompt) - 1, 16) for l in (2, 1, 0)})
@@ -98,6 +99,13 @@ def test_expand_compact_agrees_with_expand() -> None:
         hybrid = HybridDrafter(random_feature_drafter(target, "eagle3", draft_vocab=12), HybridConfig(min_ngram=1))
         hybrid.begin(prompt, feats)
         pair.append(hybrid)
+    return pair
+
+
+def test_expand_compact_agrees_with_expand() -> None:
+    """With an EAGLE-3 head (draft ids 0..11 of 32) the compact columns are draft ids ∪ committed
+    tokens, and q there equals ``expand``'s; ``expand`` is -inf everywhere else."""
+    pair = eagle3_hybrid_pair()
     trees = [PartialTree.rooted(20) for _ in pair]
     for t in trees:
         t.add(t.add(0, 25), 3)
@@ -118,16 +126,9 @@ def test_compact_columns_grow_with_the_history() -> None:
     """The compact columns are the head's draft ids in their order, then each committed token
     outside them once, in order of first occurrence; a commit appends columns in a new tensor
     (trees already built keep theirs), and q on them still equals ``expand``'s."""
-    target = peaky_target(32, seed=0, num_layers=2, std=0.3)
-    prompt = torch.tensor([3, 20, 25, 3, 20, 25, 3, 20])
-    feats = TargetFeatures({l: torch.randn(len(prompt) - 1, 16) for l in (2, 1, 0)})
+    pair = eagle3_hybrid_pair()
     new = torch.tensor([31, 30, 5, 31])   # 5 is a draft id; 31 twice, before 30
     new_feats = TargetFeatures({l: torch.randn(len(new), 16) for l in (2, 1, 0)})
-    pair = []
-    for _ in range(2):   # the same drafter twice: one answers expand, the other expand_compact
-        hybrid = HybridDrafter(random_feature_drafter(target, "eagle3", draft_vocab=12), HybridConfig(min_ngram=1))
-        hybrid.begin(prompt, feats)
-        pair.append(hybrid)
     _, before = pair[1].expand_compact(PartialTree.rooted(20), [0])
     kept = before.clone()
     trees = []
