@@ -199,12 +199,12 @@ class HybridDrafter:
         # [F, W]: scale each row's head part, then add the lookup's point masses
         mix = q * keep.to(q.device)[:, None]
         if rows:
-            if support is not None:
-                outside = [t for t in toks if t not in self._column]
-                if outside:
-                    raise RuntimeError(f"lookup tokens {outside[:4]} outside the compact support (a path "
-                                       f"token not drawn from these columns?)")
-                toks = [self._column[t] for t in toks]
+            if support is not None:   # token ids -> their compact columns
+                cols = [self._column.get(t) for t in toks]
+                if None in cols:
+                    raise RuntimeError(f"lookup token {toks[cols.index(None)]} outside the compact support (a "
+                                       f"path token not drawn from these columns?)")
+                toks = cols
             index = (torch.tensor(rows, device=q.device), torch.tensor(toks, device=q.device))
             mix.index_put_(index, torch.tensor(mass, dtype=q.dtype, device=q.device), accumulate=True)
         return mix
