@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespec.drafters.base import PartialTree, TargetFeatures, fused_slots, tree_slot_mask
+from treespec.fastpath.kernels import row_attention_kernel
 
 HeadKind = Literal["eagle", "eagle3", "mtp"]
 
@@ -125,6 +126,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 == self.weight.dtype:   # one fused op (the same arithmetic, fp32 throughout)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
@@ -138,7 +141,8 @@ class DraftBlock(nn.Module):
     """One Llama-style decoder block whose attention reads ``in_dim`` inputs.
 
     forward(attn_in [B, T, in_dim], residual [B, T, H], pos LongTensor[B, T],
-            past (k, v) each [B, Hkv, S, d] or None, mask BoolTensor[B|1, 1, T, S + T])
+            past (k, v) each [B, Hkv, S, d], None, or an HF cache layer holding them (its
+            ``update`` appends the new positions: a drafter's GrowingLayer), mask BoolTensor[B|1, 1, T, S + T])
         -> (out [B, T, H], (k, v) of the T new positions, each [B, Hkv, T, d])
     Every mask row must allow at least one key (its own position).
     """
@@ -158,6 +162,28 @@ class DraftBlock(nn.Module):
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         self.register_buffer("inv_freq", inv, persistent=False)
 
+    def _attend(self, q, k_all, v_all, mask) -> torch.Tensor:
+        """softmax(q K^T / sqrt(d)) V under ``mask`` -> [B, T, nh, d]. Drafting (no autograd, fp32
+        on a CPU with the AVX-512 kernels) takes the row kernel of the amx targets, which reads
+        each grouped KV head in place for a few rows at a fraction of SDPA's fixed cost
+        (``treespec.fastpath.attention``); training and every other case take SDPA."""
+        if (not torch.is_grad_enabled() and q.dtype == torch.float32 and q.is_cpu and mask is not None
+                and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[:3] == (q.shape[0], 1, q.shape[2])
+                and self._row_kernel()):
+            return row_attention_kernel(q, k_all, v_all, mask, self.d ** -0.5)
+        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.nkv != self.nh)
+        return o.transpose(1, 2)
+
+    def _row_kernel(self) -> bool:
+        """Whether the row attention kernel serves this block (AVX-512 kernels built, d fits)."""
+        usable = self.__dict__.get("_row_usable")
+        if usable is None:
+            from treespec.fastpath.kernels import kernel_isa, panel_status
+
+            usable = self.d % 16 == 0 and self.d <= 256 and panel_status()[0] and kernel_isa() == "avx512"
+            self.__dict__["_row_usable"] = usable
+        return usable
+
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [B, 1, T, d]
         ang = pos[..., None].float() * self.inv_freq
@@ -174,10 +200,12 @@ class DraftBlock(nn.Module):
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        k_all = k if past is None else torch.cat((past[0], k), dim=2)
-        v_all = v if past is None else torch.cat((past[1], v), dim=2)
-        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.nkv != self.nh)
-        h = residual + self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
+        if past is None or isinstance(past, tuple):
+            k_all = k if past is None else torch.cat((past[0], k), dim=2)
+            v_all = v if past is None else torch.cat((past[1], v), dim=2)
+        else:   # a cache layer (the drafter's GrowingLayer): appends the new rows, returns them all
+            k_all, v_all = past.update(k, v)
+        h = residual + self.o_proj(self._attend(q, k_all, v_all, mask).reshape(b, t, self.nh * self.d))
         m = self.mlp_norm(h)
         return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m)), (k, v)
 
@@ -253,8 +281,9 @@ def build_head(cfg: HeadConfig, trunk: Trunk, d2t: torch.Tensor | None = None) -
 class FeatureDrafter:
     """Drives a FeatureHead through begin / expand / commit with a stable cache.
 
-    State between calls: ``k, v`` [1, Hkv, S, d] cache (committed slots first, then the tree
-    region of the current tree), ``committed`` (S of committed slots), ``pending`` (tokens and
+    State between calls: ``cache``, the head's KV cache (a ``GrowingLayer``: keys and values
+    [1, Hkv, S, d] written in place, committed slots first, then the tree region of the current
+    tree), ``committed`` (S of committed slots), ``pending`` (tokens and
     features of committed slots not yet fed), per-tree maps node -> g and node -> cache slot.
     """
 
@@ -274,9 +303,9 @@ class FeatureDrafter:
         self._reset()
 
     def _reset(self) -> None:
-        b = self.head.block
-        empty = torch.zeros(1, b.nkv, 0, b.d, device=self.device, dtype=self.dtype)
-        self.k, self.v = empty, empty.clone()
+        from treespec.runtime.kvcache import GrowingLayer   # (runtime imports the drafters)
+
+        self.cache = GrowingLayer()
         self.committed = 0
         self.pending_tokens: list[int] = []
         self.pending_feats: torch.Tensor | None = None
@@ -308,7 +337,7 @@ class FeatureDrafter:
         bad = [n for n in nodes if tree.parents[n] not in self.g or n in self.g]
         if bad:
             raise ValueError(f"nodes {bad} cannot be expanded: each node is expanded once, after its parent")
-        base = self.k.shape[2]
+        base = self._cached()
         toks = torch.tensor([tree.tokens[n] for n in nodes], device=self.device)[None]
         feat = torch.stack([self.g[tree.parents[n]] for n in nodes])[None]
         pos = torch.tensor([self.root_pos + tree.depth[n] for n in nodes], device=self.device)[None]
@@ -342,7 +371,8 @@ class FeatureDrafter:
             raise ValueError(f"commit needs features for the old root and the {len(toks) - 1} accepted "
                              f"nodes ({len(toks)} rows), got {features.length}")
         # Stable cache: drop every tree slot (and a featureless temporary root slot).
-        self.k, self.v = self.k[:, :, : self.committed], self.v[:, :, : self.committed]
+        if (extra := self._cached() - self.committed) > 0:
+            self.cache.crop(-extra)
         self.g, self.slot = {}, {}
         self.root_token = toks[-1]
         self._queue(toks, features)
@@ -383,11 +413,12 @@ class FeatureDrafter:
     def _run(self, toks, feat, pos, allowed) -> torch.Tensor:
         """One head forward over new slots appended to the cache; returns g [T, H]."""
         self.calls += 1
-        past = (self.k, self.v) if self.k.shape[2] else None
-        g, (k, v) = self.head(toks, feat, pos, past, allowed[None, None])
-        self.k = torch.cat((self.k, k), dim=2)
-        self.v = torch.cat((self.v, v), dim=2)
+        g, _ = self.head(toks, feat, pos, self.cache, allowed[None, None])   # appends to the cache
         return g[0]
+
+    def _cached(self) -> int:
+        """Slots in the head's cache (committed, then the current tree's)."""
+        return self.cache.keys.shape[2] if self.cache.is_initialized else 0
 
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[F, Vd] draft logits -> [F, V] float32; tokens outside the draft vocabulary get -inf."""
@@ -399,7 +430,11 @@ class FeatureDrafter:
 
     def committed_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of the committed slots, each [1, Hkv, S, d] (for tests)."""
-        return self.k[:, :, : self.committed], self.v[:, :, : self.committed]
+        if not self.cache.is_initialized:
+            b = self.head.block
+            empty = torch.zeros(1, b.nkv, 0, b.d, device=self.device, dtype=self.dtype)
+            return empty, empty.clone()
+        return self.cache.keys[:, :, : self.committed], self.cache.values[:, :, : self.committed]
 
 
 # ---------------------------------------------------------------------------------------- factories
