@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespec.drafters.base import PartialTree, TargetFeatures, fused_slots, tree_slot_mask
-from treespec.fastpath.kernels import row_attention_kernel
+from treespec.fastpath.kernels import draft_block_post, draft_block_pre, row_attention_kernel
+from treespec.fastpath.packing import PackedLinear
 
 HeadKind = Literal["eagle", "eagle3", "mtp"]
 
@@ -162,6 +163,36 @@ class DraftBlock(nn.Module):
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         self.register_buffer("inv_freq", inv, persistent=False)
 
+    def _fused_layers(self, attn_in, past, mask) -> tuple[list, str | None] | None:
+        """(the seven layers' integer blocks, their ISA) where a drafting call can take the fused
+        kernels (``treespec.fastpath.kernels.draft_block_pre`` / ``_post``): no autograd, one
+        fp32 CPU sequence appending to a cache layer under a bool mask, every linear layer on the
+        vector block kernel, the row attention kernel available. Else None (the module path)."""
+        if (torch.is_grad_enabled() or past is None or isinstance(past, tuple) or attn_in.dtype != torch.float32
+                or not attn_in.is_cpu or attn_in.shape[0] != 1 or mask is None or mask.dtype != torch.bool
+                or mask.dim() != 4 or mask.shape[:3] != (1, 1, attn_in.shape[1]) or not self._row_kernel()):
+            return None
+        layers = (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj, self.down_proj)
+        if not all(isinstance(layer, PackedLinear) for layer in layers) or len({l.isa for l in layers}) != 1:
+            return None
+        blocks = [layer.blocks() for layer in layers]
+        if any(b is None for b in blocks) or self.mlp_norm.weight.dtype != torch.float32:
+            return None
+        return blocks, layers[0].isa
+
+    def _forward_fused(self, attn_in, residual, pos, past, mask, blocks, isa):
+        """``forward`` in two compiled calls around the cache update (same formulas, float32)."""
+        t = attn_in.shape[1]
+        q, k, v = draft_block_pre(attn_in.reshape(t, -1).contiguous(), pos.reshape(t).contiguous(), self.inv_freq,
+                                  self.nh, self.nkv, self.d, blocks[:3], isa)
+        # [T, nkv d] -> [1, nkv, T, d]
+        k = k.view(1, t, self.nkv, self.d).transpose(1, 2)
+        v = v.view(1, t, self.nkv, self.d).transpose(1, 2)
+        k_all, v_all = past.update(k, v)
+        out = draft_block_post(q, k_all, v_all, mask, residual.reshape(t, -1).contiguous(), self.mlp_norm.weight,
+                               self.mlp_norm.eps, self.nh, self.d, blocks[3:], isa)
+        return out.view(1, t, -1), (k, v)
+
     def _attend(self, q, k_all, v_all, mask) -> torch.Tensor:
         """softmax(q K^T / sqrt(d)) V under ``mask`` -> [B, T, nh, d]. Drafting (no autograd, fp32
         on a CPU with the AVX-512 kernels) takes the row kernel of the amx targets, which reads
@@ -191,6 +222,8 @@ class DraftBlock(nn.Module):
         return ang.cos(), ang.sin()
 
     def forward(self, attn_in, residual, pos, past, mask):
+        if (fused := self._fused_layers(attn_in, past, mask)) is not None:
+            return self._forward_fused(attn_in, residual, pos, past, mask, *fused)
         b, t, _ = attn_in.shape
         # (B, nh, T, d) / (B, nkv, T, d)
         q = self.q_proj(attn_in).view(b, t, self.nh, self.d).transpose(1, 2)

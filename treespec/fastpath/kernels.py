@@ -51,6 +51,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -61,7 +62,7 @@ from treespec.fastpath.cpu import CpuInfo, cpu_info
 
 __all__ = ["AMX_FLAGS", "BLOCK", "ISAS", "PANEL", "BlockPanels", "PanelUnavailable", "amx_linear", "amx_status",
            "block_linear", "kernel_isa", "pack_blocks", "pack_panels", "panel_linear", "panel_status",
-           "round_to_blocks8", "row_attention_kernel"]
+           "draft_block_post", "draft_block_pre", "round_to_blocks8", "row_attention_kernel"]
 
 PANEL = 16
 BLOCK = 32
@@ -454,3 +455,30 @@ def row_attention_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     a causal pass over the last rows), in key order: query [B, Hq, T, d], key/value [B, Hkv, S, d]
     -> [B, T, Hq, d] float32 (:func:`treespec.fastpath.attention.row_attention`). AVX-512 F only."""
     return _kernel().row_attention(query, key, value, mask, float(scale))
+
+
+def _layer_args(layers: Sequence[BlockPanels]) -> tuple[list, list, list, list]:
+    return ([b.blob for b in layers], [b.bits for b in layers], [b.half_scales for b in layers],
+            [b.out_features for b in layers])
+
+
+def draft_block_pre(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, heads: int, kv_heads: int,
+                    head_dim: int, layers: Sequence[BlockPanels], isa: str | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A feature head block's first half for a few drafting rows, in one call: x [T, Din] float32
+    through the q, k, v layers (``layers``, as :func:`block_linear` reads them), then q and k
+    rotated to ``pos`` (LongTensor[T]; angles ``pos * inv_freq``, rotate-half layout) ->
+    (q [T, heads d], k [T, kv_heads d], v [T, kv_heads d])."""
+    return tuple(_kernel().draft_block_pre(x, pos, inv_freq, heads, kv_heads, head_dim, *_layer_args(layers),
+                                           _isa_index(isa)))
+
+
+def draft_block_post(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, heads: int, head_dim: int,
+                     layers: Sequence[BlockPanels], isa: str | None = None) -> torch.Tensor:
+    """Its second half: attention of q [T, heads d] over keys / values [1, Hkv, S, d] (the cache,
+    the T new rows last) under the bool ``mask`` [1, 1, T, >= S] by the row kernel, the o layer
+    plus ``residual`` [T, H], then the MLP (gate, up, down layers) on its RMS norm
+    (``norm_weight``, ``eps``) added -> [T, H]. AVX-512 F only, as :func:`row_attention_kernel`."""
+    return _kernel().draft_block_post(q, keys, values, mask, residual, norm_weight, float(eps), heads, head_dim,
+                                      *_layer_args(layers), _isa_index(isa))

@@ -333,6 +333,15 @@ class PackedLinear(nn.Module):
             return panel_linear(x, packed, self.out_features, bias, self.isa)
         return F.linear(x, weight, bias)
 
+    def blocks(self) -> BlockPanels | None:
+        """The integer blocks the vector block kernel reads for this layer (repacked first if the
+        weight changed), or None where it runs another kernel or stores fp32 panels."""
+        if self.kernel != "blocks":
+            return None
+        if self.weight._version != self._version:
+            self._pack()
+        return self._packed if isinstance(self._packed, BlockPanels) else None
+
     def extra_repr(self) -> str:
         rows = f"{self.min_rows}..{self.max_rows}" if self.max_rows is not None else f">= {self.min_rows}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

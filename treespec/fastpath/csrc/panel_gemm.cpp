@@ -1226,6 +1226,117 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// A feature head's decoder block for a few drafting rows (treespec.drafters.feature.DraftBlock's
+// fast path), in two calls around the drafter's KV cache update. Every linear layer is a blob of
+// panel_linear_blocks' records; the rest (rotary embedding, residual adds, RMS norm, SiLU times
+// the up projection) is done here row by row, so a call costs the layers' reads and a few
+// microseconds instead of some forty PyTorch operations from Python. The arithmetic is the
+// block's: the same formulas in float32, not the same bits as PyTorch's operations.
+namespace {
+
+// y [M, out] = x @ W^T for one layer's blob (its last panel's zero padding dropped)
+torch::Tensor blocks_linear(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, bool half, int64_t out,
+                            int64_t isa) {
+  torch::Tensor y = panel_linear_blocks(x, blob, bits, isa, half);
+  return y.size(1) == out ? y : y.narrow(1, 0, out).contiguous();
+}
+
+// Rotary embedding in place on the heads of one row (rotate-half layout: element i pairs with i + d / 2).
+void rope_row(float* x, int64_t heads, int64_t d, const float* cs, const float* sn) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* xh = x + h * d;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = xh[i], b = xh[i + half];
+      xh[i] = a * cs[i] - b * sn[i];
+      xh[i + half] = b * cs[i] + a * sn[i];
+    }
+  }
+}
+
+}  // namespace
+
+// x [T, Din] float32; pos [T] int64; inv_freq [d / 2] float32; blobs / bits / half / outs: the
+// q, k and v projections (panel_linear_blocks' records). -> (q [T, nh d], k [T, nkv d], v [T, nkv d]),
+// q and k rotated to their positions: cos and sin of pos * inv_freq.
+std::vector<torch::Tensor> draft_block_pre(const torch::Tensor& x, const torch::Tensor& pos, const torch::Tensor& inv_freq,
+                                           int64_t nh, int64_t nkv, int64_t d, const std::vector<torch::Tensor>& blobs,
+                                           const std::vector<int64_t>& bits, const std::vector<bool>& half,
+                                           const std::vector<int64_t>& outs, int64_t isa) {
+  TORCH_CHECK(blobs.size() == 3 && bits.size() == 3 && half.size() == 3 && outs.size() == 3,
+              "draft_block_pre: three layers (q, k, v)");
+  TORCH_CHECK(outs[0] == nh * d && outs[1] == nkv * d && outs[2] == nkv * d, "draft_block_pre: layer sizes");
+  TORCH_CHECK(d % 2 == 0 && inv_freq.numel() == d / 2 && inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous(),
+              "draft_block_pre: inv_freq [d / 2] float32");
+  TORCH_CHECK(pos.dim() == 1 && pos.numel() == x.size(0) && pos.scalar_type() == at::kLong && pos.is_contiguous(),
+              "draft_block_pre: pos [T] int64");
+  torch::Tensor q = blocks_linear(x, blobs[0], bits[0], half[0], outs[0], isa);
+  torch::Tensor k = blocks_linear(x, blobs[1], bits[1], half[1], outs[1], isa);
+  torch::Tensor v = blocks_linear(x, blobs[2], bits[2], half[2], outs[2], isa);
+  const int64_t T = x.size(0), half_d = d / 2;
+  const float* inv = inv_freq.data_ptr<float>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  std::vector<float> cs(half_d), sn(half_d);
+  for (int64_t t = 0; t < T; ++t) {
+    const float p = static_cast<float>(pp[t]);
+    for (int64_t i = 0; i < half_d; ++i) {
+      const float angle = p * inv[i];
+      cs[i] = std::cos(angle);
+      sn[i] = std::sin(angle);
+    }
+    rope_row(q.data_ptr<float>() + t * nh * d, nh, d, cs.data(), sn.data());
+    rope_row(k.data_ptr<float>() + t * nkv * d, nkv, d, cs.data(), sn.data());
+  }
+  return {q, k, v};
+}
+
+// q [T, nh d] (draft_block_pre's); keys / values [1, nkv, S, d] (the cache, the T new rows last);
+// mask bool [1, 1, T, >= S]; residual [T, H]; norm_w [H]; blobs ...: o, gate, up and down.
+// -> [T, H]: residual + o(attention), then + down(silu(gate(n)) * up(n)) with n its RMS norm.
+// AVX-512 F only (row_attention's kernel; the caller checks).
+torch::Tensor draft_block_post(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                               const torch::Tensor& mask, const torch::Tensor& residual, const torch::Tensor& norm_w,
+                               double eps, int64_t nh, int64_t d, const std::vector<torch::Tensor>& blobs,
+                               const std::vector<int64_t>& bits, const std::vector<bool>& half,
+                               const std::vector<int64_t>& outs, int64_t isa) {
+  TORCH_CHECK(blobs.size() == 4 && bits.size() == 4 && half.size() == 4 && outs.size() == 4,
+              "draft_block_post: four layers (o, gate, up, down)");
+  const int64_t T = q.size(0), H = residual.size(1), I = outs[1];
+  TORCH_CHECK(q.dim() == 2 && q.size(1) == nh * d && q.is_contiguous(), "draft_block_post: q [T, nh d]");
+  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == T && residual.scalar_type() == at::kFloat &&
+              residual.is_contiguous(), "draft_block_post: residual [T, H] float32");
+  TORCH_CHECK(norm_w.numel() == H && norm_w.scalar_type() == at::kFloat && norm_w.is_contiguous(),
+              "draft_block_post: norm_w [H] float32");
+  TORCH_CHECK(outs[0] == H && outs[2] == I && outs[3] == H, "draft_block_post: layer sizes");
+  // [1, nh, T, d] view of q -> [1, T, nh, d]
+  torch::Tensor o = row_attention(q.view({1, T, nh, d}).transpose(1, 2), keys, values, mask, 1.0 / std::sqrt(double(d)));
+  torch::Tensor h = blocks_linear(o.view({T, nh * d}), blobs[0], bits[0], half[0], outs[0], isa);
+  float* hp = h.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const float* w = norm_w.data_ptr<float>();
+  torch::Tensor n = torch::empty({T, H}, h.options());
+  float* np_ = n.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    float* ht = hp + t * H;
+    float ss = 0.0f;
+    for (int64_t j = 0; j < H; ++j) {
+      ht[j] += rp[t * H + j];
+      ss += ht[j] * ht[j];
+    }
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+    for (int64_t j = 0; j < H; ++j) np_[t * H + j] = ht[j] * r * w[j];
+  }
+  torch::Tensor g = blocks_linear(n, blobs[1], bits[1], half[1], outs[1], isa);
+  torch::Tensor u = blocks_linear(n, blobs[2], bits[2], half[2], outs[2], isa);
+  float* gp = g.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  for (int64_t i = 0; i < T * I; ++i) gp[i] = gp[i] / (1.0f + std::exp(-gp[i])) * up[i];
+  torch::Tensor out = blocks_linear(g, blobs[3], bits[3], half[3], outs[3], isa);
+  out.add_(h);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "y = x @ W^T with W stored as 16-column panels",
         pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("isa") = 0);
@@ -1239,4 +1350,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_permitted", &amx_permitted, "whether the OS granted this process the AMX tile state");
   m.def("row_attention", &row_attention, "softmax(scale q K^T) V, each query row over its allowed keys as alone",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"));
+  m.def("draft_block_pre", &draft_block_pre, "a feature head block's q, k, v projections and rotary embedding");
+  m.def("draft_block_post", &draft_block_post, "a feature head block's attention, output projection and MLP");
 }
