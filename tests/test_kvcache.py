@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -84,6 +85,11 @@ def test_growing_layer_crops_grows_and_adopts_tensors_put_into_it() -> None:
     assert torch.equal(keys, k) and torch.equal(values, v) and layer.get_seq_length() == 5
     layer.crop(-2)
     assert torch.equal(layer.keys, k[..., :3, :]) and layer.get_seq_length() == 3
+    assert layer.keys.data_ptr() == layer._key_buf.data_ptr()   # a view of the buffer, as HF's crop slices
+    with pytest.raises(ValueError, match="positive value"):
+        layer.crop(2)                                            # HF's refusal stands
+    layer.crop(0)
+    assert layer.get_seq_length() == 3
     new = torch.randn(2, 100, 3, 8).transpose(1, 2)   # a strided view, as attention gives; past the first capacity
     assert not new.is_contiguous()
     keys, _ = layer.update(new, new)

@@ -73,6 +73,9 @@ class GrowingLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         adopted = self.is_initialized and self.keys is self._view
+        if adopted and type(tokens_to_remove) is int and tokens_to_remove < 0:   # the verifier's and drafters' crop:
+            self._set_length(max(self.keys.shape[-2] + tokens_to_remove, 0))      # shorter views, no checks to pay
+            return
         super().crop(tokens_to_remove)   # checks the argument; slices the views
         if adopted:
             self._view = self.keys       # still views of the buffer, shorter
