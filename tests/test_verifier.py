@@ -197,3 +197,22 @@ def test_score_before_prefill_is_an_error() -> None:
     tree = as_draft_tree(_star(1, [2, 3]), None, "deterministic")
     with pytest.raises(RuntimeError, match="prefill"):
         verifier.score(tree)
+
+
+def test_compact_takes_a_path_from_the_root_only() -> None:
+    """Kept rows move down in place (each after the ones before it), so ``keep`` must be a path:
+    increasing from node 0. Anything else is refused before the cache is touched."""
+    verifier = TreeVerifier(peaky_llama(V), SamplingConfig())
+    verifier.prefill(torch.tensor([5, 6, 7]))
+    tree = as_draft_tree(_star(1, [2, 3]), None, "deterministic")
+    verifier.score(tree)
+    before = [layer.keys.clone() for layer in verifier.cache.layers]
+    for bad in ([1, 2], [0, 2, 1], [0, 0], []):
+        with pytest.raises(ValueError, match="path from the root"):
+            verifier.compact(torch.tensor(bad, dtype=torch.long))
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(before, verifier.cache.layers))
+    verifier.compact(torch.tensor([0, 2]))
+    assert verifier.prefix_len == 4
+    for old, layer in zip(before, verifier.cache.layers):     # node 2's row moved into node 1's place
+        assert layer.keys.shape[-2] == 4
+        assert torch.equal(layer.keys[..., :3, :], old[..., :3, :]) and torch.equal(layer.keys[..., 3, :], old[..., 4, :])

@@ -101,19 +101,23 @@ class TreeVerifier:
     def compact(self, keep: torch.Tensor) -> None:
         """Keep the tree rows ``keep`` (LongTensor[K], node indices incl. the root, root first).
 
-        Gathers rows P + keep to P .. P + K - 1 in place in every layer, then crops the rest.
+        Moves rows P + keep[i] to P + i in place in every layer, then crops the rest.
         The last kept node's token is *not* the next root: the next root is the new token, so
         after compaction the prefix is P + K and every cached position is committed.
         """
-        p = self.prefix_len
-        idx = keep.to(self.device) + p
-        k = idx.numel()
-        moved = not torch.equal(idx, torch.arange(p, p + k, device=self.device))  # else in place
+        nodes = keep.tolist()
+        if not nodes or nodes[0] != 0 or any(b <= a for a, b in zip(nodes, nodes[1:])):
+            raise ValueError(f"keep must be a path from the root, increasing from node 0, got {nodes}")
+        p, k = self.prefix_len, len(nodes)
+        # A path's nodes increase (a node comes after its parent), so each kept row moves down or
+        # stays and no move overwrites a row a later one reads: usually none or one row moves,
+        # a copy per moved row instead of a gather of all K.
+        moves = [(p + i, p + node) for i, node in enumerate(nodes) if node != i]
         for layer in self.cache.layers:
             total = layer.keys.shape[-2]
-            if moved:
-                layer.keys[..., p:p + k, :] = layer.keys.index_select(-2, idx)
-                layer.values[..., p:p + k, :] = layer.values.index_select(-2, idx)
+            for dst, src in moves:
+                layer.keys[..., dst, :] = layer.keys[..., src, :]
+                layer.values[..., dst, :] = layer.values[..., src, :]
             if total > p + k:
                 layer.crop(-(total - p - k))
-        self.prefix_len = p + keep.numel()
+        self.prefix_len = p + k
