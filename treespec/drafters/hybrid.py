@@ -180,7 +180,7 @@ class HybridDrafter:
     def _mix(self, q: torch.Tensor, tree: PartialTree, nodes: list[int], support: torch.Tensor | None) -> torch.Tensor:
         """λ·v + (1 − λ)·q per row. q: FloatTensor[F, W], the head's q on W columns: token ids
         (support None) or ``support``'s ids."""
-        keep = torch.ones(len(nodes), dtype=q.dtype)
+        keep = [1.0] * len(nodes)
         rows: list[int] = []
         toks: list[int] = []
         mass: list[float] = []
@@ -196,17 +196,18 @@ class HybridDrafter:
             toks += list(votes)
             mass += [lam * c / total for c in votes.values()]
             self.lookup_nodes += lam > 0.0
+        if not rows:   # no node has votes: the head's q as it is
+            return q
         # [F, W]: scale each row's head part, then add the lookup's point masses
-        mix = q * keep.to(q.device)[:, None]
-        if rows:
-            if support is not None:   # token ids -> their compact columns
-                cols = [self._column.get(t) for t in toks]
-                if None in cols:
-                    raise RuntimeError(f"lookup token {toks[cols.index(None)]} outside the compact support (a "
-                                       f"path token not drawn from these columns?)")
-                toks = cols
-            index = (torch.tensor(rows, device=q.device), torch.tensor(toks, device=q.device))
-            mix.index_put_(index, torch.tensor(mass, dtype=q.dtype, device=q.device), accumulate=True)
+        mix = q * torch.tensor(keep, dtype=q.dtype, device=q.device)[:, None]
+        if support is not None:   # token ids -> their compact columns
+            cols = [self._column.get(t) for t in toks]
+            if None in cols:
+                raise RuntimeError(f"lookup token {toks[cols.index(None)]} outside the compact support (a "
+                                   f"path token not drawn from these columns?)")
+            toks = cols
+        index = (torch.tensor(rows, device=q.device), torch.tensor(toks, device=q.device))
+        mix.index_put_(index, torch.tensor(mass, dtype=q.dtype, device=q.device), accumulate=True)
         return mix
 
     def _support(self, head_ids: torch.Tensor) -> torch.Tensor:
