@@ -23,7 +23,7 @@ import torch
 
 import treespec
 from harness import RESULTS, interleaved, machine_info, machine_line, median_ms, write_results
-from treespec.runtime.kvcache import GrowingLayer
+from treespec.fastpath.kvcache import GrowingLayer
 
 PATHS = ("module path", "fused")
 

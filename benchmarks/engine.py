@@ -5,7 +5,7 @@ MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sam
 - plain decoding: HF ``generate`` on the stock model and on the packed model
   (``treespec.fastpath.packing``: plain decoding gets faster too, bf16 packed and fp32 on the panel
   GEMM), and treespec's own loop with a one-node tree (``treespec plain``: no drafter, the
-  target's cache appending in place, ``treespec.runtime.kvcache``); the fastest of them is the
+  target's cache appending in place, ``treespec.fastpath.kvcache``); the fastest of them is the
   honest baseline;
 - HF assisted generation with the shipped ``small`` drafter, HF prompt lookup (stock fp32 model,
   as a user runs them; ``--all-peers`` adds them in bf16);
@@ -51,7 +51,7 @@ from treespec.fastpath.packing import cpu_info
 from treespec.builders import BestFirstBuilder
 
 # plain decoding rows: HF generate (stock, and on the packed path) and treespec's own loop with a
-# one-node tree (no drafter; its target cache appends in place, treespec.runtime.kvcache)
+# one-node tree (no drafter; its target cache appends in place, treespec.fastpath.kvcache)
 PLAIN = ("HF generate", "HF generate (packed)", "treespec plain")
 
 

@@ -1,4 +1,4 @@
-"""HF's ``DynamicCache`` against treespec's in-place cache (``treespec.runtime.kvcache``) on the target.
+"""HF's ``DynamicCache`` against treespec's in-place cache (``treespec.fastpath.kvcache``) on the target.
 
 One target forward as the verifier runs it, after a cached context of ``--contexts`` tokens:
 a plain decode step (1 token, no mask) and a 3-node tree step (a root and two children under a
@@ -21,7 +21,7 @@ import treespec
 from harness import RESULTS, interleaved, machine_info, machine_line, median_ms, write_results
 from treespec.core.masks import tree_forward_args
 from treespec.core.tree import DraftTree
-from treespec.runtime.kvcache import growing_cache
+from treespec.fastpath.kvcache import growing_cache
 
 CACHES = {"HF DynamicCache": lambda config: DynamicCache(config=config), "in-place (GrowingLayer)": growing_cache}
 TREES = {"plain step (1 node)": [-1], "3-node tree step": [-1, 0, 0]}

@@ -17,7 +17,7 @@ from treespec.drafters.feature import DraftBlock, HeadConfig
 from treespec.fastpath.kernels import kernel_isa, panel_status
 from treespec.fastpath.packing import pack_linears
 from treespec.fastpath.quant import round_linears_to_blocks8
-from treespec.runtime.kvcache import GrowingLayer
+from treespec.fastpath.kvcache import GrowingLayer
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 

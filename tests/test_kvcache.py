@@ -1,4 +1,4 @@
-"""The in-place KV cache (``treespec.runtime.kvcache``): the same numbers as HF's own cache.
+"""The in-place KV cache (``treespec.fastpath.kvcache``): the same numbers as HF's own cache.
 
 A forward over ``growing_cache`` must give bit for bit the logits of the same forward over HF's
 ``DynamicCache``, through a prefill, decode steps, tree passes with masks, crops and in-place
@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from treespec.core.masks import hf_tree_mask, position_ids
 from treespec.fastpath.attention import use_grouped_attention
-from treespec.runtime.kvcache import GrowingLayer, growing_cache
+from treespec.fastpath.kvcache import GrowingLayer, growing_cache
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from test_fastpath import random_tree, small_llama

@@ -47,6 +47,7 @@ from torch import nn
 
 from treespec.drafters.base import PartialTree, TargetFeatures, fused_slots, tree_slot_mask
 from treespec.fastpath.kernels import draft_block_post, draft_block_pre, row_attention_kernel
+from treespec.fastpath.kvcache import GrowingLayer
 from treespec.fastpath.packing import PackedLinear
 
 HeadKind = Literal["eagle", "eagle3", "mtp"]
@@ -168,9 +169,8 @@ class DraftBlock(nn.Module):
         kernels (``treespec.fastpath.kernels.draft_block_pre`` / ``_post``): no autograd, one
         fp32 CPU sequence appending to a cache layer under a bool mask, every linear layer on the
         vector block kernel, the row attention kernel available. Else None (the module path)."""
-        if (torch.is_grad_enabled() or past is None or isinstance(past, tuple) or attn_in.dtype != torch.float32
-                or not attn_in.is_cpu or attn_in.shape[0] != 1 or mask is None or mask.dtype != torch.bool
-                or mask.dim() != 4 or mask.shape[:3] != (1, 1, attn_in.shape[1]) or not self._row_kernel()):
+        if (past is None or isinstance(past, tuple) or attn_in.shape[0] != 1
+                or not self._row_attention_applies(attn_in, mask, 1, attn_in.shape[1])):
             return None
         layers = (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj, self.down_proj)
         if not all(isinstance(layer, PackedLinear) for layer in layers) or len({l.isa for l in layers}) != 1:
@@ -198,12 +198,18 @@ class DraftBlock(nn.Module):
         on a CPU with the AVX-512 kernels) takes the row kernel of the amx targets, which reads
         each grouped KV head in place for a few rows at a fraction of SDPA's fixed cost
         (``treespec.fastpath.attention``); training and every other case take SDPA."""
-        if (not torch.is_grad_enabled() and q.dtype == torch.float32 and q.is_cpu and mask is not None
-                and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[:3] == (q.shape[0], 1, q.shape[2])
-                and self._row_kernel()):
+        if self._row_attention_applies(q, mask, q.shape[0], q.shape[2]):
             return row_attention_kernel(q, k_all, v_all, mask, self.d ** -0.5)
         o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.nkv != self.nh)
         return o.transpose(1, 2)
+
+    def _row_attention_applies(self, x: torch.Tensor, mask, batch: int, rows: int) -> bool:
+        """Whether attention over ``rows`` query rows of ``batch`` sequences (x: any of the call's
+        tensors, for its dtype and device) takes the row kernel: no autograd, fp32 on the CPU, a
+        bool mask [batch, 1, rows, S], the kernel available."""
+        return (not torch.is_grad_enabled() and x.dtype == torch.float32 and x.is_cpu and mask is not None
+                and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[:3] == (batch, 1, rows)
+                and self._row_kernel())
 
     def _row_kernel(self) -> bool:
         """Whether the row attention kernel serves this block (AVX-512 kernels built, d fits)."""
@@ -336,8 +342,6 @@ class FeatureDrafter:
         self._reset()
 
     def _reset(self) -> None:
-        from treespec.runtime.kvcache import GrowingLayer   # (runtime imports the drafters)
-
         self.cache = GrowingLayer()
         self.committed = 0
         self.pending_tokens: list[int] = []

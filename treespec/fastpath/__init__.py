@@ -5,6 +5,7 @@
     packing      packed linear layers (oneDNN, panel, blocks) and the bf16 choice
     kernels      the compiled fp32 panel GEMM (``csrc/panel_gemm.cpp``) for small-row passes
     attention    tree attention on grouped KV heads without copying them
+    kvcache      HF's DynamicCache with layers that append in place (targets and feature heads)
     quant        4-bit linear layers for drafters (PyTorch's CPU int4 kernel), never for targets
 
 Nothing here imports the rest of treespec.

@@ -17,7 +17,7 @@ from treespec.drafters.base import TargetFeatures
 from treespec.core.masks import attn_implementation_of, tree_forward_args
 from treespec.core.sampling import SamplingConfig, process
 from treespec.core.tree import DraftTree
-from treespec.runtime.kvcache import growing_cache
+from treespec.fastpath.kvcache import growing_cache
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class TreeVerifier:
     @torch.inference_mode()
     def prefill(self, prompt_ids: torch.Tensor) -> TargetFeatures:
         """Cache prompt_ids[:-1] (LongTensor[P]); returns their features. The last token is the root."""
-        self.cache = growing_cache(self.model.config)   # appends in place (treespec.runtime.kvcache)
+        self.cache = growing_cache(self.model.config)   # appends in place (treespec.fastpath.kvcache)
         self.prefix_len = 0
         body = prompt_ids[:-1]
         if body.numel() == 0:

@@ -11,7 +11,7 @@ the cache and the view's shape are the ones ``DynamicLayer`` holds, so attention
 numbers (tests compare logits and greedy tokens with HF's own cache). :func:`growing_cache` builds
 a ``DynamicCache`` for a model and swaps its plain ``DynamicLayer`` layers (not sliding-window or
 other kinds) for growing ones; it goes through ``forward`` as any HF cache does (no modeling code
-touched). ``TreeVerifier`` uses it for the target. What it saves grows with the context: on one
+touched). ``TreeVerifier`` uses it for the target, and a feature drafter (``treespec.drafters.feature``) one ``GrowingLayer`` for its head. What it saves grows with the context: on one
 AMX core a target forward plus its crop took 0.96 (plain step) and 0.97 (3-node tree) of the
 time with HF's cache after 150 cached tokens, 0.91 and 0.93 after 400
 (``benchmarks/results/kv_cache_amx.md``, ``benchmarks/kv_cache.py``).
