@@ -22,7 +22,7 @@ import argparse
 import torch
 
 import treespec
-from harness import RESULTS, interleaved, machine_info, machine_line, median_ms, write_results
+from harness import RESULTS, interleaved, machine_info, machine_line, median_ms, publish
 from treespec.fastpath.kvcache import GrowingLayer
 
 PATHS = ("module path", "fused")
@@ -81,10 +81,7 @@ def main() -> None:
         lines.append(f"| {t} | {us[0]:.0f} | {us[1]:.0f} | {us[1] / us[0]:.2f} |")
     command = (f"OMP_NUM_THREADS={args.threads} python benchmarks/draft_block.py --cached {s} --rows {args.rows} "
                f"--reps {args.reps} --out {args.out}")
-    lines += ["", f"Reproduce: `{command}`"]
-    md = "\n".join(lines) + "\n"
-    print(md)
-    write_results(args.out, {"machine": machine_info(), "args": vars(args), "us": results, "command": command}, md)
+    publish(args.out, lines, command, {"args": vars(args), "us": results})
 
 
 if __name__ == "__main__":

@@ -116,6 +116,15 @@ def write_results(out: Path | str, data: dict, markdown: str) -> tuple[Path, Pat
     return js, md
 
 
+def publish(out: Path | str, lines: Sequence[str], command: str, data: dict) -> str:
+    """The Markdown ``lines`` and the ``command`` that reproduces them, printed and written with
+    ``data`` (this machine and the command added) as ``out``.{json,md}; returns the Markdown."""
+    md = "\n".join([*lines, "", f"Reproduce: `{command}`"]) + "\n"
+    print(md)
+    write_results(out, {"machine": machine_info(), **data, "command": command}, md)
+    return md
+
+
 def md_table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str | None = None) -> list[str]:
     """Markdown table lines; ``align`` has one letter per column, "l" or "r" (default: all left)."""
     align = align or "l" * len(header)

@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 
 import treespec
-from harness import RESULTS, interleaved, machine_info, machine_line, median_ms, write_results
+from harness import RESULTS, interleaved, machine_info, machine_line, median_ms, publish
 from treespec.core.masks import tree_forward_args
 from treespec.core.tree import DraftTree
 from treespec.fastpath.kvcache import growing_cache
@@ -75,10 +75,7 @@ def main() -> None:
             lines.append(f"| {context} | {tree_name} | {ms[0]:.2f} | {ms[1]:.2f} | {ms[1] / ms[0]:.3f} |")
     command = (f"OMP_NUM_THREADS={args.threads} python benchmarks/kv_cache.py --contexts {args.contexts} "
                f"--reps {args.reps} --out {args.out}")
-    lines += ["", f"Reproduce: `{command}`"]
-    md = "\n".join(lines) + "\n"
-    print(md)
-    write_results(args.out, {"machine": machine_info(), "args": vars(args), "ms": results, "command": command}, md)
+    publish(args.out, lines, command, {"args": vars(args), "ms": results})
 
 
 if __name__ == "__main__":
