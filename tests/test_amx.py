@@ -26,7 +26,8 @@ from treespec.core.masks import hf_tree_mask
 from treespec.core.sampling import SamplingConfig
 from treespec.core.tree import DraftTree
 from treespec.fastpath.attention import use_row_attention
-from treespec.fastpath.kernels import amx_linear, amx_status, kernel_isa, pack_blocks, row_attention_kernel
+from treespec.fastpath.kernels import (ROW_HEAD_DIMS, amx_linear, amx_status, kernel_isa, pack_blocks,
+                                       row_attention_kernel)
 from treespec.runtime.verifier import TreeVerifier
 from treespec.fastpath.packing import PackedLinear, pack_linears
 from treespec.planning.calibration import default_calibration_path
@@ -177,6 +178,28 @@ def test_row_attention_is_attention(d, hq, hkv, n) -> None:
         q.double(), k.double(), v.double(), attn_mask=torch.ones(n, p + n, dtype=torch.bool).tril(p),
         enable_gqa=hkv != hq).transpose(1, 2)
     torch.testing.assert_close(causal.double(), ref, rtol=0, atol=2e-6)
+
+
+@needs_avx512
+def test_row_head_dims_are_the_compiled_ones_and_others_fall_back() -> None:
+    """ROW_HEAD_DIMS, which the callers check, is the set the kernel was compiled for: every
+    multiple of 16 up to 256 runs exactly when it is listed. Attention of a head size outside it
+    (144) goes to SDPA instead of failing in the kernel."""
+    from treespec.fastpath.attention import row_attention
+
+    for d in range(16, 257, 16):
+        q, k = torch.randn(1, 2, 1, d), torch.randn(1, 1, 3, d)
+        if d in ROW_HEAD_DIMS:
+            row_attention_kernel(q, k, k, torch.empty(0, dtype=torch.bool), d ** -0.5)
+        else:
+            with pytest.raises(RuntimeError, match="no kernel for head size"):
+                row_attention_kernel(q, k, k, torch.empty(0, dtype=torch.bool), d ** -0.5)
+    q, k = torch.randn(1, 2, 1, 144), torch.randn(1, 1, 3, 144)
+    module = nn.Module()
+    module.num_key_value_groups = 2
+    got, _ = row_attention(module, q, k, k, None)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, ref)
 
 
 @needs_avx512

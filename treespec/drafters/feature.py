@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespec.drafters.base import PartialTree, TargetFeatures, fused_slots, tree_slot_mask
-from treespec.fastpath.kernels import draft_block_post, draft_block_pre, row_attention_kernel
+from treespec.fastpath.kernels import (ROW_HEAD_DIMS, draft_block_post, draft_block_pre, kernel_isa, panel_status,
+                                       row_attention_kernel)
 from treespec.fastpath.kvcache import GrowingLayer
 from treespec.fastpath.packing import PackedLinear
 
@@ -212,12 +213,10 @@ class DraftBlock(nn.Module):
                 and self._row_kernel())
 
     def _row_kernel(self) -> bool:
-        """Whether the row attention kernel serves this block (AVX-512 kernels built, d fits)."""
+        """Whether the row attention kernel serves this block (AVX-512 kernels built, d compiled for)."""
         usable = self.__dict__.get("_row_usable")
         if usable is None:
-            from treespec.fastpath.kernels import kernel_isa, panel_status
-
-            usable = self.d % 16 == 0 and self.d <= 256 and panel_status()[0] and kernel_isa() == "avx512"
+            usable = self.d in ROW_HEAD_DIMS and panel_status()[0] and kernel_isa() == "avx512"
             self.__dict__["_row_usable"] = usable
         return usable
 

@@ -43,7 +43,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from treespec.fastpath.kernels import row_attention_kernel
+from treespec.fastpath.kernels import ROW_HEAD_DIMS, row_attention_kernel
 
 GROUPED_SDPA = "treespec_grouped_sdpa"
 
@@ -98,7 +98,7 @@ def row_attention(
     step = query.shape[2] == 1 and attention_mask is None
     tree = attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.ndim == 4
     if (not (step or tree) or query.device.type != "cpu" or query.dtype != torch.float32 or dropout
-            or query.shape[-1] % 16 or query.shape[-1] > 256 or kwargs.get("sliding_window")
+            or query.shape[-1] not in ROW_HEAD_DIMS or kwargs.get("sliding_window")
             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
             or kwargs.get("output_attentions")):
         return grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout,

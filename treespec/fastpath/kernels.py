@@ -62,7 +62,7 @@ from treespec.fastpath.cpu import CpuInfo, cpu_info
 
 __all__ = ["AMX_FLAGS", "BLOCK", "ISAS", "PANEL", "BlockPanels", "PanelUnavailable", "amx_linear", "amx_status",
            "block_linear", "kernel_isa", "pack_blocks", "pack_panels", "panel_linear", "panel_status",
-           "draft_block_post", "draft_block_pre", "round_to_blocks8", "row_attention_kernel"]
+           "ROW_HEAD_DIMS", "draft_block_post", "draft_block_pre", "round_to_blocks8", "row_attention_kernel"]
 
 PANEL = 16
 BLOCK = 32
@@ -449,11 +449,17 @@ def amx_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None =
                    lambda x2: _kernel().amx_linear_blocks(x2, blocks.blob, blocks.bits, blocks.half_scales))
 
 
+# The head sizes row_attention_kernel is compiled for (``row_attn::rows_for`` in csrc/panel_gemm.cpp);
+# callers fall back to SDPA for any other.
+ROW_HEAD_DIMS = frozenset(16 * v for v in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16))
+
+
 def row_attention_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """softmax(scale q K^T) V, each query row over the keys its bool ``mask`` allows (empty mask:
     a causal pass over the last rows), in key order: query [B, Hq, T, d], key/value [B, Hkv, S, d]
-    -> [B, T, Hq, d] float32 (:func:`treespec.fastpath.attention.row_attention`). AVX-512 F only."""
+    -> [B, T, Hq, d] float32 (:func:`treespec.fastpath.attention.row_attention`). AVX-512 F only;
+    d one of :data:`ROW_HEAD_DIMS`."""
     return _kernel().row_attention(query, key, value, mask, float(scale))
 
 
