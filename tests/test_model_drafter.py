@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from treespec.drafters import ModelDrafter, PartialTree, TargetFeatures, early_exit_model, load_drafter
+from treespec.fastpath.kvcache import GrowingLayer
 from treespec.targets.loader import Target
 
 from _engine_helpers import assert_cache_equal, fresh_cache, one_thread, peaky_llama  # noqa: F401
@@ -66,6 +67,8 @@ def test_commit_leaves_the_cache_of_the_accepted_tokens(attn: str) -> None:
     committed = [rng.randrange(V) for _ in range(5)]
     drafter.begin(torch.tensor(committed), NONE)
     check_state(drafter, committed)
+    # rows written in place; the compaction writes through the layers' views into their buffers
+    assert all(type(layer) is GrowingLayer for layer in drafter.cache.layers)
     unexpanded_leaf = scattered = 0
     for step in range(10):
         tree, expanded = grow_and_expand(drafter, rng, committed, max_nodes=12)

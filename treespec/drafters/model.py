@@ -1,6 +1,7 @@
 """Independent-model drafter: any HF causal LM sharing the target's vocabulary.
 
-The drafter keeps its own KV cache laid out like the target's:
+The drafter keeps its own KV cache laid out like the target's, growing in place
+(:func:`treespec.fastpath.kvcache.growing_cache`):
     [ committed prefix (everything before the root) | tree region (root, expanded nodes...) ]
 Each ``expand`` call is one batched forward over the frontier with a tree mask (prefix ‖
 ancestors among the already-fed tree slots). ``commit`` gathers the slots of the root and of
@@ -40,6 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter, tree_slot_mask
+from treespec.fastpath.kvcache import growing_cache
 from treespec.fastpath.packing import is_packed, pack_linears
 from treespec.fastpath.quant import Int4Linear, check_int4_dtype, quantize_linears
 from treespec.core.masks import attn_implementation_of
@@ -114,7 +116,7 @@ class ModelDrafter:
 
     # ------------------------------------------------------------------ protocol
     def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = growing_cache(self.model.config)   # new rows written in place, no torch.cat a layer
         self.prefix_len = 0
         self.pending = [int(t) for t in prompt_ids.tolist()]
         self.slots = {}
