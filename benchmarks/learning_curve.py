@@ -13,11 +13,15 @@ For every checkpoint this script measures
                                    each ``--trees`` builder
 
 and writes ``--out``.{json,md,png} after every point; re-running skips the points already
-measured with the same settings (resumable).
+measured with the same settings (resumable). The Markdown ends with where each curve points: a
+least-squares line of depth-1 top-1 against log10(tokens) over the drafter's last decade of
+points, and the tokens at which it would reach issue 28's goal (:data:`GOAL_TOP1`).
+``--render`` rewrites the Markdown and the plot from the JSON, measuring nothing.
 
     python benchmarks/learning_curve.py --runs runs/eagle3 runs/eagle            # 20 prompts x 128
     python benchmarks/learning_curve.py --runs runs/eagle3 --checkpoints checkpoints/smollm2-135m/eagle3.safetensors
     python benchmarks/learning_curve.py --runs /tmp/run --prompts 2 --max-new-tokens 16 --out /tmp/lc
+    python benchmarks/learning_curve.py --render --prompts 4 --max-new-tokens 48 --trees chain4,tree16 --heldout-sequences 32
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import treespec.drafters.mtp  # noqa: F401
 import treespec.drafters.small  # noqa: F401
 from harness import RESULTS, TREE_NAMES, Pool, figure, machine_info, machine_line, make_tree, save_figure, write_results
 from treespec.data import chat_prompt, mtbench_questions
+
+GOAL_TOP1 = 0.6   # issue 28: eagle3's held-out top-1 at depth 1
 
 
 def checkpoints(runs: list[str], extra: list[str] = ()) -> list[Path]:
@@ -107,7 +113,38 @@ def markdown(result: dict) -> str:
         cpu = f"{p['cpu_hours']:.3f}" + (f" ({machines})" if machines else "")
         name = p["drafter"] if p.get("curve_point_tokens") else f"{p['drafter']} ({p['run']}/{p['checkpoint']})"
         lines.append(f"| {name} | {p['tokens']:,} | {cpu} | {p['steps']} | {top1} | {taus} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + trend(result["points"])) + "\n"
+
+
+def trend(points: list[dict], goal: float = GOAL_TOP1) -> list[str]:
+    """Markdown lines: for each drafter with three or more points in its last decade of tokens,
+    the least-squares line of depth-1 top-1 against log10(tokens) over them, and the tokens (and
+    CPU-hours, at the largest run's own rate) where that line reaches ``goal``."""
+    lines = ["", f"## Where the curves point (depth-1 top-1 against log10 tokens, to {goal})", "",
+             "| drafter | points (tokens) | top-1 gained per 10x tokens | largest residual | tokens at "
+             f"{goal} | x the largest run | CPU-h at its rate |", "|---|---|---|---|---|---|---|"]
+    for kind in sorted({p["drafter"] for p in points}):
+        pts = sorted((p for p in points if p["drafter"] == kind), key=lambda p: p["tokens"])
+        last = pts[-1]
+        pts = [p for p in pts if p["tokens"] >= last["tokens"] / 10]
+        if len(pts) < 3:
+            continue
+        x = torch.tensor([p["tokens"] for p in pts], dtype=torch.float64).log10()
+        y = torch.tensor([p["heldout"]["top1_by_depth"][0] for p in pts], dtype=torch.float64)
+        slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+        fit = y.mean() + slope * (x - x.mean())
+        span = ", ".join(f"{p['tokens'] / 1e6:.1f} M" for p in pts)
+        if slope <= 0:
+            lines.append(f"| {kind} | {span} | {slope:+.3f} | {float((y - fit).abs().max()):.3f} | never | - | - |")
+            continue
+        need = 10 ** float(x.mean() + (goal - y.mean()) / slope)
+        rate = last["cpu_hours"] / last["tokens"]
+        lines.append(f"| {kind} | {span} | {slope:+.3f} | {float((y - fit).abs().max()):.3f} | "
+                     f"{need / 1e6:,.0f} M | {need / last['tokens']:.1f} | {need * rate:,.0f} |")
+    lines += ["", "A straight line in log tokens is what these points show, not a law: the schedule, "
+              "the data's repeats (ShareGPT's ~12.5 M tokens at --max-len 256) and the head's capacity "
+              "can bend it either way."]
+    return lines
 
 
 def plot(result: dict, path: Path) -> None:
@@ -141,6 +178,8 @@ def main() -> None:
     ap.add_argument("--heldout-sequences", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS / "learning_curve"), help="path without suffix")
+    ap.add_argument("--render", action="store_true",
+                    help="rewrite --out's .md and .png from its .json (same settings), measuring nothing")
     args = ap.parse_args()
     unknown = [t for t in args.trees.split(",") if t not in TREE_NAMES]
     if unknown:
@@ -152,6 +191,13 @@ def main() -> None:
               "heldout_sequences": args.heldout_sequences, "threads": args.threads, "temperatures": [0.0, 1.0]}
     earlier = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else None
     points = earlier["points"] if earlier and earlier["config"] == config else []
+    if args.render:
+        if not points:
+            raise SystemExit(f"--render: {out}.json holds no points measured with {config}; pass the settings "
+                             "it was measured with (--prompts, --max-new-tokens, --trees, --heldout-sequences)")
+        write_results(out, earlier, markdown(earlier))
+        plot(earlier, out.with_suffix(".png"))
+        return
     done = {(p["run"], p["checkpoint"], p["checksum"]) for p in points}
     target = treespec.load_target("smollm2-135m")
     prompts = mtbench_questions()[: args.prompts]
