@@ -132,15 +132,15 @@ def trend(points: list[dict], goal: float = GOAL_TOP1) -> list[str]:
         x = torch.tensor([p["tokens"] for p in pts], dtype=torch.float64).log10()
         y = torch.tensor([p["heldout"]["top1_by_depth"][0] for p in pts], dtype=torch.float64)
         slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
-        fit = y.mean() + slope * (x - x.mean())
+        worst = float((y - y.mean() - slope * (x - x.mean())).abs().max())     # the largest residual
         span = ", ".join(f"{p['tokens'] / 1e6:.1f} M" for p in pts)
+        row = f"| {kind} | {span} | {slope:+.3f} | {worst:.3f} |"
         if slope <= 0:
-            lines.append(f"| {kind} | {span} | {slope:+.3f} | {float((y - fit).abs().max()):.3f} | never | - | - |")
+            lines.append(f"{row} never | - | - |")
             continue
         need = 10 ** float(x.mean() + (goal - y.mean()) / slope)
         rate = last["cpu_hours"] / last["tokens"]
-        lines.append(f"| {kind} | {span} | {slope:+.3f} | {float((y - fit).abs().max()):.3f} | "
-                     f"{need / 1e6:,.0f} M | {need / last['tokens']:.1f} | {need * rate:,.0f} |")
+        lines.append(f"{row} {need / 1e6:,.0f} M | {need / last['tokens']:.1f} | {need * rate:,.0f} |")
     lines += ["", "A straight line in log tokens is what these points show, not a law: the schedule, "
               "the data's repeats (ShareGPT's ~12.5 M tokens at --max-len 256) and the head's capacity "
               "can bend it either way."]
