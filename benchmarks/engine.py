@@ -26,7 +26,9 @@ per token): bf16 speculative decoding must not cost quality against bf16 plain d
     python benchmarks/engine.py --prompts 20 --max-new-tokens 128 --threads 1
 
 Writes benchmarks/results/engine.{json,md} after every prompt; ``--resume`` continues a cut-short
-run from its JSON. Speedups are ratios of median per-prompt tokens/s (prefill included).
+run from its JSON. Speedups are ratios of median per-prompt tokens/s (prefill included), with
+the same comparison paired by prompt and pooled over all prompts beside them (``--render``
+rewrites an older result's Markdown with them).
 """
 
 from __future__ import annotations
@@ -171,8 +173,15 @@ def summarize(data: dict) -> dict:
                 continue
             d = name.split(" ", 1)[0]
             same = max(v for n, v in plain.items() if n.startswith(d + " "))
+            ref = by_row[fastest_plain]
             e = {"tokens_per_s": med[name], "vs_same_dtype_plain": med[name] / same,
                  "vs_fastest_plain": med[name] / plain[fastest_plain],
+                 # the same comparison paired by prompt, and pooled: robust where host drift between
+                 # prompts moves the medians of the two rows' rates apart
+                 "vs_fastest_plain_paired": statistics.median(
+                     (r["tokens"] / r["time"]) / (b["tokens"] / b["time"]) for r, b in zip(rs, ref)),
+                 "vs_fastest_plain_pooled": (sum(r["tokens"] for r in rs) / sum(r["time"] for r in rs))
+                 / (sum(b["tokens"] for b in ref) / sum(b["time"] for b in ref)),
                  "vs_fp32_hf_generate": med[name] / hf if hf else None, "prompts": len(rs)}
             if "same_as_plain" in rs[0]:
                 e["same_as_plain"] = sum(r["same_as_plain"] for r in rs)
@@ -259,7 +268,11 @@ def write(data: dict, out: Path) -> str:
         "",
         "Speedups are ratios of median per-prompt tokens/s (prefill included). *same dtype* = against the "
         "fastest plain decoding of that dtype; *fastest plain* = against the fastest plain decoding of any "
-        "dtype on this machine; *fp32 HF* = against stock fp32 HF `generate`. ll = mean per-token "
+        "dtype on this machine; *paired* = the median over prompts of the per-prompt ratio against that same "
+        "fastest plain decoding (a prompt's rows run back to back, so drift of the host between prompts "
+        "cancels); *pooled* = all tokens over all seconds, against the same. On a quiet host the three agree "
+        "within a few per cent; where they part, the host moved during the run and paired is the one to "
+        "trust. *fp32 HF* = against stock fp32 HF `generate`. ll = mean per-token "
         "log-likelihood of the output under the fp32 target (T = 1; ± 95 % CI over prompts). = plain: prompts "
         "whose greedy output equals the first row of the same dtype token for token (stock HF `generate`; for "
         "amx, treespec's plain loop: HF `generate` scores the prompt's last token inside the prompt's pass, "
@@ -269,8 +282,9 @@ def write(data: dict, out: Path) -> str:
     for temp, s in data["summary"].items():
         lines += ["", f"## T = {temp}", "",
                   f"Fastest plain decoding: {s['fastest_plain']}.", "",
-                  "| row | tokens/s | same dtype | fastest plain | fp32 HF | τ | nodes | draft / verify / other ms per step | ll | = plain |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+                  "| row | tokens/s | same dtype | fastest plain | paired | pooled | fp32 HF | τ | nodes | "
+                  "draft / verify / other ms per step | ll | = plain |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
         for name, e in s["rows"].items():
             tau = f"{e['tau']:.2f}" if "tau" in e else "-"
             nodes = f"{e['nodes']:.1f}" if "nodes" in e else "-"
@@ -279,7 +293,8 @@ def write(data: dict, out: Path) -> str:
             ll = f"{e['ll_mean']:.3f} ± {e['ll_ci95']:.3f}" if "ll_mean" in e else "-"
             hf = f"{e['vs_fp32_hf_generate']:.2f}x" if e["vs_fp32_hf_generate"] else "-"
             lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['vs_same_dtype_plain']:.2f}x | "
-                         f"{e['vs_fastest_plain']:.2f}x | {hf} | {tau} | {nodes} | {split} | {ll} | "
+                         f"{e['vs_fastest_plain']:.2f}x | {e['vs_fastest_plain_paired']:.2f}x | "
+                         f"{e['vs_fastest_plain_pooled']:.2f}x | {hf} | {tau} | {nodes} | {split} | {ll} | "
                          f"{str(e['same_as_plain']) + '/' + str(e['prompts']) if 'same_as_plain' in e else '-'} |")
         if s.get("quality"):
             lines += ["", "Quality (paired over prompts): mean log-likelihood per token under the fp32 target, "
