@@ -18,6 +18,11 @@
 # that holds a CUDA build of torch (PYTHON=...; the Makefile's .venv is the CPU build); treespec
 # is imported from this checkout. DEVICE=cpu runs the same path on a CPU (a smoke test).
 set -euo pipefail
+# paths the caller names are read from where it stands; the defaults from the repository root
+for var in WHEELS RUN RESULT INIT; do
+    [[ -n "${!var:-}" ]] && printf -v "$var" '%s' "$(realpath -m "${!var}")"
+done
+[[ "${1:-}" == prepare && -n "${2:-}" ]] && set -- prepare "$(realpath -m "$2")"
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
@@ -48,7 +53,10 @@ INIT=${INIT:-checkpoints/smollm2-135m/eagle3.safetensors}
 
 "$PY" - "$DEVICE" <<'EOF'
 import sys
-import torch
+try:
+    import torch
+except ImportError:
+    sys.exit(f"{sys.executable} has no torch: name the python that holds a CUDA build of torch (PYTHON=...)")
 device = sys.argv[1]
 if device.startswith("cuda") and not torch.cuda.is_available():
     sys.exit(f"DEVICE={device}: this python's torch {torch.__version__} sees no CUDA device; run on a GPU "
