@@ -1,25 +1,15 @@
 """benchmarks/engine.py's summary: the ratio of median rates against the fastest plain decoding,
 and the same comparison paired by prompt and pooled. Synthetic rows: nothing is loaded or timed."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).parents[1] / "benchmarks"
+from _benchmarks import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def engine():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("engine_bench", BENCH / "engine.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with benchmark_module("engine") as module:
         yield module
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def rows(rates: list[float]) -> list[dict]:

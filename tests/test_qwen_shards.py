@@ -3,25 +3,16 @@ process would have written (pooled counters summed, prompts in their order), and
 different runs must be refused. Synthetic counters: nothing is loaded or timed."""
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).parents[1] / "benchmarks"
+from _benchmarks import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def qwen():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("qwen_bench", BENCH / "qwen.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    with benchmark_module("qwen") as module:
         yield module
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def shard_result(qwen, k: int, n: int = 2, seed: int = 0, done: int | None = None) -> dict:
