@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from treespec.core.masks import hf_tree_mask, position_ids
 from treespec.fastpath.attention import use_grouped_attention
-from treespec.fastpath.kvcache import GrowingLayer, growing_cache
+from treespec.fastpath.kvcache import GrowingLayer, growing_cache, keep_rows
 
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from test_fastpath import random_tree, small_llama
@@ -110,3 +110,25 @@ def test_sliding_window_layers_are_left_as_hf_builds_them() -> None:
     cache = growing_cache(MistralForCausalLM(config).config)
     kinds = {type(layer) for layer in cache.layers}
     assert kinds <= {GrowingLayer, DynamicSlidingWindowLayer} and DynamicLayer not in kinds
+
+
+@pytest.mark.parametrize("layer_kind", [GrowingLayer, DynamicLayer])
+def test_keep_rows_compacts_an_increasing_path_and_refuses_anything_else(layer_kind) -> None:
+    gen = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(1, 2, 9, 4, generator=gen), torch.randn(1, 2, 9, 4, generator=gen)
+    cache = DynamicCache()
+    cache.layers = [layer_kind(), layer_kind(), layer_kind()]   # the last one never written: left alone
+    for layer in cache.layers[:2]:
+        layer.update(keys.clone(), values.clone())
+    rows = [3, 4, 6, 8]                                  # 3 and 4 stay, 6 -> 5, 8 -> 6
+    keep_rows(cache, 3, rows)
+    want = [*range(3), *rows]
+    for layer in cache.layers[:2]:
+        assert torch.equal(layer.keys, keys[..., want, :]) and torch.equal(layer.values, values[..., want, :])
+    before = [layer.keys.clone() for layer in cache.layers[:2]]
+    for bad in ([2, 4], [4, 4], [5, 4], [3, 5, 5]):
+        with pytest.raises(ValueError, match="must increase"):
+            keep_rows(cache, 3, bad)
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(before, cache.layers))
+    keep_rows(cache, 3, [])                               # nothing kept after the prefix
+    assert all(layer.keys.shape[-2] == 3 for layer in cache.layers[:2])

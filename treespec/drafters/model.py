@@ -41,7 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from treespec.drafters.base import PartialTree, TargetFeatures, register_drafter, tree_slot_mask
-from treespec.fastpath.kvcache import growing_cache
+from treespec.fastpath.kvcache import growing_cache, keep_rows
 from treespec.fastpath.packing import is_packed, pack_linears
 from treespec.fastpath.quant import Int4Linear, check_int4_dtype, quantize_linears
 from treespec.core.masks import attn_implementation_of
@@ -301,19 +301,8 @@ class ModelDrafter:
 
     def _keep(self, slots: list[int]) -> None:
         """Keep cache positions ``slots`` (ascending, starting at the root slot) after the prefix."""
-        p, k = self.prefix_len, len(slots)
-        idx = torch.tensor(slots, device=self.device)
-        contiguous = slots == list(range(p, p + k))
-        for layer in self.cache.layers:
-            if not layer.is_initialized:
-                continue
-            total = layer.keys.shape[-2]
-            if not contiguous:
-                layer.keys[..., p:p + k, :] = layer.keys.index_select(-2, idx)
-                layer.values[..., p:p + k, :] = layer.values.index_select(-2, idx)
-            if total > p + k:
-                layer.crop(-(total - p - k))
-        self.prefix_len = p + k
+        keep_rows(self.cache, self.prefix_len, slots)
+        self.prefix_len += len(slots)
 
 
 def early_exit_model(target_model: torch.nn.Module, num_layers: int) -> torch.nn.Module:

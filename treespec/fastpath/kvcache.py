@@ -19,11 +19,13 @@ time with HF's cache after 150 cached tokens, 0.91 and 0.93 after 400
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["GrowingLayer", "growing_cache"]
+__all__ = ["GrowingLayer", "growing_cache", "keep_rows"]
 
 _MIN_CAPACITY = 64   # positions allocated at first; then doubled when full
 
@@ -87,3 +89,23 @@ def growing_cache(config) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def keep_rows(cache: DynamicCache, start: int, rows: Sequence[int]) -> None:
+    """Keep cache positions ``rows`` of every layer as positions ``start``, ``start + 1``, ... and
+    crop the rest: an accepted path compacted after a tree pass (the verifier's target cache, a
+    model drafter's). ``rows`` must increase from ``start`` or later; then each kept row moves
+    down or stays, no move overwrites a row a later one reads, and only the rows out of place are
+    copied (usually none or one), not a gather of all of them."""
+    if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and rows[0] < start):
+        raise ValueError(f"rows must increase from position {start} or later, got {list(rows)}")
+    moves = [(start + i, row) for i, row in enumerate(rows) if row != start + i]
+    end = start + len(rows)
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue
+        for dst, src in moves:
+            layer.keys[..., dst, :] = layer.keys[..., src, :]
+            layer.values[..., dst, :] = layer.values[..., src, :]
+        if (extra := layer.keys.shape[-2] - end) > 0:
+            layer.crop(-extra)

@@ -17,7 +17,7 @@ from treespec.drafters.base import TargetFeatures
 from treespec.core.masks import attn_implementation_of, tree_forward_args
 from treespec.core.sampling import SamplingConfig, process
 from treespec.core.tree import DraftTree
-from treespec.fastpath.kvcache import growing_cache
+from treespec.fastpath.kvcache import growing_cache, keep_rows
 
 
 @dataclass(frozen=True)
@@ -108,16 +108,6 @@ class TreeVerifier:
         nodes = keep.tolist()
         if not nodes or nodes[0] != 0 or any(b <= a for a, b in zip(nodes, nodes[1:])):
             raise ValueError(f"keep must be a path from the root, increasing from node 0, got {nodes}")
-        p, k = self.prefix_len, len(nodes)
-        # A path's nodes increase (a node comes after its parent), so each kept row moves down or
-        # stays and no move overwrites a row a later one reads: usually none or one row moves,
-        # a copy per moved row instead of a gather of all K.
-        moves = [(p + i, p + node) for i, node in enumerate(nodes) if node != i]
-        for layer in self.cache.layers:
-            total = layer.keys.shape[-2]
-            for dst, src in moves:
-                layer.keys[..., dst, :] = layer.keys[..., src, :]
-                layer.values[..., dst, :] = layer.values[..., src, :]
-            if total > p + k:
-                layer.crop(-(total - p - k))
-        self.prefix_len = p + k
+        p = self.prefix_len
+        keep_rows(self.cache, p, [p + node for node in nodes])   # a path's nodes increase: moves only
+        self.prefix_len = p + len(nodes)
