@@ -270,6 +270,45 @@ def check_seed(seed: object) -> int | None:
     raise TypeError(f"seed must be an int or None (None: a fresh random seed), got {seed!r}")
 
 
+def encode_prompt(target: Target, prompt: str | Sequence[int] | torch.Tensor, chat: bool = True) -> torch.Tensor:
+    """LongTensor[P] (on the host) of ``prompt``'s ids: text through ``target``'s tokenizer (its chat
+    template when ``chat`` and it has one), token ids checked against its vocabulary. The one
+    encoding of ``SpeculativeGenerator.encode`` and ``SpeculativeServer.add_request``."""
+    if isinstance(prompt, str):
+        tok = target.tokenizer
+        if tok is None:
+            raise ValueError("this target has no tokenizer: pass token ids instead of a string")
+        if not prompt.strip():
+            raise ValueError("prompt is empty; pass some text or token ids")
+        if chat and getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                          add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+        else:
+            ids = tok(prompt, add_special_tokens=True)["input_ids"]
+        return torch.tensor(ids, dtype=torch.long)
+    if isinstance(prompt, torch.Tensor):
+        ids = prompt
+    else:
+        try:
+            ids = None if isinstance(prompt, (bytes, dict, set)) else torch.as_tensor(prompt)
+        except (TypeError, ValueError, RuntimeError):
+            ids = None
+        if ids is None or (ids.is_floating_point() and ids.numel()):
+            raise TypeError(f"prompt must be text, token ids (a list of ints) or a LongTensor, got "
+                            f"{type(prompt).__name__}")
+    if ids.numel() == 0:
+        raise ValueError("prompt is empty; pass at least one token id")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"prompt token ids must be integers, got dtype {ids.dtype}; pass a "
+                        "LongTensor or a list of ints")
+    ids = ids.flatten().long()
+    if bool((ids < 0).any()) or bool((ids >= target.vocab_size).any()):
+        raise ValueError(f"prompt token ids must lie in [0, {target.vocab_size})")
+    return ids.cpu()
+
+
 class SpeculativeGenerator:
     """Speculative generation with a target, a drafter and a tree builder.
 
@@ -331,39 +370,7 @@ class SpeculativeGenerator:
     # ------------------------------------------------------------------ inputs
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = True) -> torch.Tensor:
         """LongTensor[P] of prompt ids; strings go through the chat template when there is one."""
-        if isinstance(prompt, str):
-            tok = self.target.tokenizer
-            if tok is None:
-                raise ValueError("this target has no tokenizer: pass token ids instead of a string")
-            if not prompt.strip():
-                raise ValueError("prompt is empty; pass some text or token ids")
-            if chat and getattr(tok, "chat_template", None):
-                ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                              add_generation_prompt=True, tokenize=True)
-                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                    ids = ids["input_ids"]
-            else:
-                ids = tok(prompt, add_special_tokens=True)["input_ids"]
-            return torch.tensor(ids, dtype=torch.long)
-        if isinstance(prompt, torch.Tensor):
-            ids = prompt
-        else:
-            try:
-                ids = None if isinstance(prompt, (bytes, dict, set)) else torch.as_tensor(prompt)
-            except (TypeError, ValueError, RuntimeError):
-                ids = None
-            if ids is None or (ids.is_floating_point() and ids.numel()):
-                raise TypeError(f"prompt must be text, token ids (a list of ints) or a LongTensor, got "
-                                f"{type(prompt).__name__}")
-        if ids.numel() == 0:
-            raise ValueError("prompt is empty; pass at least one token id")
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"prompt token ids must be integers, got dtype {ids.dtype}; pass a "
-                            "LongTensor or a list of ints")
-        ids = ids.flatten().long()
-        if bool((ids < 0).any()) or bool((ids >= self.target.vocab_size).any()):
-            raise ValueError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
-        return ids.cpu()
+        return encode_prompt(self.target, prompt, chat)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128, *,
