@@ -71,10 +71,6 @@ def untrained_stand_in(name: str, target):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
                 return ModelDrafter(Qwen2ForCausalLM(config).eval(), target.vocab_size)
-        if name == "small":
-            from treespec.drafters.small import small_model
-
-            return ModelDrafter(small_model(target), target.vocab_size)
     except (ImportError, AttributeError):
         return None
     return None

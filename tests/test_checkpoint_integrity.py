@@ -135,7 +135,7 @@ def test_a_broken_checkpoint_is_one_clear_error_naming_the_file(case, tmp_path):
     assert str(path) in message and "treespec train eagle" in message, message
 
 
-@pytest.mark.parametrize("kind", ["medusa", "small"])
+@pytest.mark.parametrize("kind", ["medusa", "mtp"])
 def test_missing_tensors_of_other_kinds_are_named(kind, tmp_path):
     from treespec import load_drafter
     from treespec.drafters.checkpoint import CheckpointError, read_header, save_checkpoint
@@ -213,5 +213,5 @@ def test_shipped_drafters_load_on_a_low_precision_smollm2(dtype):
     from treespec import load_drafter, load_target
 
     target = load_target("smollm2-135m", dtype=dtype)
-    for kind in ("eagle", "eagle3", "medusa", "mtp", "small"):
+    for kind in ("eagle", "eagle3", "medusa", "mtp"):
         assert load_drafter(kind, target).vocab_size == target.vocab_size

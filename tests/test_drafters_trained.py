@@ -1,4 +1,4 @@
-"""Conformance of the trained drafters (eagle, eagle3, mtp, medusa, small).
+"""Conformance of the trained drafters (eagle, eagle3, mtp, medusa) and of a model drafter.
 
 Fast (tiny random Llamas, randomly initialised drafters):
   * greedy equivalence through the engine (chain and dynamic trees) against plain argmax decoding;
@@ -22,23 +22,20 @@ import torch
 import treespec.drafters.eagle  # noqa: F401  (registers eagle, eagle3)
 import treespec.drafters.medusa  # noqa: F401
 import treespec.drafters.mtp  # noqa: F401
-import treespec.drafters.small  # noqa: F401
 from treespec import BestFirstBuilder, ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator
 from treespec.drafters import ModelDrafter, load_drafter
 from treespec.drafters.base import PartialTree, TargetFeatures
 from treespec.drafters.checkpoint import CheckpointMismatch, save_checkpoint
 from treespec.drafters.eagle import FeatureDrafter, random_feature_drafter
 from treespec.drafters.medusa import MedusaDrafter, random_medusa
-from treespec.drafters.small import export_state, small_model
 from treespec.targets.loader import tiny_target
 from treespec.core.sampling import SamplingConfig
 
 from _engine_helpers import hf_greedy
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
-KINDS = ("eagle", "eagle3", "mtp", "medusa", "small")
-TINY_SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)
+KINDS = ("eagle", "eagle3", "mtp", "medusa")          # the trained, registered kinds
+DRAFTERS = KINDS + ("model",)                         # and an independent model drafter (ModelDrafter)
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m"
 
 
@@ -53,8 +50,16 @@ def make_drafter(kind: str, target, seed: int = 1):
         return random_feature_drafter(target, kind, seed=seed, draft_vocab=target.vocab_size // 2)
     if kind == "medusa":
         return random_medusa(target, num_heads=3, seed=seed, scale=0.3)
-    model = small_model(target, TINY_SMALL, seed=seed)
-    return ModelDrafter(model.eval().requires_grad_(False), target.vocab_size)
+    if kind != "model":
+        raise ValueError(f"no tiny drafter of kind {kind!r}")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=target.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return ModelDrafter(model.to(target.dtype).eval().requires_grad_(False), target.vocab_size)
 
 
 @torch.inference_mode()
@@ -72,7 +77,7 @@ def features_of(target, ids: torch.Tensor, layers) -> TargetFeatures:
 
 
 # ---------------------------------------------------------------------------------- greedy
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DRAFTERS)
 @pytest.mark.parametrize("builder", ["chain", "dynamic"])
 def test_greedy_equivalence_tiny(kind, builder):
     target = no_eos(tiny_target(vocab_size=32, seed=0))
@@ -106,7 +111,7 @@ def _root_state(drafter, root: int) -> list[torch.Tensor]:
     return [logits] + layers
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DRAFTERS)
 def test_commit_leaves_state_of_a_fresh_drafter(kind):
     target = no_eos(tiny_target(vocab_size=32, seed=0))
     drafter = make_drafter(kind, target)
@@ -148,7 +153,7 @@ def _exact_law(target, ids: torch.Tensor) -> torch.Tensor:
     ("eagle3", BestFirstBuilder(budget=8, max_width=2, max_rounds=3, mode="without_replacement")),
     ("mtp", ChainBuilder(2, mode="without_replacement")),
     ("medusa", DynamicTreeBuilder(budget=8, depth=3, top_k=2)),
-    ("small", ChainBuilder(3, mode="with_replacement")),
+    ("model", ChainBuilder(3, mode="with_replacement")),
 ])
 def test_exact_law_at_t1(kind, builder):
     from scipy.stats import chisquare
@@ -179,7 +184,7 @@ def _save_random(kind: str, target, path: Path) -> Path:
     elif isinstance(d, MedusaDrafter):
         state, arch = dict(d.heads.state_dict()), d.heads.cfg.to_json()
     else:
-        state, arch = export_state(d.model), dict(TINY_SMALL)
+        raise ValueError(f"{kind} has no checkpoint format")
     return save_checkpoint(path / f"{kind}.safetensors", state, kind, arch, target, card={"kind": kind})
 
 

@@ -155,7 +155,7 @@ def _cfg(steps: int, seed: int = 0) -> TrainConfig:
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_writes_checkpoint_card_and_reloads(kind, tiny_setup, tmp_path):
     from treespec.drafters import load_drafter
-    import treespec.drafters.eagle, treespec.drafters.medusa, treespec.drafters.mtp, treespec.drafters.small  # noqa: F401,E401
+    import treespec.drafters.eagle, treespec.drafters.medusa, treespec.drafters.mtp  # noqa: F401,E401
 
     target, data, held, root = tiny_setup
     card = train_drafter(kind, target, tmp_path, _cfg(4), data, root, progress=False, heldout=held)
@@ -237,7 +237,7 @@ def test_unroll_curriculum():
     assert r.unroll_at(0.0) == 3
 
 
-@pytest.mark.parametrize("kind", ["eagle", "small"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_warm_start_from_a_checkpoint(kind, tiny_setup, tmp_path):
     import dataclasses
 

@@ -21,6 +21,8 @@ from treespec.planning.calibration import CalibratedCost, Calibration, default_c
 from treespec.calibrate.passes import DEFAULT_NS, calibrate
 from treespec.fastpath.packing import KERNELS
 from treespec.planning.hardware import get_hardware
+from treespec.planning.anchors import matching_anchors
+from treespec.planning.fitted import FittedCost, fitted_constants, predict_anchor
 from treespec.planning.planner import RooflineCost, StepCost, TreeChoice, batch_limits, best_choice, plan_curve
 from treespec.planning.roofline import DRAFTER_KINDS, DrafterSpec
 from treespec.planning.shapes import MODEL_PRESETS, ModelShape, model_shape
@@ -75,8 +77,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--max-depth", type=int, default=16, help="deepest tree searched (default 16)")
     plan.add_argument("--calibration", type=Path, default=None,
                       help="calibration JSON for 'local' (default: the model's default calibration path)")
-    plan.add_argument("--plot", default=None,
-                      help="PNG of tokens/s vs budget (default plan-<model>.png; 'none' to skip)")
+    plan.add_argument("--plot", default=None, metavar="PATH",
+                      help="write a PNG of tokens/s vs budget to PATH (default: no plot)")
+    plan.add_argument("--cost", choices=("fitted", "roofline"), default="fitted",
+                      help="presets' step cost: fitted (default; the roofline plus fixed per-pass, per-level and "
+                           "tree-attention terms fitted to published GPU runs, treespec.planning.fitted) or the "
+                           "bare roofline")
     plan.add_argument("--limits", action="store_true",
                       help="also print the batch sizes where verification turns compute-bound and the "
                            "best tree shrinks to a chain / to no speculation")
@@ -148,7 +154,26 @@ def _cost(name: str, target: ModelShape, spec: DrafterSpec, args: argparse.Names
     if name.strip().lower() == "local":
         path = args.calibration or default_calibration_path(args.model)
         return CalibratedCost.for_model(Calibration.load(path), spec.kind, target)
-    return RooflineCost(target, spec, get_hardware(name))
+    if args.cost == "roofline":
+        return RooflineCost(target, spec, get_hardware(name))
+    return FittedCost(target, spec, get_hardware(name), fitted_constants(name))
+
+
+def _print_anchors(model: str, names: Sequence[str], batches: Sequence[int]) -> None:
+    """Published measurements of this model on these presets and batches, each beside the fitted
+    model's prediction at the row's own τ and tree (treespec.planning.anchors)."""
+    rows = [(a, predict_anchor(a) if a.tau is not None else None)
+            for name in names for batch in batches for a in matching_anchors(model, name, batch)]
+    if not rows:
+        return
+    print("\npublished (treespec.planning.anchors) beside the fitted model at the row's own τ and tree:")
+    for a, predicted in rows:
+        tree = "chain" if a.tree.is_chain else "tree"
+        tau = "τ -" if a.tau is None else f"τ {a.tau:.2f}"
+        guess = "no τ published" if predicted is None else f"predicted {predicted:.2f}x"
+        print(f"  {a.key:<32} {a.gpu:<7} b{a.batch:<3} {a.engine}, {a.drafter}, {tree} "
+              f"{a.tree.levels}/{a.tree.topk}/{a.tree.verify_tokens}, {tau}: published {a.speedup:.2f}x, {guess}")
+        print(f"  {'':<32} source: {a.source}")
 
 
 def _fmt_batch(value: int | None) -> str:
@@ -157,8 +182,9 @@ def _fmt_batch(value: int | None) -> str:
 
 def _plan(args: argparse.Namespace) -> int:
     """Predict the best draft tree (budget, depth), τ, tokens/s and speedup for a target on
-    each hardware and batch size, from the roofline (presets) or this machine's calibration
-    ('local'), and plot tokens/s against the tree budget."""
+    each hardware and batch size, from the fitted GPU cost model or the roofline (presets, --cost)
+    or this machine's calibration ('local'), beside published GPU measurements of the same model, hardware and batch; plot
+    tokens/s against the tree budget when --plot names a file."""
     target = model_shape(args.model)
     spec = _drafter(args)
     acceptance = args.acceptance if args.acceptance is not None else DEFAULT_BETA[spec.kind]
@@ -190,8 +216,10 @@ def _plan(args: argparse.Namespace) -> int:
                                max_drafts=args.max_budget - 1, max_depth=args.max_depth)
             print(f"{name:<9} {_fmt_batch(lim.decode_compute_bound):>6} | {_fmt_batch(lim.verify_compute_bound):>6} | "
                   f"{_fmt_batch(lim.chain):>6} | {_fmt_batch(lim.no_speculation):>6}")
-    plot = args.plot if args.plot is not None else f"plan-{args.model}.png"
-    if plot.lower() != "none":
+    if args.cost == "fitted":
+        _print_anchors(args.model, [n for n in names if n.lower() != "local"], args.batch)
+    plot = args.plot
+    if plot is not None and plot.lower() != "none":
         from treespec.planning.plot import plot_curves
 
         path = plot_curves(curves, plot, f"{target.name}, {spec.kind} drafter, context {args.context}")

@@ -17,7 +17,7 @@ from treespec.drafters.hybrid import HybridConfig, HybridDrafter, SwitchDrafter 
 from treespec.drafters.model import ModelDrafter, early_exit_model
 # Trained drafters (checkpoints under checkpoints/<target>/); importing registers their names.
 from treespec.drafters.eagle import EagleDrafter  # noqa: E402  "eagle", "eagle3"
-from treespec.drafters import medusa, mtp, small  # noqa: E402,F401  "medusa", "mtp", "small"
+from treespec.drafters import medusa, mtp  # noqa: E402,F401  "medusa", "mtp"
 
 __all__ = [
     "BatchDrafter", "LoopBatchDrafter", "as_batch_drafter",

@@ -376,7 +376,7 @@ def _hybrid_factory(target, head: "str | Drafter" = "eagle3", checkpoint: str | 
     if isinstance(head, str):
         if head == "hybrid" or head.startswith("lookup"):
             raise ValueError(f"head={head!r}: the head must be a model drafter (e.g. 'eagle3', 'eagle', "
-                             f"'small'); the lookup is already the hybrid's other part")
+                             f"'mtp'); the lookup is already the hybrid's other part")
         from treespec.drafters import load_drafter
 
         head = load_drafter(head, target, **({} if checkpoint is None else {"checkpoint": checkpoint}))

@@ -7,7 +7,7 @@
     objectives  unrolls (TTT, sequential), top-k distillation loss, held-out depth metrics
     recipes     one recipe per drafter: build / loss / metrics / export (loss choices explained)
     loop        the seeded, resumable, time-limited loop; checkpoint + card
-    cli         ``treespec train {eagle,eagle3,medusa,mtp,small} --minutes N --out DIR`` (or
+    cli         ``treespec train {eagle,eagle3,medusa,mtp} --minutes N --out DIR`` (or
                 ``--shards DIR --tokens 10M --curve 5``); ``torchrun ... -m treespec.train ...``
 """
 

@@ -1,4 +1,4 @@
-"""`treespec train {eagle,eagle3,medusa,mtp,small} --out DIR ...` and `python -m treespec.train ...`.
+"""`treespec train {eagle,eagle3,medusa,mtp} --out DIR ...` and `python -m treespec.train ...`.
 
 Three data paths:
     online (default)           every step runs the target over its own ShareGPT exchanges (or the
@@ -207,8 +207,7 @@ def cmd_train(args) -> int:
                       tokens=tokens, curve=curve, grad_accum=args.grad_accum, autocast=args.autocast,
                       max_len=args.max_len,
                       recipe=RecipeConfig(draft_vocab=args.draft_vocab, unroll_ramp=args.unroll_ramp,
-                                          negatives=args.negatives if args.negatives is not None
-                                          else (4096 if args.kind == "small" else 0)))
+                                          negatives=args.negatives or 0))
     data = DataConfig(sequences=args.sequences or 1024, max_len=args.max_len)
     card = train_drafter(args.kind, target, args.out, cfg, data, shards=args.shards, online=online)
     if card is not None:
@@ -239,8 +238,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=4096, help="eagle3 reduced vocabulary size")
     p.add_argument("--unroll-ramp", type=float, default=0.5,
                    help="eagle3/mtp: share of steps over which unroll depths grow 1 -> 3 (0 = 3 from the start)")
-    p.add_argument("--negatives", type=int, default=None,
-                   help="uniform negative ids per step in the KD softmax (default 4096 for small, else 0)")
+    p.add_argument("--negatives", type=int, default=0,
+                   help="uniform negative ids per step in the KD softmax")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="warm start from a checkpoint of the same kind (new optimizer and schedule)")

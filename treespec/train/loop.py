@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import PreTrainedModel
 
 from treespec.targets.loader import model_fingerprint
 from treespec.drafters.checkpoint import card_path, load_checkpoint, save_checkpoint, target_identity
@@ -130,7 +129,6 @@ def rebuild(recipe, kind: str, state: dict, header: dict, target) -> torch.nn.Mo
     """The trainable module of a checkpoint, in float32 (for metrics)."""
     from treespec.drafters.eagle import HeadConfig, Trunk, build_head
     from treespec.drafters.medusa import MedusaConfig, MedusaHeads
-    from treespec.drafters.small import small_model
 
     if kind in ("eagle", "eagle3", "mtp"):
         model = build_head(HeadConfig.from_json(header["arch"]), Trunk.of(target.model), state.get("d2t"))
@@ -139,9 +137,7 @@ def rebuild(recipe, kind: str, state: dict, header: dict, target) -> torch.nn.Mo
         model = MedusaHeads(MedusaConfig(**header["arch"]))
         model.load_state_dict(state)
     else:
-        model = small_model(target, header["arch"])
-        model.load_state_dict(state, strict=False)
-        model.tie_weights()
+        raise KeyError(f"unknown drafter kind {kind!r}; trainable kinds: eagle, eagle3, medusa, mtp")
     return model.float().eval()
 
 
@@ -449,10 +445,7 @@ def _build_model(kind: str, recipe, target, cfg: TrainConfig, device) -> tuple[t
     if init_header["arch"] != recipe.export(model)[1]:
         raise ValueError(f"{cfg.init_from} has another architecture than this recipe builds: "
                          f"{init_header['arch']} vs {recipe.export(model)[1]}")
-    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init_state.items()},
-                          strict=not isinstance(model, PreTrainedModel))  # small: tied head
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init_state.items()})
     prior = json.loads(card_path(cfg.init_from).read_text()).get("train") if card_path(cfg.init_from).exists() else None
     return model, prior, init_header.get("checksum")
 

@@ -15,7 +15,6 @@ Loss choices (recorded in each card's ``loss`` field):
     half of the steps. On a CPU a depth-1 step costs a third of a depth-3 step, so the head
     first learns the shallow prediction cheaply, then adapts to its own features.
     medusa  Medusa-2 self-distillation: top-k KD of head k against p_{t+k}, weights 0.8^(k-1).
-    small   top-k KD of the small model's next-token law against the target's, every position.
 Why distillation rather than cross-entropy on the ShareGPT tokens: acceptance is
 sum min(p, q) = 1 - TVD(p, q) and greedy acceptance is argmax agreement, both functions of the
 *target's* distribution; the ShareGPT replies were written by another model, so their tokens
@@ -260,65 +259,7 @@ class MedusaRecipe(Recipe):
         return dict(heads.state_dict()), self.mcfg.to_json()
 
 
-# ---------------------------------------------------------------------------------- small
-class SmallRecipe(Recipe):
-    kind = "small"
-    loss_note = ("top-32 KD of the small model's next-token law against the target's at every "
-                 "position (prompt and reply), sampled softmax over frequent + batch top-8 + uniformly "
-                 "drawn negative ids (its own head must learn to push every id down); embedding "
-                 "initialised from the target embedding's top principal directions")
-
-    def __init__(self, target, cfg, frequency):
-        super().__init__(target, cfg, frequency)
-        self.layers = ()
-
-    def build(self, seed):
-        from treespec.drafters.small import small_model
-
-        model = small_model(self.target, seed=seed).float()
-        with torch.no_grad():                # PCA init of the tied embedding
-            e = self.target.model.model.embed_tokens.weight.float()
-            e = e - e.mean(0, keepdim=True)
-            h = model.config.hidden_size
-            q = min(h, *e.shape)
-            _, _, v = torch.pca_lowrank(e, q=q, center=False, niter=4)
-            proj = e @ v                                          # [V, q]
-            proj = proj / proj.pow(2).mean().sqrt() * 0.4         # rms 0.4: logits of a few nats
-            emb = model.model.embed_tokens.weight
-            emb[:, :q] = proj
-            emb[:, q:] *= 20
-        model.tie_weights()
-        return model.train()
-
-    def _hidden(self, model, batch):
-        # h_t predicts token t + 1; depth_view(0) at slot t is about p_{t+1}: shift by one.
-        return _shift(model.model(input_ids=batch.tokens).last_hidden_state, 1)
-
-    def loss(self, model, batch, progress):
-        z = self._hidden(model, batch)
-        view = depth_view(batch, 0)
-        length = batch.valid.sum(1, keepdim=True)
-        mask = (torch.arange(batch.tokens.shape[1], device=length.device)[None] + 1) < length     # every position
-        ids = self.subset.ids(view.top_i[mask][:, : self.cfg.subset_top])
-        logits = F.linear(z[mask], model.get_output_embeddings().weight[ids])
-        kd = topk_kd(logits, view.top_i[mask], view.top_p[mask], self.subset.lookup(ids)).mean()
-        return kd, {"kd": kd.item()}
-
-    @torch.no_grad()
-    def metrics(self, model, batch, acc):
-        z = self._hidden(model, batch)
-        view = depth_view(batch, 0)
-        m = view.mask
-        q = model.lm_head(z[m]).float().softmax(-1)
-        acc.add(0, q, view.top_i[m], view.top_p[m], torch.ones(int(m.sum()), dtype=torch.bool, device=m.device))
-
-    def export(self, model):
-        from treespec.drafters.small import SMALL_ARCH, export_state
-
-        return export_state(model), dict(SMALL_ARCH)
-
-
-KINDS = ("eagle", "eagle3", "medusa", "mtp", "small")
+KINDS = ("eagle", "eagle3", "medusa", "mtp")
 
 
 def make_recipe(kind: str, target, cfg: RecipeConfig, frequency: torch.Tensor) -> Recipe:
@@ -326,6 +267,4 @@ def make_recipe(kind: str, target, cfg: RecipeConfig, frequency: torch.Tensor) -
         return FeatureRecipe(kind, target, cfg, frequency)
     if kind == "medusa":
         return MedusaRecipe(target, cfg, frequency)
-    if kind == "small":
-        return SmallRecipe(target, cfg, frequency)
     raise KeyError(f"unknown drafter kind {kind!r}; trainable kinds: {', '.join(KINDS)}")
