@@ -63,7 +63,7 @@ def test_requests_join_and_leave_mid_run(kind: str) -> None:
     rng = random.Random(5)
     specs = {}          # rid -> (prompt, limit, config, seed, builder)
     joins = {0: [(4, 10, SamplingConfig(0.0), 1, None), (9, 7, SamplingConfig(1.0), 2, None)],
-             2: [(1, 12, SamplingConfig(0.7, top_p=0.9), 3, ChainBuilder(3, "with_replacement")),
+             2: [(1, 12, SamplingConfig(0.7, top_p=0.9), 3, ChainBuilder(budget=4, mode="with_replacement")),
                  (6, 9, SamplingConfig(0.0), 4, DynamicTreeBuilder(budget=4, depth=2, top_k=2))],
              3: [(3, 15, SamplingConfig(1.0), 5, None)]}
     streamed: dict[int, list[int]] = {}
@@ -139,16 +139,20 @@ def test_greedy_server_equals_plain_decoding_with_eos() -> None:
 
 def test_bad_input_is_refused_and_never_corrupts_the_others() -> None:
     target = target_of()
-    server = SpeculativeServer(target, drafter_of("small", target), ChainBuilder(3))
+    server = SpeculativeServer(target, drafter_of("small", target), ChainBuilder(budget=4))
     good = server.add_request([1, 2, 3], max_new_tokens=6)
     with pytest.raises(TypeError, match="seed must be an int"):
         server.add_request([1, 2], seed=1.5)
     with pytest.raises(TypeError, match="sampling must be a SamplingConfig"):
         server.add_request([1, 2], sampling=0.7)
-    with pytest.raises(TypeError, match="prompt_ids must be"):
+    with pytest.raises(ValueError, match="this target has no tokenizer: pass token ids"):
         server.add_request("hello")
-    with pytest.raises(ValueError, match="prompt_ids is empty"):
+    with pytest.raises(TypeError, match="prompt must be text, token ids"):
+        server.add_request({"ids": [1]})
+    with pytest.raises(ValueError, match="prompt is empty"):
         server.add_request([])
+    with pytest.raises(ValueError, match="either as sampling= or as keywords \\(temperature\\), not both"):
+        server.add_request([1, 2], SamplingConfig(0.5), temperature=0.5)
     with pytest.raises(ValueError, match=r"lie in \[0, 32\)"):
         server.add_request([1, 40])
     with pytest.raises(ValueError, match="max_new_tokens must be an int > 0"):

@@ -442,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     from treespec.export.cli import register as register_export
 
     register_export(sub)
+    from treespec.cli.serve import register as register_serve
+
+    register_serve(sub)
     return parser
 
 

@@ -26,6 +26,11 @@ batched curves (``calibrate_batches``) give the batched pass's cost where measur
 ``generate_batch`` is the front door for a fixed set of requests: all join at the first step,
 each leaves at its EOS or limit. With one drafter for all, drafting is batched too; with a
 list of per-request drafters, each request is drafted by its own (``LoopBatchDrafter``).
+
+Both take what ``SpeculativeGenerator.generate`` takes: text (through the chat template) or
+token ids, a registered drafter name, one ``max_new_tokens`` for all. ``drafter=None`` is the
+plain server: no drafter, one token per request per target forward (the baseline that
+speculation is measured against under the same load).
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ from treespec.fastpath.device import synchronize
 from treespec.drafters import load_drafter
 from treespec.drafters.base import Drafter, TargetFeatures
 from treespec.drafters.batched import BatchDrafter, LoopBatchDrafter, as_batch_drafter
-from treespec.runtime.generator import auto_builder, check_builder, check_seed, context_window, target_calibration
+from treespec.runtime.generator import (
+    auto_builder, check_builder, check_seed, context_window, encode_prompt, target_calibration,
+)
 from treespec.targets.loader import Target
 from treespec.core.sampling import SamplingConfig
 from treespec.builders.base import TreeBuilder
@@ -64,11 +71,17 @@ class RequestResult:
 
 @dataclass
 class ServerStats:
-    """Counters and timings since the server started (seconds)."""
+    """Counters and timings since the server started (seconds).
+
+    Per-position acceptance: ``depth_attempts[d]`` counts the steps whose acceptance walk stood
+    at draft depth d with a child to try, ``depth_accepts[d]`` those that accepted a child there
+    (``Acceptance.depth_attempts`` summed over requests); their ratio is the acceptance rate of
+    draft position d + 1."""
 
     steps: int = 0                 # target verify forwards
     request_steps: int = 0         # Σ over steps of the live requests (tokens / this = τ per request)
     new_tokens: int = 0
+    emitted: int = 0               # accepted + 1 per request step, before EOS / limit truncation
     tree_nodes: int = 0            # verified nodes, roots included
     drafter_calls: int = 0         # batched drafter forwards
     prefill_time: float = 0.0
@@ -76,10 +89,31 @@ class ServerStats:
     verify_time: float = 0.0
     accept_time: float = 0.0
     other_time: float = 0.0
+    depth_attempts: list[int] = field(default_factory=list)
+    depth_accepts: list[int] = field(default_factory=list)
 
     @property
     def decode_time(self) -> float:
         return self.draft_time + self.verify_time + self.accept_time + self.other_time
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens a request emits per target forward (accepted + 1)."""
+        return self.emitted / self.request_steps if self.request_steps else 0.0
+
+    @property
+    def depth_acceptance(self) -> list[float]:
+        """Acceptance rate of each draft position (1, 2, ...): accepted / attempted."""
+        return [a / t if t else 0.0 for a, t in zip(self.depth_accepts, self.depth_attempts)]
+
+    def _add_depths(self, attempts: Sequence[int], accepts: Sequence[int]) -> None:
+        grow = len(attempts) - len(self.depth_attempts)
+        if grow > 0:
+            self.depth_attempts += [0] * grow
+            self.depth_accepts += [0] * grow
+        for d, (t, a) in enumerate(zip(attempts, accepts)):
+            self.depth_attempts[d] += t
+            self.depth_accepts[d] += a
 
 
 @dataclass
@@ -99,20 +133,24 @@ class SpeculativeServer:
 
     Args:
         target:  a ``treespec.Target``.
-        drafter: a registered name, a Drafter (its batched form is used, ``as_batch_drafter``)
-                 or a BatchDrafter.
+        drafter: a registered name, a Drafter (its batched form is used, ``as_batch_drafter``),
+                 a BatchDrafter, or None: plain decoding (no drafter; every tree is the root).
         builder: the default tree of a request: a TreeBuilder, "auto" (cost model at the current
                  batch size; needs ``treespec calibrate``) or None (DynamicTreeBuilder()).
         verify:  the acceptance rule ("token", "block", "traversal").
         calibration: for "auto": a ``treespec.planning.Calibration`` (default: the local one).
     """
 
-    def __init__(self, target: Target, drafter: "str | Drafter | BatchDrafter",
+    def __init__(self, target: Target, drafter: "str | Drafter | BatchDrafter | None",
                  builder: TreeBuilder | Literal["auto"] | None = None, verify: VerifyRule = "token",
                  calibration=None):
         if not isinstance(target, Target):
             raise TypeError(f"target must be a treespec.Target, got {type(target).__name__}")
-        if isinstance(drafter, str):
+        if drafter is None:
+            if builder is not None:
+                raise ValueError("drafter=None is plain decoding: it takes no builder (pass builder=None)")
+            drafter, builder = PlainDrafter(target.vocab_size), PLAIN
+        elif isinstance(drafter, str):
             drafter = load_drafter(drafter, target)
         self.drafter = as_batch_drafter(drafter)
         if self.drafter.vocab_size != target.vocab_size:
@@ -143,34 +181,61 @@ class SpeculativeServer:
     def queued(self) -> tuple[int, ...]:
         return tuple(r.rid for r in self._queued)
 
-    def add_request(self, prompt_ids: "torch.Tensor | Sequence[int]", sampling: SamplingConfig | None = None,
+    def add_request(self, prompt: "str | torch.Tensor | Sequence[int]", sampling: SamplingConfig | None = None,
                     max_new_tokens: int = 128, seed: int | None = None,
-                    builder: TreeBuilder | Literal["auto"] | None = None) -> int:
+                    builder: TreeBuilder | Literal["auto"] | None = None, *,
+                    temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                    min_p: float | None = None, chat: bool = True) -> int:
         """Queue a request (it joins at the next ``step``); returns its id.
 
-        ``sampling`` defaults to greedy; ``seed`` seeds its own generator (None: fresh random);
-        ``builder`` overrides the server's tree for this request (its own budget, or "auto").
+        ``prompt``: text (through the chat template when ``chat`` and the tokenizer has one) or
+        token ids, encoded as ``SpeculativeGenerator.generate`` encodes them. The sampling
+        settings: a ``SamplingConfig`` or ``generate``'s keywords (``temperature``, ``top_k``,
+        ``top_p``, ``min_p``; unset ones take ``SamplingConfig``'s defaults, greedy), not both.
+        ``seed`` seeds its own generator (None: fresh random); ``builder`` overrides the
+        server's tree for this request (its own budget, or "auto").
         """
-        ids = _prompt_ids(prompt_ids, self.target.vocab_size)
-        sampling = SamplingConfig() if sampling is None else sampling
+        if not isinstance(chat, bool):
+            raise TypeError(f"chat must be True or False (use the chat template for text prompts), got {chat!r}")
+        ids = encode_prompt(self.target, prompt, chat)
+        keywords = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                                      ("min_p", min_p)) if v is not None}
+        if sampling is not None and keywords:
+            raise ValueError(f"pass the sampling settings either as sampling= or as keywords "
+                             f"({', '.join(keywords)}), not both")
+        sampling = SamplingConfig(**keywords) if sampling is None else sampling
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be an int > 0, got {max_new_tokens!r}")
         seed = check_seed(seed)
+        if builder is not None and self.builder is PLAIN:
+            raise ValueError("this server decodes plainly (drafter=None): a request cannot have a builder")
         chosen = self.builder if builder is None else self._check_builder(builder)
-        budget = AUTO_MAX_BUDGET if chosen == "auto" else chosen.budget
-        limit, why = context_window(self.target, self.drafter)
-        if ids.numel() + max_new_tokens + budget > limit:
-            raise ValueError(f"the request does not fit the context window ({limit}: "
-                             f"{why}; prompt {ids.numel()}, "
-                             f"max_new_tokens {max_new_tokens}, tree budget {budget}); shorten it")
+        self.check_fits(ids.numel(), max_new_tokens, chosen)
         gen = torch.Generator(device=self.target.device)
         gen.manual_seed(seed) if seed is not None else gen.seed()
         rid = next(self._ids)
         self._queued.append(_Request(rid, ids, sampling, max_new_tokens, gen,
                                      None if chosen == "auto" else chosen, int(ids[-1])))
         return rid
+
+    def room(self, builder: "TreeBuilder | Literal['auto'] | None" = None) -> tuple[int, int, str]:
+        """(context window, tree budget a request reserves in it, why the window is that long)
+        for a request with ``builder`` (None: the server's)."""
+        chosen = self.builder if builder is None else builder
+        limit, why = context_window(self.target, self.drafter)
+        return limit, AUTO_MAX_BUDGET if chosen == "auto" else chosen.budget, why
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int,
+                   builder: "TreeBuilder | Literal['auto'] | None" = None) -> None:
+        """ValueError, with the numbers, when a request of ``prompt_tokens`` and
+        ``max_new_tokens`` cannot fit the context window beside its tree."""
+        limit, budget, why = self.room(builder)
+        if prompt_tokens + max_new_tokens + budget > limit:
+            raise ValueError(f"the request does not fit the context window ({limit}: "
+                             f"{why}; prompt {prompt_tokens}, "
+                             f"max_new_tokens {max_new_tokens}, tree budget {budget}); shorten it")
 
     def cancel(self, rid: int) -> None:
         """Stop request ``rid`` now (queued or live); its tokens so far go to ``finished``."""
@@ -241,7 +306,9 @@ class SpeculativeServer:
             r.root = new[-1]
             out[r.rid] = chunk
             stats.new_tokens += len(chunk)
+            stats.emitted += len(new)
             stats.tree_nodes += x.tree.num_nodes
+            stats._add_depths(acc.acceptance.depth_attempts, acc.acceptance.depth_accepts)
             if chunk[-1] in self.eos or len(r.out) >= r.max_new_tokens:
                 reason = "eos" if chunk[-1] in self.eos else "length"
                 self.finished[r.rid] = RequestResult(tuple(r.out), reason)
@@ -282,13 +349,25 @@ class SpeculativeServer:
         return self._auto[key]
 
     def _admit(self) -> None:
+        """Prefill the queued requests and start their drafting. If that fails (a prefill, or
+        one ``drafter.begin``), nothing joins: the rows and drafter states made so far are
+        dropped and the requests stay queued, so the caller can cancel or retry them."""
         if not self._queued:
             return
-        joining, self._queued = self._queued, []
+        joining = self._queued
         t0 = time.perf_counter()
-        feats = self.verifier.add([r.prompt for r in joining])
-        for r, f in zip(joining, feats):
-            self.drafter.begin(r.rid, r.prompt, f if self.layers else TargetFeatures.empty())
+        feats = self.verifier.add([r.prompt for r in joining])   # raises before any row joins
+        begun: list[_Request] = []
+        try:
+            for r, f in zip(joining, feats):
+                self.drafter.begin(r.rid, r.prompt, f if self.layers else TargetFeatures.empty())
+                begun.append(r)
+        except BaseException:
+            for r in begun:
+                self.drafter.drop(r.rid)
+            self._keep_rows(list(range(len(self._live))))
+            raise
+        self._queued = []
         self._live += joining
         synchronize(self.target.device)
         self.stats.prefill_time += time.perf_counter() - t0
@@ -300,29 +379,53 @@ class SpeculativeServer:
         for i in rows:
             self.drafter.drop(self._live[i].rid)
         keep = [i for i in range(len(self._live)) if i not in rows]
-        if keep:
-            self.verifier.retain(keep)
-        else:                                      # nothing live: a fresh, empty cache
-            self.verifier = BatchVerifier(self.target.model, self.layers)
+        self._keep_rows(keep)
         self._live = [self._live[i] for i in keep]
 
+    def _keep_rows(self, keep: list[int]) -> None:
+        """The target cache keeps rows ``keep`` only (none: a fresh, empty cache)."""
+        if keep:
+            self.verifier.retain(keep)
+        else:
+            self.verifier = BatchVerifier(self.target.model, self.layers)
 
-def _prompt_ids(prompt_ids, vocab: int) -> torch.Tensor:
-    """LongTensor[P] (on the host) of a request's prompt; clear errors otherwise."""
-    if isinstance(prompt_ids, torch.Tensor):
-        ids = prompt_ids
-    elif isinstance(prompt_ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt_ids):
-        ids = torch.tensor(prompt_ids, dtype=torch.long)
-    else:
-        raise TypeError(f"prompt_ids must be a LongTensor or a list of ints, got {type(prompt_ids).__name__}")
-    if ids.dtype != torch.long or ids.dim() != 1:
-        raise TypeError(f"prompt_ids must be a 1-D LongTensor, got {ids.dtype} {tuple(ids.shape)}")
-    if ids.numel() == 0:
-        raise ValueError("prompt_ids is empty; pass at least one token id")
-    if bool((ids < 0).any()) or bool((ids >= vocab).any()):
-        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-    return ids.cpu()
+
+class PlainDrafter:
+    """The batched drafter of a plain server (``SpeculativeServer(target, None)``): it holds no
+    state and is never asked for a draft, since every tree it meets is the root alone
+    (``PLAIN``). A BatchDrafter (``treespec.drafters.batched``)."""
+
+    needs_target_hidden = False
+    target_layers: tuple[int, ...] = ()
+    path_independent = True
+    registry_name = "plain"
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.calls = 0
+
+    def begin(self, key, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
+        pass
+
+    def expand_batch(self, calls):
+        raise RuntimeError("the plain server drafts nothing: its trees are the root alone (budget 1)")
+
+    def commit(self, key, path: torch.Tensor, tokens: torch.Tensor, features: TargetFeatures) -> None:
+        pass
+
+    def drop(self, key) -> None:
+        pass
+
+    def checkpoint(self) -> None:
+        return None
+
+    def restore(self, state: None) -> None:
+        pass
+
+
+# The plain server's tree: the root alone, one token per target forward.
+PLAIN = DynamicTreeBuilder(budget=1, depth=1, top_k=1)
+
 
 def _check_requests(target: Target, drafters, prompts, max_new_tokens, configs, seeds,
                     per_request: bool = True) -> None:
@@ -354,29 +457,38 @@ def _check_requests(target: Target, drafters, prompts, max_new_tokens, configs, 
 
 def generate_batch(
     target: Target,
-    drafters: "Sequence[Drafter] | Drafter | BatchDrafter",
+    drafters: "Sequence[Drafter] | Drafter | BatchDrafter | str",
     builder: TreeBuilder,
-    # B prompts, LongTensor[P_b + 1] each
-    prompts: Sequence[torch.Tensor],
-    max_new_tokens: Sequence[int],
+    # B prompts: text, or token ids (LongTensor[P_b] or a list of ints) each
+    prompts: "Sequence[str | torch.Tensor | Sequence[int]]",
+    max_new_tokens: "int | Sequence[int]",
     configs: Sequence[SamplingConfig] | None = None,
     seeds: Sequence[int | None] | None = None,
     verify: VerifyRule = "token",
+    chat: bool = True,
 ) -> list[list[int]]:
     """New token ids per request (EOS included when hit; never more than its limit).
 
-    ``drafters``: one Drafter or BatchDrafter for every request (its batched form: one
-    drafter forward per round for all of them), or a list with request b's own single-request
-    drafter at b (each driven alone, ``LoopBatchDrafter``). ``configs`` default to ``SamplingConfig()``;
-    ``seeds[b]`` seeds request b's generator (None: a fresh random seed). Runs a
-    ``SpeculativeServer`` with every request joining at the first step.
+    ``drafters``: one Drafter, BatchDrafter or registered drafter name for every request (its
+    batched form: one drafter forward per round for all of them), or a list with request b's
+    own single-request drafter at b (each driven alone, ``LoopBatchDrafter``). ``prompts``: text
+    (through the chat template when ``chat``) or token ids, as ``SpeculativeGenerator.generate``
+    takes them. ``max_new_tokens``: one limit for all, or one per request. ``configs`` default to
+    ``SamplingConfig()``; ``seeds[b]`` seeds request b's generator (None: a fresh random seed).
+    Runs a ``SpeculativeServer`` with every request joining at the first step.
     """
 
-    b_ = len(prompts) if isinstance(prompts, (list, tuple)) else 0
-    configs = [SamplingConfig()] * b_ if configs is None else configs
-    seeds = [None] * b_ if seeds is None else seeds
     if not isinstance(target, Target):
         raise TypeError(f"target must be a treespec.Target, got {type(target).__name__}")
+    if isinstance(drafters, str):
+        drafters = load_drafter(drafters, target)
+    if isinstance(prompts, (list, tuple)):
+        prompts = [p if isinstance(p, torch.Tensor) else _encoded(target, p, chat, b) for b, p in enumerate(prompts)]
+    b_ = len(prompts) if isinstance(prompts, (list, tuple)) else 0
+    if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool):
+        max_new_tokens = [max_new_tokens] * b_
+    configs = [SamplingConfig()] * b_ if configs is None else configs
+    seeds = [None] * b_ if seeds is None else seeds
     check_builder(builder)
     if verify not in VERIFY_RULES:
         raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
@@ -400,3 +512,11 @@ def generate_batch(
     assert rids == list(range(b_))          # LoopBatchDrafter keys are request indices
     server.run()
     return [list(server.finished[r].tokens) for r in rids]
+
+
+def _encoded(target: Target, prompt, chat: bool, b: int) -> torch.Tensor:
+    """prompts[b] (text or a list of ids) as LongTensor[P]; its errors name the request."""
+    try:
+        return encode_prompt(target, prompt, chat)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"prompts[{b}]: {e}") from None

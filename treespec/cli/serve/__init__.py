@@ -1,0 +1,116 @@
+"""``treespec serve``: an OpenAI-compatible HTTP server over one continuous-batching engine.
+
+    treespec serve --model smollm2-135m --drafter eagle3 --budget auto --host 127.0.0.1 --port 8000
+
+The app (``app.make_app``) is Starlette under uvicorn; the engine (``engine.Engine``) steps one
+``SpeculativeServer`` on its own thread; ``protocol`` checks request bodies; ``metrics`` serves
+Prometheus text. SIGTERM (or Ctrl-C) drains: no new requests (503), live ones finish within
+``--drain-timeout`` seconds, then the process exits. docs/serving.md has the whole HTTP section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub) -> None:
+    """Add the ``serve`` subcommand to the CLI's subparsers."""
+    from treespec.cli.plan import add_target_args
+    from treespec.targets.loader import TARGET_LOADERS
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, /metrics)")
+    p.add_argument("--model", default="smollm2-135m", choices=sorted(TARGET_LOADERS), help="target")
+    add_target_args(p)
+    p.add_argument("--drafter", default="eagle3",
+                   help="registered drafter name, or 'none': plain decoding, speculation off")
+    p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the drafter's factory, repeatable")
+    p.add_argument("--budget", default="auto",
+                   help="tree nodes incl. the root, or 'auto' (default): the cost model sizes each step's tree "
+                        "for the current batch size and each request's temperature, down to plain decoding; "
+                        "it needs this machine's calibration (`treespec calibrate --weights pretrained "
+                        "--drafter NAME --batch-sizes 2,4,8`; `treespec generate --budget auto` makes one too)")
+    p.add_argument("--depth", type=int, default=5, help="max draft depth of a numeric --budget's dynamic tree")
+    p.add_argument("--top-k-draft", type=int, default=4, help="children per expanded node (numeric --budget)")
+    p.add_argument("--verify", default="token", choices=("token", "block", "traversal"), help="acceptance rule")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting to join; past it the answer is 429 with Retry-After")
+    p.add_argument("--max-tokens-default", type=int, default=256,
+                   help="max_tokens of a request that sends none (clipped to the context)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds live requests get to finish after SIGTERM")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.set_defaults(func=cmd_serve)
+
+
+def build_server(args: argparse.Namespace):
+    """(target, ``SpeculativeServer``) as the arguments describe them."""
+    import torch
+
+    from treespec import load_target
+    from treespec.builders import DynamicTreeBuilder
+    from treespec.cli.plan import target_pack
+    from treespec.drafters import load_drafter
+    from treespec.drafters.base import parse_option_value
+    from treespec.fastpath.device import resolve_device
+    from treespec.runtime.server import SpeculativeServer
+
+    for name in ("max_batch", "max_queue", "max_tokens_default"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    options = {}
+    for pair in args.drafter_option:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--drafter-option takes KEY=VALUE (e.g. min_ngram=3), got {pair!r}")
+        options[key.strip()] = parse_option_value(raw)
+    budget = None
+    if args.budget != "auto":
+        try:
+            budget = int(args.budget)
+        except ValueError:
+            raise ValueError(f"--budget must be an integer or 'auto', got {args.budget!r}") from None
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    target = load_target(args.model, dtype=args.dtype, device=resolve_device(args.device), pack=target_pack(args))
+    print(f"[target: {target.speed_path}]", file=sys.stderr, flush=True)
+    if args.drafter == "none":
+        return target, SpeculativeServer(target, None)
+    drafter = load_drafter(args.drafter, target, **options)
+    if budget is None:
+        return target, SpeculativeServer(target, drafter, "auto", verify=args.verify)
+    builder = DynamicTreeBuilder(budget=budget, depth=args.depth, top_k=args.top_k_draft)
+    return target, SpeculativeServer(target, drafter, builder, verify=args.verify)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from treespec.cli.serve.app import make_app
+
+    target, server = build_server(args)
+    app = make_app(server, target.name, max_queue=args.max_queue, max_batch=args.max_batch,
+                   default_max_tokens=args.max_tokens_default, drain_timeout=args.drain_timeout)
+    front = app.state.front
+
+    class Draining(uvicorn.Server):
+        """SIGTERM / SIGINT: refuse new requests at once (503), then uvicorn's graceful exit."""
+
+        def handle_exit(self, sig, frame) -> None:
+            front.engine.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
+    print(f"[treespec serve: {target.name} on http://{args.host}:{args.port}/v1; drafter {args.drafter}, "
+          f"budget {args.budget}; max batch {args.max_batch}, queue {args.max_queue}]", file=sys.stderr, flush=True)
+    Draining(config).run()
+    return 0
