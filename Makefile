@@ -69,13 +69,15 @@ models-qwen: $(STAMP)
 # The real pair: greedy equality with HF generate (0.5B tree, lookup chain), then the side-by-side
 # benchmark as two shards, one per core, merged into results/qwen.* (about 3 hours on a 2-core CPU;
 # each shard resumes with --resume; benchmarks/qwen.py --help for a reduced run).
-QWEN_SHARD := OMP_NUM_THREADS=1 $(VPY) benchmarks/qwen.py --per-kind 10 --out benchmarks/results/qwen_shard
+# the machine kind (amx, avx512bf16, avx2) that names a result file
+KIND = $(shell $(VPY) -c "from treespec.fastpath.cpu import cpu_info; print(cpu_info().kind)")
+QWEN_SHARD := OMP_NUM_THREADS=1 $(VPY) benchmarks/qwen.py --per-kind 10 --out .cache/qwen_shard
 bench-qwen: $(STAMP)
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m slow tests/test_qwen_real.py
 	$(QWEN_SHARD)1 --shard 1/2 & first=$$!; $(QWEN_SHARD)2 --shard 2/2; second=$$?; \
 	wait $$first && test $$second = 0
-	$(VPY) benchmarks/qwen.py --merge benchmarks/results/qwen_shard1,benchmarks/results/qwen_shard2 \
-	    --out benchmarks/results/qwen --note "2 shards side by side, one per core"
+	$(VPY) benchmarks/qwen.py --merge .cache/qwen_shard1,.cache/qwen_shard2 \
+	    --out benchmarks/results/qwen_$(KIND)_t1 --note "2 shards side by side, one per core"
 
 bench: test-slow
 	$(VPY) benchmarks/accept.py

@@ -33,6 +33,16 @@ class CpuInfo:
     def native_bf16(self) -> bool:
         return any(f in self.flags for f in BF16_FLAGS)
 
+    @property
+    def kind(self) -> str:
+        """The machine kind result files are named by: "amx" (AMX bf16 tiles), "avx512bf16"
+        (AVX-512 BF16 dot products, no AMX), "avx2" (AVX2 + FMA only), else "cpu"."""
+        if "amx_bf16" in self.flags:
+            return "amx"
+        if "avx512_bf16" in self.flags:
+            return "avx512bf16"
+        return "avx2" if "avx2" in self.flags else "cpu"
+
 
 def _read_cpuinfo(text: str) -> tuple[str, set[str]]:
     model, flags = "", set()
