@@ -11,6 +11,9 @@ Glossary
   coding, extraction, stem, humanities) and two user turns.
 - **conversation** — one ShareGPT record: an id and its turns as ``(role, text)`` with roles
   normalised to ``"user"`` / ``"assistant"``.
+- **prompt set** — what ``treespec bench`` measures on: ``"mt-bench"`` (80 questions, 8
+  categories), ``"code-edit"`` (10 prompts that restate the code to change), or a Spec-Bench
+  JSON-lines file (one ``{"question_id", "category", "turns"}`` object a line).
 """
 
 from __future__ import annotations
@@ -28,12 +31,17 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
+    "CODE_EDIT_PROMPTS",
     "Conversation",
+    "PROMPT_SETS",
     "MTBenchQuestion",
     "MissingPackageError",
     "chat_prompt",
     "find_package_file",
+    "interleave_categories",
     "mtbench_questions",
+    "prompt_set",
+    "spec_bench_questions",
     "reply_token_ranking",
     "sharegpt_conversations",
 ]
@@ -85,7 +93,7 @@ def find_package_file(distribution: str, relative_path: str) -> Path:
 class MTBenchQuestion:
     """One MT-bench question: ``turns`` are the user messages, asked in order."""
 
-    question_id: int
+    question_id: int | str       # int in MT-bench; a Spec-Bench file may use strings
     category: str
     turns: tuple[str, ...]
 
@@ -106,6 +114,111 @@ def mtbench_questions() -> list[MTBenchQuestion]:
                     )
                 )
     return questions
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark prompt sets (treespec bench)
+
+_EDIT_CODE = [
+    ("Rename the function `calc` to `total_price` everywhere",
+     "def calc(items, tax):\n    s = 0\n    for it in items:\n        s += it.price * it.qty\n"
+     "    return s * (1 + tax)\n\n\ndef report(items):\n    print('total', calc(items, 0.2))\n"),
+    ("Add type hints to every function",
+     "def mean(xs):\n    return sum(xs) / len(xs)\n\n\ndef var(xs):\n    m = mean(xs)\n"
+     "    return sum((x - m) ** 2 for x in xs) / len(xs)\n"),
+    ("Replace the for loop with a list comprehension",
+     "def squares(n):\n    out = []\n    for i in range(n):\n        if i % 2 == 0:\n"
+     "            out.append(i * i)\n    return out\n"),
+    ("Make the function raise ValueError on an empty list instead of returning None",
+     "def first(xs):\n    if not xs:\n        return None\n    return xs[0]\n\n\ndef last(xs):\n"
+     "    if not xs:\n        return None\n    return xs[-1]\n"),
+    ("Convert this class to a dataclass",
+     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+     "    def norm(self):\n        return (self.x ** 2 + self.y ** 2) ** 0.5\n"),
+    ("Add a docstring to each function",
+     "def load(path):\n    with open(path) as f:\n        return f.read().splitlines()\n\n\n"
+     "def save(path, lines):\n    with open(path, 'w') as f:\n        f.write('\\n'.join(lines))\n"),
+    ("Use pathlib instead of os.path",
+     "import os\n\n\ndef find(root, ext):\n    out = []\n    for d, _, files in os.walk(root):\n"
+     "        for f in files:\n            if os.path.splitext(f)[1] == ext:\n"
+     "                out.append(os.path.join(d, f))\n    return out\n"),
+    ("Change the default timeout from 10 to 30 seconds",
+     "import requests\n\n\ndef fetch(url, timeout=10):\n    r = requests.get(url, timeout=timeout)\n"
+     "    r.raise_for_status()\n    return r.json()\n\n\ndef fetch_all(urls, timeout=10):\n"
+     "    return [fetch(u, timeout) for u in urls]\n"),
+    ("Log with the logging module instead of print",
+     "def process(rows):\n    print('start', len(rows))\n    done = 0\n    for r in rows:\n"
+     "        if r is None:\n            print('skip empty row')\n            continue\n        done += 1\n"
+     "    print('done', done)\n    return done\n"),
+    ("Make `retry` take the number of attempts as an argument (default 3)",
+     "import time\n\n\ndef retry(fn):\n    for attempt in range(3):\n        try:\n            return fn()\n"
+     "        except OSError:\n            time.sleep(2 ** attempt)\n    raise RuntimeError('gave up')\n"),
+]
+# Code-editing prompts that restate the code to change (where prompt lookup should shine).
+CODE_EDIT_PROMPTS: tuple[str, ...] = tuple(
+    f"{task}. Reply with the whole changed code.\n\n```python\n{code}```" for task, code in _EDIT_CODE)
+PROMPT_SETS = ("mt-bench", "code-edit")   # the named sets; anything else is a JSON-lines path
+
+
+def prompt_set(name: str) -> list[MTBenchQuestion]:
+    """The questions of a prompt set: ``"mt-bench"`` (80, eight categories), ``"code-edit"``
+    (10, category ``code-edit``), or the path of a Spec-Bench JSON-lines file."""
+    if name == "mt-bench":
+        return mtbench_questions()
+    if name == "code-edit":
+        return [MTBenchQuestion(question_id=i + 1, category="code-edit", turns=(text,))
+                for i, text in enumerate(CODE_EDIT_PROMPTS)]
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"--prompt-set: {name!r} is neither a named set ({', '.join(PROMPT_SETS)}) nor a "
+                         "JSON-lines file (Spec-Bench format: one {\"question_id\", \"category\", \"turns\"} "
+                         "object a line)")
+    return spec_bench_questions(path)
+
+
+def spec_bench_questions(path: str | Path) -> list[MTBenchQuestion]:
+    """Questions from a Spec-Bench-format JSON-lines file: one object a line with
+    ``question_id`` (int or string), ``category`` (string) and ``turns`` (a non-empty list of
+    strings); blank lines are skipped. A bad line is a ValueError naming the file and line."""
+    path = Path(path)
+    questions = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"--prompt-set {path}, line {number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno}); each line must be one "
+                                 "{\"question_id\", \"category\", \"turns\"} object") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            missing = [k for k in ("question_id", "category", "turns") if k not in record]
+            if missing:
+                raise ValueError(f"{where}: missing {', '.join(missing)} (Spec-Bench lines carry question_id, "
+                                 "category and turns)")
+            turns, category, qid = record["turns"], record["category"], record["question_id"]
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+                raise ValueError(f"{where}: turns must be a non-empty list of non-empty strings, got {turns!r:.80}")
+            if not isinstance(category, str) or not category:
+                raise ValueError(f"{where}: category must be a non-empty string, got {category!r}")
+            if isinstance(qid, bool) or not isinstance(qid, (int, str)):
+                raise ValueError(f"{where}: question_id must be an int or a string, got {qid!r}")
+            questions.append(MTBenchQuestion(question_id=qid, category=category, turns=tuple(turns)))
+    if not questions:
+        raise ValueError(f"--prompt-set {path}: the file holds no questions")
+    return questions
+
+
+def interleave_categories(questions: list[MTBenchQuestion]) -> list[MTBenchQuestion]:
+    """Round-robin over categories (first of each category in order of first appearance, then
+    the second of each...), so the first N questions hold every category a run can reach."""
+    by_category: dict[str, list[MTBenchQuestion]] = {}
+    for q in questions:
+        by_category.setdefault(q.category, []).append(q)
+    rounds = max(len(qs) for qs in by_category.values()) if by_category else 0
+    return [qs[i] for i in range(rounds) for qs in by_category.values() if i < len(qs)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,208 @@
+"""treespec bench: argument checks, prompt sets, the paired / pooled ratios, the llama.cpp row,
+Sequoia's vector source, and a smoke run on SmolLM2 (2 prompts x 16 tokens, two drafters,
+two trees) that must be greedy-equal to plain decoding and resume exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import types
+
+import pytest
+
+from treespec.cli.bench import (
+    BenchReport, TreeSpec, find_llamacpp, parse_drafters, parse_llamacpp_timings, parse_temperatures, parse_trees,
+    run_llamacpp, select_prompts,
+)
+from treespec.data import CODE_EDIT_PROMPTS, interleave_categories, prompt_set, spec_bench_questions
+from treespec.runtime.bench import Run, paired_ratio, pooled_ratio, sequoia_acceptance, summarize
+
+
+# ------------------------------------------------------------------ arguments
+def test_trees_parse_names_and_sizes_and_refuse_bad_specs():
+    assert parse_trees("chain:4, dynamic:16,best-first:16,sequoia:16") == [
+        TreeSpec("chain", 4), TreeSpec("dynamic", 16), TreeSpec("best-first", 16), TreeSpec("sequoia", 16)]
+    for bad, words in (("chain", "NAME:NODES"), ("tree:4", "NAME one of"), ("chain:four", "must be an integer"),
+                       ("chain:1", "at least 2 nodes"), ("chain:4,chain:4", "twice"), ("chain:4,", "NAME:NODES")):
+        with pytest.raises(ValueError, match=words) as err:
+            parse_trees(bad)
+        assert "--trees" in str(err.value)
+
+
+def test_temperatures_and_drafters_are_checked_before_any_model_loads():
+    assert parse_temperatures("0, 1") == [0.0, 1.0]
+    for bad in ("", "0,x", "-1", "0,0"):
+        with pytest.raises(ValueError, match="--temperatures"):
+            parse_temperatures(bad)
+    assert parse_drafters("eagle3, lookup") == ["eagle3", "lookup"]
+    assert parse_drafters("mypkg.drafters:make") == ["mypkg.drafters:make"]   # resolved when it loads
+    with pytest.raises(ValueError, match="--drafters: unknown drafter 'nope'; registered: .*eagle3"):
+        parse_drafters("eagle3,nope")
+    with pytest.raises(ValueError, match="--drafters takes distinct"):
+        parse_drafters("lookup,lookup")
+
+
+def test_the_command_names_the_bad_argument_without_loading_a_model(capsys, monkeypatch, tmp_path):
+    from treespec.cli import main as cli
+
+    def no_load(*a, **k):
+        raise AssertionError("the target must not load for a bad argument")
+
+    monkeypatch.setattr("treespec.load_target", no_load)
+    bad_jsonl = tmp_path / "q.jsonl"
+    bad_jsonl.write_text('{"question_id": 1, "category": "x", "turns": ["hi"]}\n{"question_id": 2}\n')
+    for argv, words in ((["--trees", "chain:x"], "--trees"), (["--drafters", "nope"], "--drafters: unknown drafter"),
+                        (["--prompt-set", "no-such-set"], "--prompt-set: 'no-such-set' is neither"),
+                        (["--prompt-set", str(bad_jsonl)], "line 2: missing category, turns"),
+                        (["--prompts", "some"], "--prompts takes"), (["--temperatures", "hot"], "--temperatures"),
+                        (["--llamacpp", str(tmp_path / "none")], "--llamacpp")):
+        assert cli.main(["bench", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err, (argv, err)
+
+
+# ------------------------------------------------------------------ prompt sets
+def test_mt_bench_round_robin_keeps_every_category_in_a_short_run():
+    qs = prompt_set("mt-bench")
+    assert len(qs) == 80
+    order = interleave_categories(qs)
+    assert sorted(q.question_id for q in order) == sorted(q.question_id for q in qs)
+    assert len({q.category for q in order[:8]}) == 8
+    picked = select_prompts(["mt-bench", "code-edit"], 3)
+    assert [s for s, _ in picked] == ["mt-bench", "code-edit"] * 3
+    assert [q.turns[0] for s, q in picked if s == "code-edit"] == list(CODE_EDIT_PROMPTS[:3])
+    with pytest.raises(ValueError, match="--prompts must be an integer >= 1"):
+        select_prompts(["mt-bench"], 0)
+
+
+def test_spec_bench_jsonl_reads_and_names_each_bad_line(tmp_path):
+    path = tmp_path / "set.jsonl"
+    path.write_text('{"question_id": "a1", "category": "summary", "turns": ["Sum up: x"]}\n\n'
+                    '{"question_id": 7, "category": "qa", "turns": ["Why?", "And then?"]}\n')
+    qs = spec_bench_questions(path)
+    assert [(q.question_id, q.category, q.turns) for q in qs] == [
+        ("a1", "summary", ("Sum up: x",)), (7, "qa", ("Why?", "And then?"))]
+    cases = {'{"question_id": 1, "category": "c", "turns": ["x"]': "line 1: not JSON",
+             '[1, 2]': "line 1: expected a JSON object",
+             '{"question_id": 1, "turns": ["x"]}': "line 1: missing category",
+             '{"question_id": 1, "category": "c", "turns": []}': "line 1: turns must be a non-empty list",
+             '{"question_id": 1, "category": "", "turns": ["x"]}': "line 1: category must be",
+             '{"question_id": true, "category": "c", "turns": ["x"]}': "line 1: question_id must be",
+             '': "holds no questions"}
+    for text, words in cases.items():
+        path.write_text(text + "\n")
+        with pytest.raises(ValueError, match=words) as err:
+            spec_bench_questions(path)
+        assert "--prompt-set" in str(err.value) and str(path) in str(err.value)
+
+
+# ------------------------------------------------------------------ statistics
+def test_paired_and_pooled_ratios_part_where_the_host_drifts():
+    # Prompt 2 ran on a host twice as slow for both rows: the paired ratio (median of per-prompt
+    # ratios) cancels it, the pooled one weighs the slow prompt's seconds more.
+    base = [Run(tokens=100, seconds=10.0, prefill_s=1.0), Run(tokens=100, seconds=20.0, prefill_s=2.0),
+            Run(tokens=100, seconds=10.0, prefill_s=1.0)]
+    rows = [Run(tokens=100, seconds=5.0, prefill_s=1.0), Run(tokens=100, seconds=10.0, prefill_s=2.0),
+            Run(tokens=100, seconds=8.0, prefill_s=1.0)]
+    assert paired_ratio(rows, base) == pytest.approx(2.0)                 # ratios 2, 2, 1.25
+    assert pooled_ratio(rows, base) == pytest.approx(40.0 / 23.0)
+    assert pooled_ratio(rows, base, decode_only=True) == pytest.approx(36.0 / 19.0)
+    hf = [Run(tokens=100, seconds=9.0)] * 3                               # no prefill split
+    assert paired_ratio(hf, base, decode_only=True) is None and pooled_ratio(hf, base, decode_only=True) is None
+    with pytest.raises(ValueError, match="one base run per run"):
+        paired_ratio(rows[:2], base)
+
+
+def test_summary_pools_tau_depths_time_split_and_greedy_equality():
+    a = Run(tokens=10, seconds=1.0, prefill_s=0.1, steps=4, emitted=10, nodes=16, draft_s=0.2, verify_s=0.4,
+            other_s=0.04, depth_attempts=[4, 3], depth_accepts=[3, 2], same_as_plain=True)
+    b = Run(tokens=6, seconds=1.0, prefill_s=0.1, steps=4, emitted=6, nodes=16, draft_s=0.2, verify_s=0.4,
+            other_s=0.04, depth_attempts=[4, 1, 1], depth_accepts=[1, 0, 0], same_as_plain=False)
+    base = [Run(tokens=10, seconds=2.0, prefill_s=0.1)] * 2
+    s = summarize([a, b], base)
+    assert s.tau == pytest.approx(16 / 8) and s.mean_nodes == pytest.approx(4.0)
+    assert s.acceptance_by_depth == pytest.approx([4 / 8, 2 / 4, 0.0])
+    assert (s.draft_ms, s.verify_ms, s.other_ms) == pytest.approx((50.0, 100.0, 10.0))
+    assert (s.same_as_plain, s.compared) == (1, 2)
+    assert s.tokens_per_s == pytest.approx(8.0) and s.speedup_pooled == pytest.approx(8.0 / 5.0)
+
+
+def test_sequoia_vector_comes_from_the_calibration_and_says_so(tmp_path, monkeypatch):
+    from treespec.planning.calibration import Calibration, Curve, acceptance_key, model_calibration_path
+    from treespec.planning.shapes import model_shape
+    from treespec.targets.loader import tiny_llama
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    target = types.SimpleNamespace(name="toy", model=tiny_llama())
+    vector, source = sequoia_acceptance(target, "eagle3", 0.0)
+    assert vector is None and source.startswith("Sequoia's default (no calibration at")
+    path = model_calibration_path("toy", target.model)
+    Calibration(model="toy", shape=model_shape("smollm2-135m"), context=8, target=Curve.fit((1, 2), [1.0, 1.0]),
+                acceptance={"eagle3": (0.4, 0.1), acceptance_key("eagle3", 1.0, "without_replacement"): (0.3, 0.2)}
+                ).save(path)
+    assert sequoia_acceptance(target, "eagle3", 0.0) == ((0.4, 0.1), f"calibrated: {path} [eagle3]")
+    vector, source = sequoia_acceptance(target, "eagle3", 1.0, "without_replacement")
+    assert vector == (0.3, 0.2) and "eagle3@T1/without_replacement" in source
+    vector, source = sequoia_acceptance(target, "eagle3", 1.0, "deterministic")
+    assert vector is None and "has no entry 'eagle3@T1'" in source
+
+
+# ------------------------------------------------------------------ llama.cpp
+LLAMA_LOG = ("llama_perf_context_print:        load time =     120.00 ms\n"
+             "llama_perf_context_print: prompt eval time =      40.00 ms /    25 tokens (    1.60 ms per token)\n"
+             "llama_perf_context_print:        eval time =     300.00 ms /    15 runs   (   20.00 ms per token)\n")
+
+
+def test_llamacpp_row_reads_its_own_timers_and_is_absent_where_not_built(tmp_path, monkeypatch):
+    run = parse_llamacpp_timings(LLAMA_LOG)
+    assert (run.tokens, run.seconds, run.prefill_s) == (15, pytest.approx(0.34), pytest.approx(0.04))
+    with pytest.raises(RuntimeError, match="no timing lines"):
+        parse_llamacpp_timings("hello")
+    monkeypatch.delenv("TREESPEC_LLAMACPP", raising=False)
+    binary, why = find_llamacpp(None)
+    assert binary is None and "llama.cpp is not built here" in why
+    fake = tmp_path / "llama-cli"   # a stand-in binary: checks its arguments, prints llama.cpp's timers
+    fake.write_text(f"#!{sys.executable}\nimport sys\nargs = sys.argv\n"
+                    "assert args[args.index('-n') + 1] == '16' and args[args.index('--temp') + 1] == '0'\n"
+                    f"sys.stderr.write({LLAMA_LOG!r})\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("TREESPEC_LLAMACPP", str(fake))
+    assert find_llamacpp(None) == (str(fake), "")
+    run = run_llamacpp(str(fake), tmp_path / "m.gguf", "<|im_start|>user\nHi", 16, 0.0, 1, 1)
+    assert run.tokens == 15 and run.seconds == pytest.approx(0.34)
+
+
+# ------------------------------------------------------------------ smoke on SmolLM2
+def test_smoke_two_drafters_two_trees_greedy_equal_and_resumable(tmp_path, capsys, monkeypatch):
+    """2 MT-bench prompts x 16 tokens, lookup and eagle3 as chain:4 and dynamic:8, T = 0: every
+    configuration emits plain decoding's tokens; the second prompt is measured by --resume."""
+    from treespec.cli import main as cli
+
+    monkeypatch.delenv("TREESPEC_LLAMACPP", raising=False)
+    argv = ["bench", "--drafters", "lookup,eagle3", "--trees", "chain:4,dynamic:8", "--temperatures", "0",
+            "--max-new-tokens", "16", "--no-hf", "--out", str(tmp_path), "--plot"]
+    assert cli.main([*argv, "--prompts", "1"]) == 0
+    first = json.loads((tmp_path / "bench.json").read_text())
+    assert cli.main([*argv, "--prompts", "2", "--resume"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "bench.json").read_text())
+    report = BenchReport.from_json(data)
+    assert len(report.prompts) == 2 and report.complete
+    assert [p["category"] for p in report.prompts] == ["writing", "roleplay"]   # categories round-robin
+    for key, runs in first["runs"].items():          # the resumed run kept the first prompt's runs exactly
+        assert data["runs"][key][0] == runs[0]
+    configs = [r for r in report.rows if r.drafter is not None]
+    assert [r.label for r in configs] == ["lookup chain:4", "lookup dynamic:8", "eagle3 chain:4", "eagle3 dynamic:8"]
+    for row in configs:
+        s = report.summary(row)
+        assert (s.same_as_plain, s.compared) == (2, 2), row
+        assert s.tau >= 1.0 and s.speedup_paired > 0 and len(s.acceptance_by_depth) >= 1
+    assert report.summary([r for r in configs if r.label == "eagle3 chain:4"][0]).tau > 1.0
+    md = (tmp_path / "bench.md").read_text()
+    assert "llama.cpp is not built here" in md and "| eagle3 dynamic:8 |" in md and "prefill" in md
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert "eagle3 dynamic:8" in out and "llama.cpp is not built here" in out
+    assert cli.main([*argv[:-4], "--max-new-tokens", "8", "--out", str(tmp_path), "--resume"]) == 2
+    assert "--resume" in capsys.readouterr().err and os.path.exists(tmp_path / "bench.json")
