@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test test-slow test-vllm bench-vllm bench clean models-qwen bench-qwen
+.PHONY: install demo test test-slow test-vllm bench-vllm bench clean models-qwen bench-qwen bench-serve
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -79,7 +79,14 @@ bench-qwen: $(STAMP)
 	$(VPY) benchmarks/qwen.py --merge .cache/qwen_shard1,.cache/qwen_shard2 \
 	    --out benchmarks/results/qwen_$(KIND)_t1 --note "2 shards side by side, one per core"
 
-bench: test-slow
+# `treespec serve` under load on loopback: the openai client at concurrency 1, 4 and 8, random
+# prompt lengths, T = 0 / 1, 10 % cancelled mid-stream, speculation on and off (bounded by
+# --minutes; later requests are skipped and counted): results/serve_load_<kind>.*
+bench-serve: $(STAMP)
+	OMP_NUM_THREADS=1 $(VPY) benchmarks/serve_load.py --requests 200 --max-tokens 32 --minutes 40 \
+	    --out benchmarks/results/serve_load_$(KIND)
+
+bench: test-slow bench-serve
 	$(VPY) benchmarks/accept.py
 	$(VPY) benchmarks/verify_cost.py --threads 1
 	$(VPY) benchmarks/engine.py --threads 1
