@@ -143,9 +143,9 @@ def builder_of(row: str, args):
     if row == "treespec none":
         return DynamicTreeBuilder(budget=1, depth=1, top_k=1)
     if row.startswith("treespec chain"):
-        return ChainBuilder(args.chain_k)
+        return ChainBuilder(budget=args.chain_k + 1)
     if row == "treespec lookup adaptive":
-        return ChainBuilder(args.chain_k, min_confidence=args.min_confidence)
+        return ChainBuilder(budget=args.chain_k + 1, min_confidence=args.min_confidence)
     if row.startswith("treespec tree"):
         return DynamicTreeBuilder(budget=int(row.rsplit(" ", 1)[1]), depth=5, top_k=4)
     return "auto"

@@ -59,7 +59,7 @@ def make(name: str, budget: int, mode: str, acceptance) -> object:
     depth = min(6, budget - 1)
     wide = 4 if budget <= 16 else 8
     if name == "chain":
-        return ChainBuilder(budget - 1, mode=mode)
+        return ChainBuilder(budget=budget, mode=mode)
     if name == "static":
         return StaticTreeBuilder.default(budget)
     if name == "dynamic":
@@ -259,7 +259,7 @@ def main() -> None:
     prompts = [torch.tensor(chat_prompt(target.tokenizer, q.turns[0])) for q in questions[: args.prompts]]
     held_out = [q.turns[0] for q in questions[-3:]]  # Sequoia's vector: not the benchmark prompts
     print(f"drafter {name}; {len(prompts)} prompts x {args.max_new_tokens} tokens", flush=True)
-    SpeculativeGenerator(target, drafter, ChainBuilder(2)).generate(prompts[0], max_new_tokens=4)  # warm-up
+    SpeculativeGenerator(target, drafter, ChainBuilder(budget=3)).generate(prompts[0], max_new_tokens=4)  # warm-up
 
     acceptance = {}
     if earlier is not None:

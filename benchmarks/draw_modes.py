@@ -30,9 +30,9 @@ from treespec.data import mtbench_questions
 
 MODES = ("deterministic", "without_replacement")
 BUILDERS = {
-    "chain 1": lambda mode: ChainBuilder(1, mode=mode),
-    "chain 2": lambda mode: ChainBuilder(2, mode=mode),
-    "chain 4": lambda mode: ChainBuilder(4, mode=mode),
+    "chain 1": lambda mode: ChainBuilder(budget=2, mode=mode),
+    "chain 2": lambda mode: ChainBuilder(budget=3, mode=mode),
+    "chain 4": lambda mode: ChainBuilder(budget=5, mode=mode),
     "dynamic 4 (depth 2, top 3)": lambda mode: DynamicTreeBuilder(budget=4, depth=2, top_k=3, mode=mode),
     "dynamic 8 (depth 3, top 4)": lambda mode: DynamicTreeBuilder(budget=8, depth=3, top_k=4, mode=mode),
 }

@@ -14,7 +14,7 @@ MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sam
   ``--hybrid`` adds a best-first tree and ``builder="auto"`` drafted by prompt lookup + eagle3
   (``hybrid``, calibrated as its own drafter);
 - treespec lookup adaptive: prompt lookup (suffix n-grams of ``--lookup-min-ngram`` tokens or
-  more) drafting an adaptive chain (``ChainBuilder(k, min_confidence=...)``): up to k tokens
+  more) drafting an adaptive chain (``ChainBuilder(budget=k + 1, min_confidence=...)``): up to k tokens
   where the text repeats, no draft (a plain step) where it does not.
 fp32 is the exact reference target; bf16 rows run only where the CPU has native bf16 units, amx
 rows only where it has AMX-BF16 (the fp32 model with its linear layers on the AMX block kernel,

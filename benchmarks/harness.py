@@ -306,8 +306,8 @@ def _trees() -> dict[str, Callable[[], object]]:
     import treespec
 
     return {
-        "chain4": lambda: treespec.ChainBuilder(4),
-        "chain8": lambda: treespec.ChainBuilder(8),
+        "chain4": lambda: treespec.ChainBuilder(budget=5),
+        "chain8": lambda: treespec.ChainBuilder(budget=9),
         "tree4": lambda: treespec.DynamicTreeBuilder(budget=4, depth=3, top_k=2),
         "tree8": lambda: treespec.DynamicTreeBuilder(budget=8, depth=4, top_k=4),
         "tree16": lambda: treespec.DynamicTreeBuilder(budget=16, depth=5, top_k=4),

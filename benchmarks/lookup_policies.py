@@ -56,7 +56,7 @@ def record(name: str, max_new: int, threads: int) -> list[dict]:
     torch.set_num_threads(threads)
     target_name, source = SETS[name]
     target = treespec.load_target(target_name, dtype="auto")
-    gen = treespec.SpeculativeGenerator(target, "lookup", treespec.ChainBuilder(8))
+    gen = treespec.SpeculativeGenerator(target, "lookup", treespec.ChainBuilder(budget=9))
     out = []
     for i, text in enumerate(set_prompts(source)):
         ids = chat_prompt(target.tokenizer, text)

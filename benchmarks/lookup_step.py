@@ -74,8 +74,8 @@ def main() -> None:
     target = treespec.load_target(TARGET, dtype=args.dtype)
     eos = list(target.eos_token_ids)
     gens = {"lookup chain10 conf0.1": treespec.SpeculativeGenerator(
-                target, "lookup", treespec.ChainBuilder(10, min_confidence=0.1)),
-            "lookup chain10": treespec.SpeculativeGenerator(target, "lookup", treespec.ChainBuilder(10))}
+                target, "lookup", treespec.ChainBuilder(budget=11, min_confidence=0.1)),
+            "lookup chain10": treespec.SpeculativeGenerator(target, "lookup", treespec.ChainBuilder(budget=11))}
     rows = {name: {"tokens": 0, "seconds": 0.0, "passes": 0, "fed": 0, "prefill_s": 0.0, "forward_s": 0.0,
                    "same_as_plain": 0} for name in ("hf-packed", "hf-lookup", *gens)}
     warm = torch.tensor(chat_prompt(target.tokenizer, "Say hi."))

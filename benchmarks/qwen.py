@@ -256,19 +256,19 @@ def main() -> None:
         # match verifies one token, not 10 guesses (on the 1.5B a pass over 11 tokens costs ~1.25
         # of a pass over one)
         "lookup chain10 conf0.1": treespec.SpeculativeGenerator(
-            target, "lookup", treespec.ChainBuilder(10, min_confidence=0.1)),
+            target, "lookup", treespec.ChainBuilder(budget=11, min_confidence=0.1)),
     }
     small = None   # the 0.5B as loaded (bf16 where the target is), only where a row drafts with it
     if any(drafts_with_the_0_5b(name) for name in chosen):
         small = treespec.load_drafter(DRAFT, target)                  # ModelDrafter, in the target's dtype
         methods |= {
-            "0.5b chain4": treespec.SpeculativeGenerator(target, small, treespec.ChainBuilder(4)),
+            "0.5b chain4": treespec.SpeculativeGenerator(target, small, treespec.ChainBuilder(budget=5)),
             "0.5b tree16": treespec.SpeculativeGenerator(
                 target, ModelDrafter(small.model, target.vocab_size), treespec.DynamicTreeBuilder(16, 5, 4)),
             # a chain that stops where the 0.5B's own probability of its draft falls under 0.4 (what
             # HF assisted generation's assistant_confidence_threshold does), up to 8 drafts
             "0.5b chain8 conf0.4": treespec.SpeculativeGenerator(
-                target, ModelDrafter(small.model, target.vocab_size), treespec.ChainBuilder(8, min_confidence=0.4)),
+                target, ModelDrafter(small.model, target.vocab_size), treespec.ChainBuilder(budget=9, min_confidence=0.4)),
             "hybrid best16": treespec.SpeculativeGenerator(
                 target, HybridDrafter(ModelDrafter(small.model, target.vocab_size)),
                 treespec.BestFirstBuilder(budget=16, max_width=4, max_rounds=7)),
@@ -276,15 +276,15 @@ def main() -> None:
             # up to 4 elsewhere; both stop where q's confidence in the draft falls under 0.4
             "switch chain16 head4": treespec.SpeculativeGenerator(
                 target, SwitchDrafter(ModelDrafter(small.model, target.vocab_size), head_depth=4),
-                treespec.ChainBuilder(16, min_confidence=0.4)),
+                treespec.ChainBuilder(budget=17, min_confidence=0.4)),
         }
     if any(name in ("0.5b chain4 vocab32k", "switch chain16 head4 vocab32k") for name in chosen):
         kept = frequent_vocab(target.tokenizer, DRAFT_VOCAB, eos)
         methods["0.5b chain4 vocab32k"] = treespec.SpeculativeGenerator(
-            target, ModelDrafter(small.model, target.vocab_size, draft_vocab=kept), treespec.ChainBuilder(4))
+            target, ModelDrafter(small.model, target.vocab_size, draft_vocab=kept), treespec.ChainBuilder(budget=5))
         methods["switch chain16 head4 vocab32k"] = treespec.SpeculativeGenerator(
             target, SwitchDrafter(ModelDrafter(small.model, target.vocab_size, draft_vocab=kept), head_depth=4),
-            treespec.ChainBuilder(16, min_confidence=0.4))
+            treespec.ChainBuilder(budget=17, min_confidence=0.4))
     small4 = None
     if any("int4" in name.split() for name in chosen):   # a 0.5B with its linear layers in 4 bits
         small4 = treespec.load_drafter(DRAFT, target, weights="int4")
@@ -301,8 +301,8 @@ def main() -> None:
             # which best17 pays at every step
             return treespec.BestFirstBuilder(budget, max_width=1, max_rounds=16, min_confidence=0.4)
 
-        chain16 = treespec.ChainBuilder(16, min_confidence=0.4)
-        methods["0.5b chain4 int4"] = treespec.SpeculativeGenerator(target, small4, treespec.ChainBuilder(4))
+        chain16 = treespec.ChainBuilder(budget=17, min_confidence=0.4)
+        methods["0.5b chain4 int4"] = treespec.SpeculativeGenerator(target, small4, treespec.ChainBuilder(budget=5))
         methods["0.5b tree16 int4"] = treespec.SpeculativeGenerator(
             target, int4(), treespec.DynamicTreeBuilder(16, 5, 4))
         methods["switch chain16 head4 int4"] = treespec.SpeculativeGenerator(

@@ -57,7 +57,7 @@ def configs(chains: list[int], budgets: list[int], chain_mode: str, tree_mode: s
         for k in chains:
             for rule in ("token", "block"):
                 out.append(dict(sampling=s, shape="chain", budget=k + 1, rule=rule, pair="block",
-                                make=lambda k=k: ChainBuilder(k, mode=chain_mode)))
+                                make=lambda k=k: ChainBuilder(budget=k + 1, mode=chain_mode)))
         for shape in ("dynamic", "best-first"):
             for b in budgets:
                 depth, wide = min(6, b - 1), 4 if b <= 16 else 8

@@ -46,7 +46,7 @@ def phase_treespec(args) -> None:
     export = export_eagle3 if args.kind == "eagle3" else export_medusa
     export(target, drafter, work / args.kind, force=True, source=f"shipped {args.kind} (smollm2-135m)")
     prompts = [chat_prompt(target.tokenizer, q.turns[0]) for q in mtbench_questions()[: args.prompts]]
-    gen = SpeculativeGenerator(target, drafter, ChainBuilder(args.k))
+    gen = SpeculativeGenerator(target, drafter, ChainBuilder(budget=args.k + 1))
     attempts, accepts, new, t0 = [0] * args.k, [0] * args.k, 0, time.perf_counter()
     outputs = []
     for ids in prompts:

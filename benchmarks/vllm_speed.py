@@ -188,11 +188,11 @@ def run_treespec(args, setup) -> dict:
     lookup = treespec.load_drafter("lookup", packed, max_ngram=3, min_ngram=3)
     eos = list(packed.eos_token_ids)
     gens = {
-        "treespec EAGLE-3 chain k3": treespec.SpeculativeGenerator(packed, eagle3, ChainBuilder(3)),
+        "treespec EAGLE-3 chain k3": treespec.SpeculativeGenerator(packed, eagle3, ChainBuilder(budget=4)),
         "treespec best-first 32": treespec.SpeculativeGenerator(packed, eagle3, BestFirstBuilder(32, max_width=4)),
         "treespec auto": treespec.SpeculativeGenerator(packed, eagle3, "auto"),
         "treespec lookup adaptive": treespec.SpeculativeGenerator(packed, lookup,
-                                                                  ChainBuilder(args.ngram_k[0], min_confidence=0.5)),
+                                                                  ChainBuilder(budget=args.ngram_k[0] + 1, min_confidence=0.5)),
     }
 
     rows = {"treespec plain": lambda ids, t, seed: hf_generate(packed.model, ids, setup["max_new"], eos, t, seed),

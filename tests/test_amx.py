@@ -118,7 +118,7 @@ def test_amx_model_greedy_speculation_emits_plain_decodings_tokens(amx) -> None:
     plain = run(DynamicTreeBuilder(budget=1, depth=1, top_k=1))
     assert len(plain) >= 10
     assert run(DynamicTreeBuilder(budget=16, depth=4, top_k=3)) == plain
-    assert run(ChainBuilder(k=4)) == plain
+    assert run(ChainBuilder(budget=5)) == plain
 
 
 def test_amx_is_refused_where_it_cannot_run(monkeypatch) -> None:

@@ -106,7 +106,7 @@ def target_of(model, arch: str) -> Target:
 
 PROMPTS = ([5, 1, 7, 3], [9], [4, 4, 8, 1, 6, 12, 3])
 GREEDY_CONFIGS = {
-    "chain": (lambda: ChainBuilder(k=3), "noisy"),
+    "chain": (lambda: ChainBuilder(budget=4), "noisy"),
     "tree": (lambda: DynamicTreeBuilder(budget=10, depth=4, top_k=3), "noisy"),
     "tree-model-drafter": (lambda: DynamicTreeBuilder(budget=10, depth=4, top_k=3), "model"),
 }
@@ -229,7 +229,7 @@ def test_sliding_window_caps_the_context_and_longer_requests_are_refused() -> No
     windowed = tiny("mistral", V_GREEDY, eos=V_GREEDY - 1, sliding_window=12)
     target = target_of(windowed, "mistral")
     assert target.max_context == 11 and "sliding-window" in target.max_context_reason
-    gen = SpeculativeGenerator(target, NoisyTargetDrafter(windowed, noise=1.0, seed=1), ChainBuilder(k=2))
+    gen = SpeculativeGenerator(target, NoisyTargetDrafter(windowed, noise=1.0, seed=1), ChainBuilder(budget=3))
     ids = torch.tensor([3, 9, 2])
     assert gen.generate(ids, 5, temperature=0.0).token_ids.tolist() == hf_greedy(windowed, ids, target.eos_token_ids, 5)
     with pytest.raises(ValueError, match="sliding-window attention over 12 tokens"):
@@ -251,15 +251,15 @@ def test_a_drafter_model_with_a_shorter_window_caps_the_request_too() -> None:
     drafter = ModelDrafter(windowed, V_GREEDY)
     assert drafter.max_context == 11 and "drafter model" in drafter.max_context_reason
     ids = torch.tensor([3, 9, 2])
-    gen = SpeculativeGenerator(target, drafter, ChainBuilder(k=2))
+    gen = SpeculativeGenerator(target, drafter, ChainBuilder(budget=3))
     assert gen.generate(ids, 5, temperature=0.0).token_ids.tolist() == \
         hf_greedy(target.model, ids, target.eos_token_ids, 5)
     with pytest.raises(ValueError, match="drafter model's sliding-window attention over 12 tokens"):
         gen.generate(ids, 6, temperature=0.0)
     with pytest.raises(ValueError, match="drafter model's sliding-window"):
-        SpeculativeServer(target, drafter, ChainBuilder(k=2)).add_request(ids, max_new_tokens=6)
+        SpeculativeServer(target, drafter, ChainBuilder(budget=3)).add_request(ids, max_new_tokens=6)
     with pytest.raises(ValueError, match="request 0 .*drafter model's sliding-window"):
-        generate_batch(target, drafter, ChainBuilder(k=2), [ids], [6])
+        generate_batch(target, drafter, ChainBuilder(budget=3), [ids], [6])
 
 
 def test_attention_softcapping_needs_eager() -> None:

@@ -244,7 +244,7 @@ def test_a_noisy_machine_keeps_auto_on_plain_decoding_for_a_small_predicted_gain
         "speculates where the cost model predicts at least 1.25x (timing spread 12.0% per pass on this "
         "machine); no tree does: plain decoding")
     assert auto_threshold_line(flat, 3) == "speculates where the cost model predicts at least 1.05x"
-    assert SpeculativeGenerator(target, LookupDrafter(16), ChainBuilder(2)).calibration is None
+    assert SpeculativeGenerator(target, LookupDrafter(16), ChainBuilder(budget=3)).calibration is None
 
 
 def test_loop_costs_enter_the_plan_only_in_pairs_and_at_batch_one(tmp_path):
@@ -400,7 +400,7 @@ def test_the_generator_says_which_tree_each_temperature_runs(tmp_path, monkeypat
     hot = gen.builder_for(1.0)
     assert gen.builder_for(0.0) is gen.builder and gen.builder.config.mode == "deterministic"
     assert hot.config.mode == "without_replacement" and gen.builder_for(1.0) is hot
-    fixed = SpeculativeGenerator(target, LookupDrafter(16), ChainBuilder(2))
+    fixed = SpeculativeGenerator(target, LookupDrafter(16), ChainBuilder(budget=3))
     assert fixed.builder_for(0.0) is fixed.builder_for(1.0) is fixed.builder
     res = gen.generate([1, 2, 3], max_new_tokens=6, temperature=1.0, seed=0)
     assert 0 < res.token_ids.numel() <= 6

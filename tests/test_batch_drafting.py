@@ -44,7 +44,7 @@ BATCHED = {"small": BatchModelDrafter, "eagle": BatchFeatureDrafter, "eagle3": B
 
 def make_builder(kind: str, mode: str = "deterministic"):
     return {
-        "chain": lambda: ChainBuilder(3, "with_replacement" if mode != "deterministic" else mode),
+        "chain": lambda: ChainBuilder(budget=4, mode="with_replacement" if mode != "deterministic" else mode),
         "static": lambda: StaticTreeBuilder.default(8, mode),
         "dynamic": lambda: DynamicTreeBuilder(budget=9, depth=4, top_k=3, mode=mode),
         "best_first": lambda: BestFirstBuilder(budget=9, max_width=3, max_rounds=4, mode=mode),

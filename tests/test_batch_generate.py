@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT_LENS = (1, 4, 9, 13)
 LIMITS = [5, 17, 9, 12]
 BUILDERS = {
-    "chain": lambda mode: ChainBuilder(4, mode) if mode else ChainBuilder(4),
+    "chain": lambda mode: ChainBuilder(budget=5, mode=mode) if mode else ChainBuilder(budget=5),
     "dynamic": lambda mode: DynamicTreeBuilder(budget=10, depth=4, top_k=3, mode=mode) if mode
     else DynamicTreeBuilder(budget=10, depth=4, top_k=3),
 }
@@ -86,7 +86,7 @@ def test_seeded_sampling_batch_equals_each_request_alone(kind: str) -> None:
 
 def test_generate_batch_errors() -> None:
     target = peaky_target(V, seed=2)
-    builder = ChainBuilder(2)
+    builder = ChainBuilder(budget=3)
     prompts = prompts_of(2)[:2]
     ds = make_drafters(target)[:2]
     with pytest.raises(ValueError, match="max_new_tokens has 1 entries but there are 2 prompts"):

@@ -26,7 +26,7 @@ QUESTIONS = (0, 10, 20, 30, 40)            # five categories; the last one joins
 LIMITS = (24, 40, 16, 32, 20)
 CONFIGS = {
     "eagle3-dynamic": ("eagle3", lambda: DynamicTreeBuilder(budget=12, depth=4, top_k=4)),
-    "small-chain": ("small", lambda: ChainBuilder(k=3)),
+    "small-chain": ("small", lambda: ChainBuilder(budget=4)),
 }
 
 

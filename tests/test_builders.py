@@ -114,7 +114,7 @@ def build(builder, drafter, sampling=GREEDY, seed=0, root=3):
 # ---------------------------------------------------------------- efficiency: calls
 def test_one_batched_call_per_depth_or_round() -> None:
     d = TableDrafter()
-    built = build(ChainBuilder(5), d)
+    built = build(ChainBuilder(budget=6), d)
     assert d.calls == built.drafter_calls == 5 and all(len(b) == 1 for b in d.batches)
 
     d = TableDrafter()
@@ -273,10 +273,10 @@ def test_adaptive_chain_stops_where_the_path_confidence_falls_below_the_threshol
     for sampling, modes in ((GREEDY, ("deterministic",)), (T1, STOCHASTIC)):
         for mode in modes:
             d = TableDrafter(override=row)
-            built = build(ChainBuilder(4, mode=mode, min_confidence=0.5), d, sampling, seed=2)
+            built = build(ChainBuilder(budget=5, mode=mode, min_confidence=0.5), d, sampling, seed=2)
             assert built.tree.num_nodes == 3 and built.tree.is_chain, mode
             assert d.calls == 3 and built.drafter_calls == 3      # the third call's top q stopped it
-            full = build(ChainBuilder(4, mode=mode), TableDrafter(override=row), sampling, seed=2)
+            full = build(ChainBuilder(budget=5, mode=mode), TableDrafter(override=row), sampling, seed=2)
             assert full.tree.num_nodes == 5
 
 
@@ -284,7 +284,7 @@ def test_adaptive_chain_stops_where_the_path_confidence_falls_below_the_threshol
                                            (T1, "without_replacement")])
 def test_adaptive_chain_with_an_unsure_first_draft_is_the_root_alone(sampling, mode) -> None:
     d = TableDrafter(override=lambda path: torch.zeros(8))      # flat q: top q 1/8
-    built = build(ChainBuilder(4, mode=mode, min_confidence=0.2), d, sampling)
+    built = build(ChainBuilder(budget=5, mode=mode, min_confidence=0.2), d, sampling)
     assert built.tree.num_nodes == 1 and d.calls == 1
     assert built.tree.sampling == "deterministic"              # no draft: the same tree in every mode
 
@@ -438,7 +438,7 @@ def test_draw_children_follow_q() -> None:
 
 # ---------------------------------------------------------------- determinism, modes, errors
 ALL_BUILDERS = {
-    "chain": lambda mode: ChainBuilder(4, mode=mode),
+    "chain": lambda mode: ChainBuilder(budget=5, mode=mode),
     "static": lambda mode: StaticTreeBuilder(default_choices(12), mode=mode),
     "dynamic": lambda mode: DynamicTreeBuilder(12, 4, 3, mode=mode),
     "best_first": lambda mode: BestFirstBuilder(12, 3, 5, mode=mode),
@@ -481,8 +481,8 @@ def test_budget_one_is_just_the_root() -> None:
     (lambda: BestFirstBuilder(min_confidence=-0.1), "min_confidence"),
     (lambda: SequoiaBuilder(budget=0), "budget must be an int >= 1"),
     (lambda: SequoiaBuilder(depth=0), "depth must be an int >= 1"),
-    (lambda: ChainBuilder(0), "k \\(chain length\\) must be an int >= 1"),
-    (lambda: ChainBuilder(4, min_confidence=1.0), "min_confidence"),
+    (lambda: ChainBuilder(budget=0), "budget \\(chain nodes incl. the root\\) must be an int >= 1"),
+    (lambda: ChainBuilder(budget=5, min_confidence=1.0), "min_confidence"),
     (lambda: StaticTreeBuilder([(0,)], mode="iid"), "sampling mode must be one of"),
 ])
 def test_bad_config_raises_clear_errors(make, match) -> None:

@@ -31,7 +31,7 @@ PROMPT = [5, 9, 5, 9, 5, 1, 7]
 MODES = ("deterministic", "with_replacement", "without_replacement")
 
 BUILDERS = {
-    "chain": (lambda mode: ChainBuilder(4, mode=mode), lambda b: b.config.k),
+    "chain": (lambda mode: ChainBuilder(budget=5, mode=mode), lambda b: b.config.budget - 1),
     "static": (lambda mode: StaticTreeBuilder(default_choices(12), mode=mode), lambda b: b.max_depth),
     "dynamic": (lambda mode: DynamicTreeBuilder(12, depth=4, top_k=3, mode=mode), lambda b: b.config.depth),
     "best_first": (lambda mode: BestFirstBuilder(12, max_width=3, max_rounds=4, mode=mode),

@@ -41,9 +41,9 @@ FAST_SAMPLES = 800
 SLOW_SAMPLES = 3000
 
 BUILDERS = {
-    "chain": lambda mode: ChainBuilder(3, mode=mode),
+    "chain": lambda mode: ChainBuilder(budget=4, mode=mode),
     # stops where the drawn path's confidence falls below 0.05: 2 to 4 nodes in this world
-    "chain_adaptive": lambda mode: ChainBuilder(3, mode=mode, min_confidence=0.05),
+    "chain_adaptive": lambda mode: ChainBuilder(budget=4, mode=mode, min_confidence=0.05),
     "static": lambda mode: StaticTreeBuilder([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)], mode=mode),
     "dynamic": lambda mode: DynamicTreeBuilder(budget=8, depth=3, top_k=3, mode=mode),
     "best_first": lambda mode: BestFirstBuilder(budget=8, max_width=2, max_rounds=3, mode=mode),

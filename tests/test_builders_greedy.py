@@ -17,7 +17,7 @@ from treespec.builders import (
 from _engine_helpers import hf_greedy
 
 BUILDERS = {
-    "chain": lambda: ChainBuilder(4),
+    "chain": lambda: ChainBuilder(budget=5),
     "static": lambda: StaticTreeBuilder.default(16),
     "dynamic": lambda: DynamicTreeBuilder(16, 5, 4),
     "best_first": lambda: BestFirstBuilder(16, max_width=4, max_rounds=5),

@@ -13,7 +13,9 @@ from treespec.planning import Calibration, Curve, default_calibration_path, mode
 
 def test_make_builder_gives_every_builder_its_arguments():
     built = {name: make_builder(name, 8, 3, 2) for name in BUILDERS}
-    assert isinstance(built["chain"], builders.ChainBuilder) and built["chain"].config.k == 7
+    assert isinstance(built["chain"], builders.ChainBuilder) and built["chain"].config.budget == 8
+    # one meaning of budget: nodes incl. the root, for every builder
+    assert all(b.budget <= 8 for b in built.values()) and built["chain"].budget == built["dynamic"].budget == 8
     assert isinstance(built["dynamic"], builders.DynamicTreeBuilder) and built["dynamic"].config.top_k == 2
     assert isinstance(built["best-first"], builders.BestFirstBuilder) and built["best-first"].max_depth <= 3
     assert isinstance(built["static"], builders.StaticTreeBuilder)

@@ -47,7 +47,7 @@ def test_requests_default_to_the_config_and_a_fresh_seed():
     prompts, limits = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])], [24, 24]
 
     def run(configs=None):
-        return generate_batch(target, [NGramDrafter(16, seed=1), NGramDrafter(16, seed=2)], ChainBuilder(3),
+        return generate_batch(target, [NGramDrafter(16, seed=1), NGramDrafter(16, seed=2)], ChainBuilder(budget=4),
                               prompts, limits, configs)
 
     assert run() == run()
@@ -59,7 +59,7 @@ def test_budget_counts_the_root_in_builders_planner_and_optimal_tree():
     from treespec import ChainBuilder, DynamicTreeBuilder, optimal_tree
     from treespec.planning import best_tree
 
-    assert ChainBuilder(4).budget == 5 and DynamicTreeBuilder(budget=16).budget == 16
+    assert ChainBuilder(budget=5).budget == 5 and DynamicTreeBuilder(budget=16).budget == 16
     tree = optimal_tree((0.6, 0.3), budget=4, depth=3)
     assert len(tree.parents) == tree.budget == 4 and tree.drafts == 3
     choice = best_tree("llama-3-8b", "eagle", "h100", batch=1, context=128)

@@ -82,7 +82,7 @@ def features_of(target, ids: torch.Tensor, layers) -> TargetFeatures:
 def test_greedy_equivalence_tiny(kind, builder):
     target = no_eos(tiny_target(vocab_size=32, seed=0))
     drafter = make_drafter(kind, target)
-    b = ChainBuilder(4) if builder == "chain" else DynamicTreeBuilder(budget=16, depth=4, top_k=3)
+    b = ChainBuilder(budget=5) if builder == "chain" else DynamicTreeBuilder(budget=16, depth=4, top_k=3)
     gen = SpeculativeGenerator(target, drafter, b)
     for prompt in ([5, 7, 9, 11, 3], [4]):
         ids = torch.tensor(prompt)
@@ -93,7 +93,7 @@ def test_greedy_equivalence_tiny(kind, builder):
 def test_greedy_equivalence_with_a_good_drafter_accepts_much():
     """Sanity of the whole path: the target-as-small-drafter accepts everything at T = 0."""
     target = no_eos(tiny_target(vocab_size=32, seed=0))
-    gen = SpeculativeGenerator(target, ModelDrafter(target.model, 32), ChainBuilder(4))
+    gen = SpeculativeGenerator(target, ModelDrafter(target.model, 32), ChainBuilder(budget=5))
     out = gen.generate(torch.tensor([1, 2, 3]), max_new_tokens=20, temperature=0.0)
     assert out.stats.tau == pytest.approx(5.0)
 
@@ -149,11 +149,11 @@ def _exact_law(target, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind,builder", [
     ("eagle", DynamicTreeBuilder(budget=8, depth=3, top_k=2)),
-    ("eagle3", ChainBuilder(3, mode="with_replacement")),
+    ("eagle3", ChainBuilder(budget=4, mode="with_replacement")),
     ("eagle3", BestFirstBuilder(budget=8, max_width=2, max_rounds=3, mode="without_replacement")),
-    ("mtp", ChainBuilder(2, mode="without_replacement")),
+    ("mtp", ChainBuilder(budget=3, mode="without_replacement")),
     ("medusa", DynamicTreeBuilder(budget=8, depth=3, top_k=2)),
-    ("model", ChainBuilder(3, mode="with_replacement")),
+    ("model", ChainBuilder(budget=4, mode="with_replacement")),
 ])
 def test_exact_law_at_t1(kind, builder):
     from scipy.stats import chisquare
@@ -322,7 +322,7 @@ def test_eagle3_expand_compact_is_expand_restricted_to_its_ids():
 @pytest.mark.parametrize("builder", [
     DynamicTreeBuilder(budget=12, depth=4, top_k=3),
     BestFirstBuilder(budget=12, max_width=3, max_rounds=4),
-    ChainBuilder(4),
+    ChainBuilder(budget=5),
 ])
 def test_reduced_vocab_fast_path_builds_the_same_trees(builder):
     """Greedy: identical trees with and without ``expand_compact``; T = 1: identical q rows

@@ -46,13 +46,13 @@ def target() -> Target:
 @pytest.fixture
 def self_gen(target) -> SpeculativeGenerator:
     """The target drafting for itself, chains of 4: 5 tokens per step at T = 0."""
-    return SpeculativeGenerator(target, "target", ChainBuilder(k=4))
+    return SpeculativeGenerator(target, "target", ChainBuilder(budget=5))
 
 
 # ---------------------------------------------------------------------------- bad input
 def test_empty_prompt_string(target) -> None:
     tok_target = Target.from_hf(target.model, word_tokenizer([f"w{i}" for i in range(V - 2)]), "t")
-    gen = SpeculativeGenerator(tok_target, "target", ChainBuilder(2))
+    gen = SpeculativeGenerator(tok_target, "target", ChainBuilder(budget=3))
     for prompt in ("", "   \n"):
         with pytest.raises(ValueError, match="prompt is empty; pass some text or token ids"):
             gen.generate(prompt, 4)
@@ -80,7 +80,7 @@ def test_prompt_ids_out_of_vocab(target, prompt) -> None:
 
 def test_prompt_longer_than_context_window() -> None:
     target = peaky_target(V, max_position_embeddings=32)
-    gen = SpeculativeGenerator(target, "target", ChainBuilder(k=3))
+    gen = SpeculativeGenerator(target, "target", ChainBuilder(budget=4))
     for n in (32, 40):
         with pytest.raises(ValueError, match=f"prompt has {n} tokens but the context window is 32"):
             gen.generate([1] * n, 1)
@@ -172,7 +172,7 @@ def test_max_new_tokens_is_never_overshot(target, self_gen, n) -> None:
 def test_target_drafter_accepts_every_draft_at_t0(target) -> None:
     """Sanity: τ = depth + 1 exactly (before the final truncation) and full acceptance."""
     for k in (1, 3, 6):
-        gen = SpeculativeGenerator(target, "target", ChainBuilder(k=k))
+        gen = SpeculativeGenerator(target, "target", ChainBuilder(budget=k + 1))
         res = gen.generate([5, 9, 1], 3 * (k + 1) + 1)
         stats = res.stats
         assert stats.steps == 4 and stats.tau == k + 1
@@ -182,7 +182,7 @@ def test_target_drafter_accepts_every_draft_at_t0(target) -> None:
 
 
 @pytest.mark.parametrize("prompt", [[4], [4, 4, 2]], ids=["P1", "P3"])
-@pytest.mark.parametrize("builder", [ChainBuilder(k=3), DynamicTreeBuilder(10, 4, 3)],
+@pytest.mark.parametrize("builder", [ChainBuilder(budget=4), DynamicTreeBuilder(10, 4, 3)],
                          ids=["chain", "dynamic"])
 def test_greedy_output_equals_plain_greedy_with_a_poor_drafter(target, builder, prompt) -> None:
     """A drafter that is often wrong (the target with noisy weights): rejections everywhere,
@@ -241,7 +241,7 @@ def test_eos_stops_generation_and_is_included(target) -> None:
     # An EOS whose first occurrence falls inside a 5-token chunk, not at its end.
     j = next(i for i, t in enumerate(ref) if ref.index(t) == i and i % 5 not in (4,) and i > 5)
     target.model.generation_config.eos_token_id = ref[j]
-    gen = SpeculativeGenerator(target, "target", ChainBuilder(k=4))
+    gen = SpeculativeGenerator(target, "target", ChainBuilder(budget=5))
     stream = gen.stream([2, 7], 30)
     chunks = list(stream)
     assert stream.result.token_ids.tolist() == ref[: j + 1]
@@ -257,7 +257,7 @@ def test_eos_from_the_tokenizer_and_text(target) -> None:
     tok = word_tokenizer([f"w{i}" for i in range(V - 2)])  # <eos> is id V - 1
     tok_target = Target.from_hf(target.model, tok, "t")
     assert tok_target.eos_token_ids == (V - 1,)
-    gen = SpeculativeGenerator(tok_target, "target", ChainBuilder(k=3))
+    gen = SpeculativeGenerator(tok_target, "target", ChainBuilder(budget=4))
     ended = 0
     for seed in range(30):
         res = gen.generate("w1 w2", 40, temperature=1.0, seed=seed)

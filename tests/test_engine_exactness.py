@@ -113,8 +113,8 @@ def assert_follows_law(gen: SpeculativeGenerator, prompt: list[int], sampling: S
 
 
 BUILDERS = {
-    "chain": lambda: ChainBuilder(k=2),
-    "chain_iid": lambda: ChainBuilder(k=2, mode="with_replacement"),
+    "chain": lambda: ChainBuilder(budget=3),
+    "chain_iid": lambda: ChainBuilder(budget=3, mode="with_replacement"),
     "dynamic": lambda: DynamicTreeBuilder(budget=10, depth=2, top_k=3),
 }
 SAMPLINGS = {

@@ -21,8 +21,8 @@ from test_engine_exactness import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BUILDERS = {
-    "chain": lambda: ChainBuilder(k=2),
-    "chain_iid": lambda: ChainBuilder(k=2, mode="with_replacement"),
+    "chain": lambda: ChainBuilder(budget=3),
+    "chain_iid": lambda: ChainBuilder(budget=3, mode="with_replacement"),
     "dynamic": lambda: DynamicTreeBuilder(budget=10, depth=2, top_k=3),
     "dynamic_iid": lambda: DynamicTreeBuilder(budget=10, depth=2, top_k=3, mode="with_replacement"),
     "dynamic_wor": lambda: DynamicTreeBuilder(budget=10, depth=2, top_k=3, mode="without_replacement"),

@@ -38,7 +38,7 @@ QUESTIONS = (0, 10, 20, 30, 40)  # first question of five categories, file order
 NEAR_TIE = 1e-4
 # name -> (builder, early-exit layers; None = the registered default)
 CONFIGS = {
-    "chain-early-exit": (lambda: ChainBuilder(k=2), None),
+    "chain-early-exit": (lambda: ChainBuilder(budget=3), None),
     "dynamic-early-exit-20": (lambda: DynamicTreeBuilder(budget=16, depth=5, top_k=4), 20),
 }
 
@@ -134,7 +134,7 @@ def test_amx_greedy_equals_its_plain_loop(one_thread) -> None:
     target = load_target("smollm2-135m", dtype=torch.float32, pack="amx")
     eagle3 = load_drafter("eagle3", target)
     plain = SpeculativeGenerator(target, eagle3, DynamicTreeBuilder(budget=1, depth=1, top_k=1))
-    trees = {"chain": SpeculativeGenerator(target, eagle3, ChainBuilder(k=3)),
+    trees = {"chain": SpeculativeGenerator(target, eagle3, ChainBuilder(budget=4)),
              "dynamic": SpeculativeGenerator(target, eagle3, DynamicTreeBuilder(budget=16, depth=5, top_k=4))}
     questions = mtbench_questions()
     accepted = 0

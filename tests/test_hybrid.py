@@ -203,7 +203,7 @@ class CountingHybrid(HybridDrafter):
 
 
 BUILDERS = {
-    "chain": lambda mode: ChainBuilder(k=3, mode=mode),
+    "chain": lambda mode: ChainBuilder(budget=4, mode=mode),
     "dynamic": lambda mode: DynamicTreeBuilder(budget=10, depth=3, top_k=3, mode=mode),
     "best_first": lambda mode: BestFirstBuilder(budget=10, max_width=3, max_rounds=3, mode=mode),
 }

@@ -291,10 +291,10 @@ def target():
 
 def test_engine_refuses_an_unknown_rule(target):
     with pytest.raises(ValueError, match=r"verify must be one of \('token', 'block', 'traversal'\)"):
-        SpeculativeGenerator(target, "target", ChainBuilder(4), verify="tree")
+        SpeculativeGenerator(target, "target", ChainBuilder(budget=5), verify="tree")
 
 
-@pytest.mark.parametrize("verify,builder", [("block", ChainBuilder(k=3)), ("traversal", DynamicTreeBuilder(10, 4, 3))])
+@pytest.mark.parametrize("verify,builder", [("block", ChainBuilder(budget=4)), ("traversal", DynamicTreeBuilder(10, 4, 3))])
 def test_engine_greedy_output_unchanged(target, verify, builder):
     """T = 0 with a poor drafter: the same tokens as the token rule (and plain greedy)."""
     draft = copy.deepcopy(target.model)

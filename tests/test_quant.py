@@ -127,7 +127,7 @@ def int4_drafter(target, scale: float = 0.1, **kw) -> ModelDrafter:
     return drafter
 
 
-@pytest.mark.parametrize("builder", [ChainBuilder(4), DynamicTreeBuilder(budget=8, depth=3, top_k=3)],
+@pytest.mark.parametrize("builder", [ChainBuilder(budget=5), DynamicTreeBuilder(budget=8, depth=3, top_k=3)],
                          ids=["chain", "tree"])
 def test_greedy_output_equals_hf_generate(builder) -> None:
     target = peaky_target(16, seed=5, std=0.3, num_layers=2, hidden_size=32)

@@ -52,7 +52,7 @@ def _switch_ctx(target):
 CONFIGS = {   # name: (drafter of the target, tree builder)
     "qwen0.5b-tree": (lambda target: load_drafter("qwen2.5-coder-0.5b", target),
                       lambda: DynamicTreeBuilder(budget=8, depth=4, top_k=2)),
-    "lookup-chain": (lambda target: load_drafter("lookup", target), lambda: ChainBuilder(k=4)),
+    "lookup-chain": (lambda target: load_drafter("lookup", target), lambda: ChainBuilder(budget=5)),
     "switch-ctx": (_switch_ctx, lambda: SwitchBuilder(
         BestFirstBuilder(12, max_width=1, max_rounds=16, min_confidence=0.4),
         BestFirstBuilder(32, max_width=4, max_rounds=32, min_confidence=0.4))),

@@ -128,7 +128,7 @@ GREEDY = SamplingConfig(temperature=0.0)
 
 
 def test_switch_builder_builds_each_kind_of_tree_with_its_own_builder() -> None:
-    builder = SwitchBuilder(head=ChainBuilder(2), lookup=ChainBuilder(6))
+    builder = SwitchBuilder(head=ChainBuilder(budget=3), lookup=ChainBuilder(budget=7))
     assert builder.budget == 7
     lookup, head_of_lookup = switch_of([4, 7, 2, 9, 4, 7, 2, 9, 4, 7])     # the text repeats: 2 9 4 7 ...
     built = builder.build(lookup, 7, GREEDY, None)
@@ -141,22 +141,22 @@ def test_switch_builder_builds_each_kind_of_tree_with_its_own_builder() -> None:
 
 def test_switch_builder_refuses_other_drafters_and_non_builders() -> None:
     with pytest.raises(TypeError, match="SwitchDrafter"):
-        SwitchBuilder(ChainBuilder(2), ChainBuilder(4)).build(TableDrafter(10, seed=0), 3, GREEDY, None)
+        SwitchBuilder(ChainBuilder(budget=3), ChainBuilder(budget=5)).build(TableDrafter(10, seed=0), 3, GREEDY, None)
     with pytest.raises(TypeError, match="lookup must be a tree builder"):
-        SwitchBuilder(ChainBuilder(2), object())
+        SwitchBuilder(ChainBuilder(budget=3), object())
     with pytest.raises(TypeError, match="plain builder"):
-        SwitchBuilder(SwitchBuilder(ChainBuilder(2), ChainBuilder(4)), ChainBuilder(4))
+        SwitchBuilder(SwitchBuilder(ChainBuilder(budget=3), ChainBuilder(budget=5)), ChainBuilder(budget=5))
 
 
 # ---------------------------------------------------------------- sampling exactness, end to end
 BUILDERS = {
-    "chain": lambda mode: ChainBuilder(k=3, mode=mode),
-    "chain_conf": lambda mode: ChainBuilder(k=5, mode=mode, min_confidence=0.4),
+    "chain": lambda mode: ChainBuilder(budget=4, mode=mode),
+    "chain_conf": lambda mode: ChainBuilder(budget=6, mode=mode, min_confidence=0.4),
     "dynamic": lambda mode: DynamicTreeBuilder(budget=10, depth=3, top_k=3, mode=mode),
     "best_first": lambda mode: BestFirstBuilder(budget=10, max_width=3, max_rounds=3, mode=mode),
     # head trees best-first, lookup trees a longer chain
     "switch": lambda mode: SwitchBuilder(BestFirstBuilder(budget=6, max_width=2, max_rounds=2, mode=mode),
-                                         ChainBuilder(k=5, mode=mode, min_confidence=0.4)),
+                                         ChainBuilder(budget=6, mode=mode, min_confidence=0.4)),
 }
 PROMPT = [5, 1, 5, 1, 5]  # "1 5" recurs: the first tree is a lookup tree
 CASES = [  # (builder, draft mode, sampling, verification rule)

@@ -4,7 +4,7 @@ Every builder drives every drafter through ``build(drafter, root_token, sampling
 has a ``budget`` (max tree nodes, root included) and a ``max_depth``, and makes one batched
 drafter call per depth level (per round for best-first), never one per node.
 
-    ChainBuilder(k)                             one path of k tokens
+    ChainBuilder(budget)                        one path of budget - 1 draft tokens
     StaticTreeBuilder(choices) / .default(n)    fixed Medusa-style topology (rank-path tuples)
     DynamicTreeBuilder(budget, depth, top_k)    EAGLE-2: expand the best frontier, rerank
     BestFirstBuilder(budget, max_width, max_rounds)   SpecExec: best-first rounds, early stop

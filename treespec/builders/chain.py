@@ -1,4 +1,7 @@
-"""ChainBuilder: a single path of up to k drafted tokens (classic speculative decoding).
+"""ChainBuilder: a single path of up to ``budget - 1`` drafted tokens (classic speculative decoding).
+
+``budget`` counts tree nodes with the root, as every builder's does: ``ChainBuilder(budget=5)``
+drafts at most 4 tokens (gamma = 4 in Leviathan et al.); ``budget=1`` is plain decoding.
 
 Adaptive length (``min_confidence`` > 0): the chain stops before a node whose best draft would
 have confidence exp(score) below the threshold, where score is the path's cumulative draft
@@ -23,15 +26,16 @@ from treespec.builders.base import (
 
 @dataclass(frozen=True)
 class ChainConfig:
-    """k: draft tokens per step at most (>= 1). mode: how each token is chosen (see trees.base).
-    min_confidence: stop where the path's confidence would fall below it (0 = always k)."""
+    """budget: tree nodes incl. the root (>= 1), so at most budget - 1 draft tokens per step.
+    mode: how each token is chosen (see trees.base). min_confidence: stop where the path's
+    confidence would fall below it (0 = always budget - 1 drafts)."""
 
-    k: int = 4
+    budget: int = 5              # tree nodes incl. the root: 4 drafts
     mode: DraftMode = "deterministic"
     min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
-        check_int("k (chain length)", self.k)
+        check_int("budget (chain nodes incl. the root)", self.budget)
         check_mode(self.mode)
         check_confidence(self.min_confidence)
 
@@ -44,21 +48,21 @@ class ChainBuilder:
     draws above it) never depends on the draw it counts.
     """
 
-    def __init__(self, k: int = 4, mode: DraftMode = "deterministic", min_confidence: float = 0.0):
-        self.config = ChainConfig(k, mode, min_confidence)
+    def __init__(self, budget: int = 5, mode: DraftMode = "deterministic", min_confidence: float = 0.0):
+        self.config = ChainConfig(budget, mode, min_confidence)
 
     @property
     def budget(self) -> int:
-        return self.config.k + 1
+        return self.config.budget
 
     @property
     def max_depth(self) -> int:
-        return self.config.k
+        return self.config.budget - 1
 
     def __repr__(self) -> str:
         c = self.config
         extra = f", min_confidence={c.min_confidence}" if c.min_confidence else ""
-        return f"ChainBuilder(k={c.k}, mode={c.mode!r}{extra})"
+        return f"ChainBuilder(budget={c.budget}, mode={c.mode!r}{extra})"
 
     def build(self, drafter: Drafter, root_token: int, sampling: SamplingConfig,
               generator: torch.Generator | None) -> BuiltTree:
@@ -72,7 +76,7 @@ class ChainBuilder:
         rows: dict[int, DraftQ] = {}
         floor = log_confidence(self.config.min_confidence)
         node, calls = 0, 0
-        for _ in range(self.config.k):
+        for _ in range(self.config.budget - 1):
             q, (exp,) = yield from expand_step(drafter, tree, [node], sampling, mode, 1, generator)
             calls += 1
             # slot_logq[0] = log max q: the planned value, whatever was drawn

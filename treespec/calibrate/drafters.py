@@ -167,7 +167,7 @@ def calibrate_drafter(
 # The trees ``calibrate_loop`` times the generator with: the two shapes builder="auto" builds
 # (a chain, and a dynamic tree, whose builder ranks and grows each level in Python).
 LOOP_BUILDERS: tuple[Callable[[], TreeBuilder], ...] = (
-    lambda: ChainBuilder(2),
+    lambda: ChainBuilder(budget=3),
     lambda: DynamicTreeBuilder(budget=8, depth=3, top_k=4),
 )
 

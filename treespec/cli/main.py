@@ -27,7 +27,7 @@ def make_builder(name: str, budget: int, depth: int, top_k: int, mode: str = "de
     if min_confidence and name not in ADAPTIVE:
         raise ValueError(f"min_confidence is an option of the {', '.join(ADAPTIVE)} builders, not {name!r}")
     if name == "chain":
-        return trees.ChainBuilder(max(budget - 1, 1), mode=mode, min_confidence=min_confidence)
+        return trees.ChainBuilder(budget=budget, mode=mode, min_confidence=min_confidence)
     if name == "dynamic":
         return trees.DynamicTreeBuilder(budget=budget, depth=depth, top_k=top_k, mode=mode,
                                         min_confidence=min_confidence)

@@ -212,7 +212,7 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     if choice.drafts == 0:
         return DynamicTreeBuilder(budget=1, depth=1, top_k=1)
     if choice.is_chain:
-        return ChainBuilder(choice.drafts, mode=mode)
+        return ChainBuilder(budget=choice.drafts + 1, mode=mode)
     width = max(choice.level_sizes)
     return DynamicTreeBuilder(budget=choice.budget, depth=choice.depth, top_k=max(2, min(8, width)), mode=mode)
 
