@@ -50,7 +50,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     from treespec.cli.plan import add_target_args
 
     add_target_args(p)
-    p.add_argument("--drafter", default="eagle3", help="registered drafter name (see treespec.registered_drafters())")
+    p.add_argument("--drafter", default="eagle3",
+                   help="a registered drafter (treespec.registered_drafters()), a drafter of your own as "
+                        "package.module:factory, or an entry point of the treespec.drafters group "
+                        "(docs/drafters.md)")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the drafter's factory, repeatable (e.g. lookup: min_ngram=3)")
     p.add_argument("--tree", default="dynamic", choices=BUILDERS, help="tree builder")
@@ -403,10 +406,19 @@ def stock_decode_speed(target, ids: torch.Tensor, max_new_tokens: int, temperatu
         pack_linears(target.model, kernel=kernel)
 
 
+class HelpParser(argparse.ArgumentParser):
+    """An ArgumentParser whose ``--help`` shows every option's default; its subcommands'
+    parsers (``add_subparsers`` makes them of the parser's own class) do too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from treespec import __version__
 
-    parser = argparse.ArgumentParser(prog="treespec", description=__doc__)
+    parser = HelpParser(prog="treespec", description=__doc__)
     parser.add_argument("--version", action="version", version=f"treespec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
