@@ -206,3 +206,13 @@ def test_smoke_two_drafters_two_trees_greedy_equal_and_resumable(tmp_path, capsy
     assert "eagle3 dynamic:8" in out and "llama.cpp is not built here" in out
     assert cli.main([*argv[:-4], "--max-new-tokens", "8", "--out", str(tmp_path), "--resume"]) == 2
     assert "--resume" in capsys.readouterr().err and os.path.exists(tmp_path / "bench.json")
+
+
+@pytest.mark.slow
+def test_the_python_example_of_docs_bench_runs(capsys):
+    from test_readme import doc_block
+
+    code, path = doc_block("from treespec.cli.bench import bench")
+    exec(compile(code, path, "exec"), {})
+    out = capsys.readouterr().out
+    assert "lookup chain:3" in out and "plain (treespec loop)" in out

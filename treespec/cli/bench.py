@@ -10,7 +10,7 @@ loop with a one-node tree: the reference for speed and for greedy equality), HF 
 the same model object, llama.cpp where ``--llamacpp`` names a built binary, then every
 configuration (:mod:`treespec.runtime.bench` says how rows are compared). With ``--out`` the
 JSON (the runs of every row), the Markdown and the plot are rewritten after every prompt, and
-``--resume`` continues a cut-short run exactly where it stopped.
+``--resume`` continues a cut-short run exactly after the last prompt it saved.
 """
 
 from __future__ import annotations
