@@ -284,3 +284,58 @@ def test_a_failed_step_leaves_every_request_as_it_was(kind: str, where: str, mon
     failed, count = run({1, 3})
     assert none == 0 and count == 2
     assert failed == clean
+
+
+def test_plain_server_decodes_greedy_without_a_drafter_and_counts_positions() -> None:
+    """drafter=None: no drafter call, one token per request per step, the greedy continuation;
+    a speculative server's per-position counters add up to its acceptances."""
+    from test_verifier import greedy_continuation
+
+    target = target_of()
+    plain = SpeculativeServer(target, None)
+    rids = [plain.add_request([1, 2, 3], max_new_tokens=6), plain.add_request([4, 5], max_new_tokens=4)]
+    plain.run()
+    assert list(plain.finished[rids[0]].tokens) == greedy_continuation(target.model, [1, 2, 3], 6)
+    assert list(plain.finished[rids[1]].tokens) == greedy_continuation(target.model, [4, 5], 4)
+    assert plain.stats.drafter_calls == 0 and plain.stats.tau == 1.0 and plain.stats.depth_attempts == []
+    with pytest.raises(ValueError, match="drafter=None is plain decoding: it takes no builder"):
+        SpeculativeServer(target, None, ChainBuilder(budget=3))
+    with pytest.raises(ValueError, match="decodes plainly"):
+        plain.add_request([1], builder=DynamicTreeBuilder(budget=4, depth=2, top_k=2))
+    spec = SpeculativeServer(target, drafter_of("small", target), DynamicTreeBuilder(budget=6, depth=3, top_k=2))
+    spec.add_request([1, 2, 3], max_new_tokens=12)
+    spec.run()
+    s = spec.stats
+    assert len(s.depth_attempts) >= 1 and s.depth_attempts[0] == s.request_steps
+    assert s.emitted == s.request_steps + sum(s.depth_accepts)        # accepted + 1 per step
+    assert 0 <= min(s.depth_acceptance) and max(s.depth_acceptance) <= 1
+
+
+def test_text_prompts_keywords_and_scalar_limits_as_the_generator_takes_them() -> None:
+    """add_request and generate_batch take text (through the chat template), sampling keywords,
+    a drafter name... as SpeculativeGenerator.generate does, with the same tokens."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _serve_helpers import text_drafter, text_target
+    from treespec import generate_batch
+
+    target = text_target()
+    builder = DynamicTreeBuilder(budget=5, depth=2, top_k=2)
+    gen = SpeculativeGenerator(target, text_drafter(target), builder)
+    want = [gen.generate("hello", 9).token_ids.tolist(),
+            gen.generate("hi there", 9, temperature=0.8, top_p=0.9, seed=5, chat=False).token_ids.tolist()]
+    server = SpeculativeServer(target, text_drafter(target), builder)
+    a = server.add_request("hello", max_new_tokens=9)
+    b = server.add_request("hi there", max_new_tokens=9, temperature=0.8, top_p=0.9, seed=5, chat=False)
+    server.run()
+    assert [list(server.finished[r].tokens) for r in (a, b)] == want
+    assert generate_batch(target, text_drafter(target), builder, ["hello", "hello"], 9) == [want[0]] * 2
+    lookup = SpeculativeGenerator(target, "lookup", builder).generate("hello", 9).token_ids.tolist()
+    assert lookup == want[0]                                             # greedy: any drafter, same tokens
+    assert generate_batch(target, "lookup", builder, ["hello"], 9) == [lookup]   # a registered name
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt is empty"):
+        generate_batch(target, text_drafter(target), builder, ["hello", "  "], 9)
+    with pytest.raises(TypeError, match="chat must be True or False"):
+        server.add_request("hello", chat="yes")
