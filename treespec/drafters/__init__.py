@@ -1,6 +1,8 @@
 """Drafters: anything that proposes next-token distributions cheaply.
 
-Registered names resolve through ``treespec.load_drafter(name, target)``.
+``treespec.load_drafter(name, target)`` resolves ``name`` as a registered name
+(``registered_drafters()``), a ``package.module:factory`` reference, or an entry point of the
+``treespec.drafters`` group (``plugin_drafters()``); every command's ``--drafter`` goes through it.
 """
 
 import inspect
@@ -8,8 +10,8 @@ import inspect
 import torch
 
 from treespec.drafters.base import (
-    Drafter, PartialTree, TargetFeatures, drafter_factory, drafter_key, merged_options, register_drafter,
-    registered_drafters, split_drafter_key,
+    ENTRY_POINT_GROUP, Drafter, PartialTree, TargetFeatures, check_drafter_protocol, drafter_factory, drafter_key,
+    merged_options, missing_members, plugin_drafters, register_drafter, registered_drafters, split_drafter_key,
 )
 from treespec.drafters.batched import BatchDrafter, LoopBatchDrafter, as_batch_drafter
 from treespec.drafters.lookup import LookupConfig, LookupDrafter
@@ -23,15 +25,19 @@ __all__ = [
     "BatchDrafter", "LoopBatchDrafter", "as_batch_drafter",
     "Drafter", "EagleDrafter", "HybridConfig", "HybridDrafter", "LookupConfig", "LookupDrafter", "ModelDrafter",
     "SwitchDrafter",
-    "PartialTree", "TargetFeatures", "drafter_factory", "drafter_key", "split_drafter_key",
+    "ENTRY_POINT_GROUP", "PartialTree", "TargetFeatures", "check_drafter_protocol", "drafter_factory", "drafter_key",
+    "missing_members", "plugin_drafters", "split_drafter_key",
     "early_exit_model", "load_drafter", "register_drafter", "registered_drafters",
 ]
 
 
 def load_drafter(name: str, target, **options) -> Drafter:
-    """Build the registered drafter ``name`` for ``target`` (a treespec.Target). ``options`` go
-    to the factory (e.g. lookup's ``min_ngram``); a name it does not take is a ValueError.
-    ``name`` may carry options itself, as ``"qwen2.5-coder-0.5b[weights=int4]"``.
+    """Build the drafter ``name`` for ``target`` (a treespec.Target). ``name`` is a registered
+    name, a ``package.module:factory`` reference or a ``treespec.drafters`` entry point
+    (``drafter_factory``). ``options`` go to the factory (e.g. lookup's ``min_ngram``); a name
+    it does not take is a ValueError. ``name`` may carry options itself, as
+    ``"qwen2.5-coder-0.5b[weights=int4]"``. What the factory returns must be a Drafter: a
+    TypeError names each protocol member it lacks.
 
     The drafter remembers ``drafter_key(name, options)`` as ``registry_name``: calibrations
     are keyed by it, so a drafter loaded with other options is measured on its own."""
@@ -45,6 +51,7 @@ def load_drafter(name: str, target, **options) -> Drafter:
             raise ValueError(f"drafter {name!r} takes no option {', '.join(map(repr, unknown))}; its options are "
                              f"{takes or 'none'}")
     drafter = factory(target, **options)
+    check_drafter_protocol(drafter, f"drafter {name!r}")
     _pack_like_target(drafter, target)
     try:
         drafter.registry_name = drafter_key(name, options)

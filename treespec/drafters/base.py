@@ -218,19 +218,47 @@ def capabilities(drafter: object) -> Capabilities:
                         getattr(drafter, "max_context_reason", ""), getattr(drafter, "weights_checksum", None))
 
 
+# ---------------------------------------------------------------- protocol check
+DRAFTER_METHODS = ("begin", "expand", "commit")
+DRAFTER_FLAGS = ("needs_target_hidden", "target_layers", "vocab_size", "path_independent")
+
+
+def missing_members(obj: object) -> list[str]:
+    """The members of the ``Drafter`` protocol that ``obj`` lacks (a method that is not
+    callable counts as missing), in the protocol's order."""
+    return ([m for m in DRAFTER_METHODS if not callable(getattr(obj, m, None))]
+            + [f for f in DRAFTER_FLAGS if not hasattr(obj, f)])
+
+
+def check_drafter_protocol(obj: object, what: str = "drafter") -> None:
+    """TypeError naming every member of the ``Drafter`` protocol that ``obj`` lacks."""
+    missing = missing_members(obj)
+    if missing:
+        raise TypeError(f"{what} ({type(obj).__name__}) is not a treespec Drafter: it lacks "
+                        f"{', '.join(missing)}. A Drafter has the methods begin(prompt_ids, features), "
+                        f"expand(tree, nodes) and commit(path, tokens, features) and the attributes "
+                        f"{', '.join(DRAFTER_FLAGS)} (docs/drafters.md)")
+
+
 # ---------------------------------------------------------------- registry
 # name -> factory(target, **options) -> Drafter. Factories receive the treespec Target.
 _REGISTRY: dict[str, Callable[..., Drafter]] = {}
+ENTRY_POINT_GROUP = "treespec.drafters"   # third-party packages register drafter factories here
 
 
-def register_drafter(name: str) -> Callable[[Callable[..., Drafter]], Callable[..., Drafter]]:
-    """Decorator: register a drafter factory under ``name``; a duplicate name is an error."""
+def register_drafter(name: str, *, replace: bool = False) -> Callable[[Callable[..., Drafter]], Callable[..., Drafter]]:
+    """Decorator: register a drafter factory under ``name``. A name registered already is a
+    ValueError unless ``replace=True`` (re-running a notebook cell that defines the drafter)."""
+    if not isinstance(name, str) or not name or any(c in name for c in _KEY_SPECIALS + ":"):
+        raise ValueError(f"drafter name must be a non-empty string without any of {_KEY_SPECIALS + ':'!r}, "
+                         f"got {name!r}")
 
     def wrap(factory: Callable[..., Drafter]) -> Callable[..., Drafter]:
         if not callable(factory):
             raise TypeError(f"drafter factory for {name!r} must be callable, got {factory!r}")
-        if name in _REGISTRY:
-            raise ValueError(f"a drafter named {name!r} is already registered")
+        if name in _REGISTRY and not replace:
+            raise ValueError(f"a drafter named {name!r} is already registered; pass "
+                             f"register_drafter({name!r}, replace=True) to replace it")
         _REGISTRY[name] = factory
         return factory
 
@@ -238,14 +266,69 @@ def register_drafter(name: str) -> Callable[[Callable[..., Drafter]], Callable[.
 
 
 def registered_drafters() -> tuple[str, ...]:
+    """Names registered in this process (the shipped drafters and any ``register_drafter``)."""
     return tuple(sorted(_REGISTRY))
 
 
+def plugin_drafters() -> tuple[str, ...]:
+    """Names installed packages offer in the ``treespec.drafters`` entry-point group."""
+    from importlib.metadata import entry_points
+
+    return tuple(sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}))
+
+
 def drafter_factory(name: str) -> Callable[..., Drafter]:
-    try:
+    """The factory ``name`` stands for, tried in this order: a registered name; a
+    ``package.module:factory`` reference (imported); an entry point of the ``treespec.drafters``
+    group. Anything else is a KeyError listing what exists."""
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown drafter {name!r}; registered: {', '.join(registered_drafters())}") from None
+    if ":" in name:
+        return _import_factory(name)
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if found:
+        try:
+            factory = found[0].load()
+        except Exception as e:   # a broken plugin package: say which one, and why
+            raise ImportError(f"drafter {name!r}: the entry point {found[0].value!r} of group "
+                              f"{ENTRY_POINT_GROUP!r} failed to load ({type(e).__name__}: {e}); reinstall or fix "
+                              f"that package") from e
+        return _callable_factory(name, factory)
+    plugins = plugin_drafters()
+    raise KeyError(f"unknown drafter {name!r}; registered: {', '.join(registered_drafters())}"
+                   + (f"; installed plugins: {', '.join(plugins)}" if plugins else "")
+                   + ". A drafter of your own: 'package.module:factory' (factory(target) -> Drafter), or an "
+                   f"entry point in group {ENTRY_POINT_GROUP!r} (docs/drafters.md)") from None
+
+
+def _import_factory(reference: str) -> Callable[..., Drafter]:
+    """``"package.module:factory"`` (the attribute may be dotted: ``module:Class.create``)."""
+    import importlib
+
+    module_name, _, attr = reference.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"drafter {reference!r}: write a drafter of your own as 'package.module:factory'")
+    try:
+        obj = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"drafter {reference!r}: cannot import module {module_name!r} ({e}); install its package "
+                         f"or put its folder on PYTHONPATH") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = sorted(n for n in dir(obj) if not n.startswith("_"))
+            raise ValueError(f"drafter {reference!r}: {module_name} has no attribute {attr!r}; it defines "
+                             f"{', '.join(names[:20]) or 'nothing public'}")
+        obj = getattr(obj, part)
+    return _callable_factory(reference, obj)
+
+
+def _callable_factory(name: str, factory: object) -> Callable[..., Drafter]:
+    if not callable(factory):
+        raise TypeError(f"drafter {name!r} names {type(factory).__name__} object, not a factory; it must be a "
+                        f"callable factory(target, **options) -> Drafter")
+    return factory   # type: ignore[return-value]
 
 
 # A drafter loaded with options is calibrated under a key that names them, because options

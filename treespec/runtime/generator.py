@@ -27,7 +27,7 @@ import torch
 
 from treespec.fastpath.device import synchronize
 from treespec.drafters import load_drafter
-from treespec.drafters.base import Drafter, PartialTree, TargetFeatures, capabilities
+from treespec.drafters.base import Drafter, PartialTree, TargetFeatures, capabilities, check_drafter_protocol
 from treespec.targets.loader import Target
 from treespec.core.sampling import SamplingConfig
 from treespec.builders.base import BuiltTree, TreeBuilder, check_int, finish
@@ -339,9 +339,9 @@ class SpeculativeGenerator:
             check_builder(builder)
         if isinstance(drafter, str):
             drafter = load_drafter(drafter, target)
-        elif not isinstance(drafter, Drafter):
-            raise TypeError(f"drafter must be a Drafter (begin / expand / commit, vocab_size ...) or a "
-                            f"registered name such as 'eagle3', got {type(drafter).__name__}")
+        elif not isinstance(drafter, Drafter):   # say which member it lacks
+            check_drafter_protocol(drafter, f"drafter must be a Drafter (or a name such as 'eagle3' or "
+                                            f"'package.module:factory'), got {type(drafter).__name__}; this one")
         if drafter.vocab_size != target.vocab_size:
             raise ValueError(f"drafter vocab size {drafter.vocab_size} != target vocab size "
                              f"{target.vocab_size}; they must share one vocabulary")
