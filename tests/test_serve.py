@@ -291,3 +291,12 @@ def test_models_health_and_metrics(served) -> None:
     generated = next(float(line.split()[-1]) for line in text.splitlines()
                      if line.startswith("treespec_generation_tokens_total"))
     assert generated >= 8
+
+
+def test_the_serve_command_checks_its_flags_before_loading_a_model(capsys) -> None:
+    from treespec.cli.main import main
+
+    assert main(["serve", "--max-batch", "0"]) == 2
+    assert "--max-batch must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--budget", "big"]) == 2
+    assert "--budget must be an integer or 'auto'" in capsys.readouterr().err

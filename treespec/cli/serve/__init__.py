@@ -91,26 +91,36 @@ def build_server(args: argparse.Namespace):
     return target, SpeculativeServer(target, drafter, builder, verify=args.verify)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve_app(app, host: str, port: int, drain_timeout: float, sock=None, log_level: str = "info") -> None:
+    """Run ``app`` (``make_app``) under uvicorn until SIGTERM / SIGINT, then drain: new requests
+    get 503 at once, live ones up to ``drain_timeout`` s to finish. ``sock``: a bound socket to
+    serve on instead of ``host``:``port``."""
     import uvicorn
 
+    front = app.state.front
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            front.engine.draining = True
+            super().handle_exit(sig, frame)
+            # uvicorn raises a captured signal again once it has shut down, which ends the
+            # process with -SIGTERM; the drain is this server's clean exit: status 0.
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=drain_timeout, lifespan="on")
+    DrainingServer(config).run(sockets=[sock] if sock is not None else None)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     from treespec.cli.serve.app import make_app
 
     target, server = build_server(args)
     app = make_app(server, target.name, max_queue=args.max_queue, max_batch=args.max_batch,
                    default_max_tokens=args.max_tokens_default, drain_timeout=args.drain_timeout)
-    front = app.state.front
-
-    class Draining(uvicorn.Server):
-        """SIGTERM / SIGINT: refuse new requests at once (503), then uvicorn's graceful exit."""
-
-        def handle_exit(self, sig, frame) -> None:
-            front.engine.draining = True
-            super().handle_exit(sig, frame)
-
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
     print(f"[treespec serve: {target.name} on http://{args.host}:{args.port}/v1; drafter {args.drafter}, "
           f"budget {args.budget}; max batch {args.max_batch}, queue {args.max_queue}]", file=sys.stderr, flush=True)
-    Draining(config).run()
+    serve_app(app, args.host, args.port, args.drain_timeout)
     return 0
