@@ -50,7 +50,7 @@ def test_the_command_names_the_bad_argument_without_loading_a_model(capsys, monk
     def no_load(*a, **k):
         raise AssertionError("the target must not load for a bad argument")
 
-    monkeypatch.setattr("treespec.load_target", no_load)
+    monkeypatch.setattr("treespec.targets.load_target", no_load)
     bad_jsonl = tmp_path / "q.jsonl"
     bad_jsonl.write_text('{"question_id": 1, "category": "x", "turns": ["hi"]}\n{"question_id": 2}\n')
     for argv, words in ((["--trees", "chain:x"], "--trees"), (["--drafters", "nope"], "--drafters: unknown drafter"),

@@ -306,7 +306,7 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
 def _target(target):
     if not isinstance(target, str):
         return target
-    from treespec import load_target
+    from treespec.targets import load_target
 
     t = load_target(target)   # the default fast path, as `treespec generate` loads it
     print(f"[target: {t.speed_path}]", file=sys.stderr, flush=True)
@@ -325,7 +325,9 @@ def _gguf_of(target_name: str) -> Path:
 def _rows(target, drafters, specs, temperatures, hf_plain, binary, depth, top_k, sampled_mode):
     """The rows in their order on every prompt, a generator per treespec row, and Sequoia's
     vector sources."""
-    from treespec import DynamicTreeBuilder, SpeculativeGenerator, load_drafter
+    from treespec.builders import DynamicTreeBuilder
+    from treespec.drafters import load_drafter
+    from treespec.runtime import SpeculativeGenerator
 
     loaded = {}
     for name in drafters:
@@ -587,7 +589,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from treespec import load_target
+    from treespec.targets import load_target
     from treespec.cli.plan import target_pack
     from treespec.fastpath.device import resolve_device
 
