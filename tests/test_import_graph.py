@@ -15,6 +15,7 @@ FLOORS = {
     "builders": 3, "export": 3,
     "runtime": 4,                          # verifiers, the generator, the server
     "calibrate": 5, "train": 5,            # what runs models to measure or to train
+    "testing": 5,                          # the drafter conformance kit (runs the generator)
     "cli": 6,
     "": 7, "__main__": 7,                  # treespec/__init__ (the public API) and ``python -m``
 }
