@@ -1,6 +1,6 @@
 """Batched greedy equivalence on the real model: SmolLM2-135M (fp32, packed fast path) serving
 MT-bench first turns of different lengths with different limits in ONE batch (batched drafting
-with the shipped EAGLE-3 head and with the small independent drafter; a fifth request joins
+with the shipped EAGLE-3 and MTP heads; a fifth request joins
 after two steps) emits, per request, exactly HF ``generate(do_sample=False)`` on the stock model.
 
 As in ``test_greedy_real``, a divergence is tolerated only at a genuine near-tie (top-2 logit
@@ -26,7 +26,7 @@ QUESTIONS = (0, 10, 20, 30, 40)            # five categories; the last one joins
 LIMITS = (24, 40, 16, 32, 20)
 CONFIGS = {
     "eagle3-dynamic": ("eagle3", lambda: DynamicTreeBuilder(budget=12, depth=4, top_k=4)),
-    "small-chain": ("small", lambda: ChainBuilder(budget=4)),
+    "mtp-chain": ("mtp", lambda: ChainBuilder(budget=4)),
 }
 
 

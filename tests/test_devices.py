@@ -22,7 +22,7 @@ def _meta_default_outputs(gen, **kw):
 
 
 STEP_CASES = [("eagle3", "dynamic", 0.0), ("eagle3", "best-first", 1.0), ("eagle", "sequoia", 1.0),
-              ("medusa", "dynamic", 1.0), ("mtp", "chain", 0.0), ("small", "dynamic", 1.0),
+              ("medusa", "dynamic", 1.0), ("mtp", "chain", 0.0), ("model", "dynamic", 1.0),
               ("lookup", "static", 0.0), ("early-exit", "dynamic", 1.0)]
 
 
