@@ -175,11 +175,16 @@ def test_llamacpp_row_reads_its_own_timers_and_is_absent_where_not_built(tmp_pat
 
 
 # ------------------------------------------------------------------ smoke on SmolLM2
+@pytest.mark.slow
 def test_smoke_two_drafters_two_trees_greedy_equal_and_resumable(tmp_path, capsys, monkeypatch):
     """2 MT-bench prompts x 16 tokens, lookup and eagle3 as chain:4 and dynamic:8, T = 0: every
     configuration emits plain decoding's tokens; the second prompt is measured by --resume."""
+    import treespec.targets
     from treespec.cli import main as cli
 
+    load, loaded = treespec.targets.load_target, {}
+    monkeypatch.setattr(treespec.targets, "load_target",   # the two commands share one loaded target
+                        lambda name, **kw: loaded.get(name) or loaded.setdefault(name, load(name, **kw)))
     monkeypatch.delenv("TREESPEC_LLAMACPP", raising=False)
     argv = ["bench", "--drafters", "lookup,eagle3", "--trees", "chain:4,dynamic:8", "--temperatures", "0",
             "--max-new-tokens", "16", "--no-hf", "--out", str(tmp_path), "--plot"]

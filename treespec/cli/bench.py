@@ -261,7 +261,7 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
                              rows=rows, runs={r.key: [] for r in rows}, sequoia=sequoia, llamacpp=llamacpp_note)
     if note:
         report.settings["note"] = note
-    _warm_up(tgt, gens)
+    _warm_up(tgt, gens, hf_plain)
     done = len(report.prompts)
     wall_before = report.wall_s
     bar = _progress(len(items) - done, len(rows), progress)
@@ -359,14 +359,16 @@ def _rows(target, drafters, specs, temperatures, hf_plain, binary, depth, top_k,
     return rows, gens, sequoia
 
 
-def _warm_up(target, gens) -> None:
-    """One short generation per treespec row and one HF generate (kernels, allocator, shapes)."""
+def _warm_up(target, gens, hf_plain: bool) -> None:
+    """One short generation per treespec row, and one HF generate where it has a row (kernels,
+    allocator, shapes)."""
     from treespec.data import chat_prompt
 
     ids = torch.tensor(chat_prompt(target.tokenizer, "Hello!"))
     for gen in gens.values():
         gen.generate(ids, max_new_tokens=8)
-    run_hf_generate(target, ids, 8, 0.0, 0)
+    if hf_plain:
+        run_hf_generate(target, ids, 8, 0.0, 0)
 
 
 def _progress(prompts: int, rows: int, enabled: bool):
