@@ -47,6 +47,7 @@ import treespec
 from harness import RESULTS, hf_generate, log_likelihood, machine_info, machine_line, write_results
 from treespec.cli.main import ensure_calibration, make_builder
 from treespec.planning import auto_threshold_text
+from treespec.runtime.bench import Run, paired_ratio, pooled_ratio   # the ratios treespec bench reports
 from treespec.data import chat_prompt, mtbench_questions
 from treespec.fastpath.kernels import amx_status
 from treespec.fastpath.packing import cpu_info
@@ -159,6 +160,11 @@ def run_row(runner, ids, temperature, seed, max_new):
     return out, dt, {}
 
 
+def _runs(records: list[dict]) -> list[Run]:
+    """A row's records as treespec bench's runs (new tokens, wall seconds with the prefill)."""
+    return [Run(tokens=r["tokens"], seconds=r["time"]) for r in records]
+
+
 def summarize(data: dict) -> dict:
     """Per temperature: per row median tokens/s, speedups, τ, time split, quality."""
     summary = {}
@@ -178,10 +184,8 @@ def summarize(data: dict) -> dict:
                  "vs_fastest_plain": med[name] / plain[fastest_plain],
                  # the same comparison paired by prompt, and pooled: robust where host drift between
                  # prompts moves the medians of the two rows' rates apart
-                 "vs_fastest_plain_paired": statistics.median(
-                     (r["tokens"] / r["time"]) / (b["tokens"] / b["time"]) for r, b in zip(rs, ref)),
-                 "vs_fastest_plain_pooled": (sum(r["tokens"] for r in rs) / sum(r["time"] for r in rs))
-                 / (sum(b["tokens"] for b in ref) / sum(b["time"] for b in ref)),
+                 "vs_fastest_plain_paired": paired_ratio(_runs(rs), _runs(ref)),
+                 "vs_fastest_plain_pooled": pooled_ratio(_runs(rs), _runs(ref)),
                  "vs_fp32_hf_generate": med[name] / hf if hf else None, "prompts": len(rs)}
             if "same_as_plain" in rs[0]:
                 e["same_as_plain"] = sum(r["same_as_plain"] for r in rs)

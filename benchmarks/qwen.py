@@ -68,7 +68,7 @@ from pathlib import Path
 import torch
 
 import treespec
-from treespec.data import chat_prompt, mtbench_questions
+from treespec.data import CODE_EDIT_PROMPTS, chat_prompt, mtbench_questions
 from treespec.drafters import HybridDrafter, ModelDrafter, SwitchDrafter
 from treespec.drafters.model import frequent_vocab
 from treespec.fastpath.packing import PackedLinear, machine_info, machine_line
@@ -79,42 +79,7 @@ from harness import Pool  # noqa: E402  (pooled counters of one method)
 RESULTS = Path(__file__).parent / "results"
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
-_EDIT_CODE = [
-    ("Rename the function `calc` to `total_price` everywhere",
-     "def calc(items, tax):\n    s = 0\n    for it in items:\n        s += it.price * it.qty\n"
-     "    return s * (1 + tax)\n\n\ndef report(items):\n    print('total', calc(items, 0.2))\n"),
-    ("Add type hints to every function",
-     "def mean(xs):\n    return sum(xs) / len(xs)\n\n\ndef var(xs):\n    m = mean(xs)\n"
-     "    return sum((x - m) ** 2 for x in xs) / len(xs)\n"),
-    ("Replace the for loop with a list comprehension",
-     "def squares(n):\n    out = []\n    for i in range(n):\n        if i % 2 == 0:\n"
-     "            out.append(i * i)\n    return out\n"),
-    ("Make the function raise ValueError on an empty list instead of returning None",
-     "def first(xs):\n    if not xs:\n        return None\n    return xs[0]\n\n\ndef last(xs):\n"
-     "    if not xs:\n        return None\n    return xs[-1]\n"),
-    ("Convert this class to a dataclass",
-     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
-     "    def norm(self):\n        return (self.x ** 2 + self.y ** 2) ** 0.5\n"),
-    ("Add a docstring to each function",
-     "def load(path):\n    with open(path) as f:\n        return f.read().splitlines()\n\n\n"
-     "def save(path, lines):\n    with open(path, 'w') as f:\n        f.write('\\n'.join(lines))\n"),
-    ("Use pathlib instead of os.path",
-     "import os\n\n\ndef find(root, ext):\n    out = []\n    for d, _, files in os.walk(root):\n"
-     "        for f in files:\n            if os.path.splitext(f)[1] == ext:\n"
-     "                out.append(os.path.join(d, f))\n    return out\n"),
-    ("Change the default timeout from 10 to 30 seconds",
-     "import requests\n\n\ndef fetch(url, timeout=10):\n    r = requests.get(url, timeout=timeout)\n"
-     "    r.raise_for_status()\n    return r.json()\n\n\ndef fetch_all(urls, timeout=10):\n"
-     "    return [fetch(u, timeout) for u in urls]\n"),
-    ("Log with the logging module instead of print",
-     "def process(rows):\n    print('start', len(rows))\n    done = 0\n    for r in rows:\n"
-     "        if r is None:\n            print('skip empty row')\n            continue\n        done += 1\n"
-     "    print('done', done)\n    return done\n"),
-    ("Make `retry` take the number of attempts as an argument (default 3)",
-     "import time\n\n\ndef retry(fn):\n    for attempt in range(3):\n        try:\n            return fn()\n"
-     "        except OSError:\n            time.sleep(2 ** attempt)\n    raise RuntimeError('gave up')\n"),
-]
-EDIT_PROMPTS = [f"{task}. Reply with the whole changed code.\n\n```python\n{code}```" for task, code in _EDIT_CODE]
+EDIT_PROMPTS = list(CODE_EDIT_PROMPTS)   # treespec.data's code-edit prompt set (treespec bench --prompt-set code-edit)
 
 
 KINDS = ("coding", "reasoning", "code-edit")
