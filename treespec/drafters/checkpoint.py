@@ -48,10 +48,24 @@ class CheckpointMismatch(CheckpointError):
     """The checkpoint was trained for another target or is another kind of drafter."""
 
 
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "checkpoints"   # the heads this checkout ships
+
+
 def _fix(path: Path, kind: str | None) -> str:
+    """How to replace a damaged checkpoint: a shipped one is restored from git; one of the
+    user's own is trained again where it was."""
     kind = kind or "<kind>"
-    return (f"replace {path.name}: restore the shipped file (`git checkout -- {path}`) or train one with "
-            f"`treespec train {kind} --out {path.parent}`")
+    shipped = Path(path).resolve().is_relative_to(SHIPPED_DIR)
+    restore = f"restore the shipped file (`git checkout -- {path}`) or " if shipped else ""
+    return f"replace {path.name}: {restore}train one with `treespec train {kind} --out {path.parent}`"
+
+
+def train_hint(kind: str, path: Path) -> str:
+    """How to get a ``kind`` checkpoint where none is: train it into a folder of one's own and
+    pass that file."""
+    return (f"train one into a folder of your choice with `treespec train {kind} --out DIR` "
+            f"(docs/training.md), then load it with load_drafter({kind!r}, target, checkpoint='DIR/{path.name}') "
+            f"(CLI: --drafter-option checkpoint=DIR/{path.name})")
 
 
 def tensor_checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -246,8 +260,7 @@ def load_checkpoint(path: str | os.PathLike, target, kind: str) -> tuple[dict[st
     """(state in the target's dtype, header); refuses another kind or another target."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no {kind} checkpoint at {path}; train one with "
-                                f"`treespec train {kind} --out {path.parent}`")
+        raise FileNotFoundError(f"no {kind} checkpoint at {path}; {train_hint(kind, path)}")
     header = read_header(path, kind)
     if header.get("kind") != kind:
         raise CheckpointMismatch(f"{path} is a {header.get('kind')!r} checkpoint, not {kind!r}; pass a {kind} "
