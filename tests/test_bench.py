@@ -221,3 +221,34 @@ def test_the_python_example_of_docs_bench_runs(capsys):
     exec(compile(code, path, "exec"), {})
     out = capsys.readouterr().out
     assert "lookup chain:3" in out and "plain (treespec loop)" in out
+
+
+def test_render_rewrites_markdown_and_plot_from_the_json_alone(tmp_path, capsys):
+    from treespec.cli import main as cli
+    from treespec.cli.bench import PLAIN, Row, save
+
+    rows = [Row(PLAIN, 0.0), Row("toy chain:4", 0.0, drafter="toy", tree="chain:4")]
+    plain = Run(tokens=10, seconds=1.0, prefill_s=0.1, steps=10, emitted=10, nodes=10)
+    fast = Run(tokens=10, seconds=0.5, prefill_s=0.1, steps=5, emitted=10, nodes=20, draft_s=0.1, verify_s=0.3,
+               depth_attempts=[5, 5, 5], depth_accepts=[4, 1, 0], same_as_plain=True)
+    report = BenchReport(settings=dict(target="toy", drafters=["toy"], trees=["chain:4"], temperatures=[0.0],
+                                       prompt_sets=["mt-bench"], prompts_per_set=2, max_new_tokens=10, depth=5,
+                                       top_k=4, sampled_mode="without_replacement", seed=0, hf_plain=False, threads=1),
+                         machine={"cpu_model": "AMD EPYC", "cpu_flags": ["avx2"], "torch": "2", "torch_cpu_capability":
+                                  "AVX2", "torch_threads": 1, "load_avg_1m": 0.5},
+                         speed_path="fp32", prompts=[{"set": "mt-bench", "question_id": 81, "category": "writing"},
+                                                     {"set": "mt-bench", "question_id": 91, "category": "roleplay"}],
+                         rows=rows, runs={rows[0].key: [plain, plain], rows[1].key: [fast, fast]},
+                         llamacpp="llama.cpp is not built here", complete=True)
+    save(report, tmp_path / "bench", plot=False)
+    (tmp_path / "bench.md").write_text("stale")
+    assert cli.main(["bench", "--render", "--out", str(tmp_path), "--plot"]) == 0
+    md = (tmp_path / "bench.md").read_text()
+    header, rule, *_ = [line for line in md.splitlines() if line.startswith("| row | tok/s")] + \
+        [line for line in md.splitlines() if line.startswith("| --- | ---: |")]
+    assert header.count("|") == rule.count("|")            # one alignment cell per column
+    assert "| toy chain:4 | 20.0 | 25.0 | 2.00x | 2.00x | 2.25x | 2.00 | 4.0 | 0.80 0.20 0.00 | 20.0 / 60.0 / 0.0 | 2/2 |" in md
+    assert "| toy chain:4 | 2.00x / 2.00 | 2.00x / 2.00 |" in md             # per category
+    assert (tmp_path / "bench.png").stat().st_size > 0 and "toy chain:4" in capsys.readouterr().out
+    assert cli.main(["bench", "--render", "--out", str(tmp_path / "none")]) == 2
+    assert "--render: no saved run" in capsys.readouterr().err

@@ -31,7 +31,8 @@ import torch
 from treespec.cli.trees import BUILDERS, make_builder
 from treespec.runtime.bench import Run, RowSummary, run_generator, run_hf_generate, sequoia_acceptance, summarize
 
-__all__ = ["BenchReport", "TreeSpec", "bench", "parse_drafters", "parse_temperatures", "parse_trees", "register"]
+__all__ = ["BenchReport", "TreeSpec", "bench", "parse_drafters", "parse_temperatures", "parse_trees", "register",
+           "render"]
 
 LLAMACPP_ENV = "TREESPEC_LLAMACPP"     # path of a built llama.cpp binary (llama-cli / llama-completion)
 PLAIN, HF, LLAMACPP = "plain (treespec loop)", "plain (HF generate)", "plain (llama.cpp)"
@@ -423,6 +424,19 @@ def save(report: BenchReport, paths: Path, plot: bool) -> None:
         plot_report(report, paths.with_suffix(".png"))
 
 
+def render(out: str | Path, name: str = "bench", plot: bool = False) -> BenchReport:
+    """Rewrite ``<out>/<name>.md`` (and the plot) from the saved JSON, measuring nothing."""
+    paths = _out_paths(out, name)
+    path = paths.with_suffix(".json")
+    if not path.exists():
+        raise ValueError(f"--render: no saved run at {path}")
+    report = BenchReport.from_json(json.loads(path.read_text()))
+    paths.with_suffix(".md").write_text(markdown(report))
+    if plot:
+        plot_report(report, paths.with_suffix(".png"))
+    return report
+
+
 def _x(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}x"
 
@@ -493,7 +507,7 @@ def markdown(report: BenchReport) -> str:
         lines += ["Sequoia's acceptance vectors: " + "; ".join(f"{k}: {v}" for k, v in report.sequoia.items()), ""]
     for t in st["temperatures"]:
         lines += [f"## T = {t:g}", "", "| " + " | ".join(HEADER) + " |",
-                  "| --- |" + " ---: |" * (len(HEADER) - 3) + " --- | --- | ---: |"]
+                  "| --- |" + " ---: |" * (len(HEADER) - 4) + " --- | --- | ---: |"]
         lines += ["| " + " | ".join(r) + " |" for r in table_rows(report, t)]
         cats = report.categories()
         if len(cats) > 1:
@@ -586,6 +600,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--name", default="bench", help="file stem under --out (default %(default)s)")
     b.add_argument("--plot", action="store_true", help="also write DIR/<name>.png (needs matplotlib: the bench extra)")
     b.add_argument("--resume", action="store_true", help="continue the run saved under --out with the same options")
+    b.add_argument("--render", action="store_true",
+                   help="only rewrite the Markdown (and with --plot the plot) from the JSON saved under --out")
     b.add_argument("--note", default="", help="how the machine was used during the run (written into the result)")
     b.set_defaults(func=cmd_bench)
 
@@ -595,6 +611,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from treespec.cli.plan import target_pack
     from treespec.fastpath.device import resolve_device
 
+    if args.render:
+        if not args.out:
+            raise ValueError("--render rewrites the Markdown saved under --out DIR: give --out")
+        print(text_table(render(args.out, args.name, args.plot)))
+        return 0
     drafters = parse_drafters(args.drafters)
     trees = parse_trees(args.trees)
     temperatures = parse_temperatures(args.temperatures)
