@@ -71,7 +71,7 @@ def peaky_llama(
 
 
 def peaky_target(vocab_size: int = 8, seed: int = 0, **kw) -> Target:
-    return Target.from_hf(peaky_llama(vocab_size, seed, **kw), None, name=f"peaky-v{vocab_size}-s{seed}")
+    return Target.from_hf(peaky_llama(vocab_size, seed, **kw), None, name=f"peaky-v{vocab_size}-s{seed}", pack=False)
 
 
 def small_generator(drafter=None, builder=None):

@@ -43,7 +43,7 @@ def text_target(eos: bool = False, max_positions: int = 1024, dtype=torch.float3
     model = peaky_llama(len(tok), seed=3, hidden_size=32, num_layers=2, std=0.25,
                         max_position_embeddings=max_positions, dtype=dtype)
     model.generation_config.eos_token_id = 256 if eos else None
-    return Target.from_hf(model, tok, name="tiny-bytes")
+    return Target.from_hf(model, tok, name="tiny-bytes", pack=False)
 
 
 def text_drafter(target):

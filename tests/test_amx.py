@@ -107,7 +107,7 @@ def test_amx_model_greedy_speculation_emits_plain_decodings_tokens(amx) -> None:
     packed = copy.deepcopy(stock)
     pack_linears(packed, kernel="amx")
     use_row_attention(packed)
-    target = Target.from_hf(packed, tokenizer=None, name="small")
+    target = Target.from_hf(packed, tokenizer=None, name="small", pack=False)
     ids = torch.tensor([5, 17, 200, 42, 7])
 
     def run(builder):

@@ -101,7 +101,7 @@ def tiny(arch: str, vocab: int, seed: int = 0, std: float = STD, eos: int | None
 
 
 def target_of(model, arch: str) -> Target:
-    return Target.from_hf(model, None, name=f"tiny-{arch}")
+    return Target.from_hf(model, None, name=f"tiny-{arch}", pack=False)
 
 
 PROMPTS = ([5, 1, 7, 3], [9], [4, 4, 8, 1, 6, 12, 3])
@@ -273,6 +273,6 @@ def test_models_with_recurrent_state_layers_are_refused() -> None:
     config = Lfm2Config(vocab_size=V_GREEDY, layer_types=["conv", "full_attention"], **{**SMALL, **IDS})
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     with pytest.raises(ValueError, match="layer 0 keeps a LinearAttentionLayer cache .layer type 'conv'."):
-        Target.from_hf(model, None)
+        Target.from_hf(model, None, pack=False)
     with pytest.raises(ValueError, match="cannot drop its rejected branches"):
         ModelDrafter(model)

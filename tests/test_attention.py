@@ -146,7 +146,7 @@ def test_a_grouped_model_is_calibrated_under_its_own_name(tmp_path, monkeypatch)
     assert default_calibration_path("m", "float32", "blocks", "sdpa").name == "calibration-m-blocks.json"
     _, grouped = pair()
     with pytest.raises(ValueError, match="-grouped.json"):
-        target_calibration(Target.from_hf(grouped, None, name="m"))
+        target_calibration(Target.from_hf(grouped, None, name="m", pack=False))
 
 
 def test_a_position_bias_goes_to_hfs_own_sdpa() -> None:

@@ -42,7 +42,7 @@ def _cast(target, dtype):
 
     from treespec.targets.loader import Target
 
-    return Target.from_hf(copy.deepcopy(target.model).to(dtype), None, target.name)
+    return Target.from_hf(copy.deepcopy(target.model).to(dtype), None, target.name, pack=False)
 
 
 def test_an_edited_sampled_weight_is_noticed(tmp_path):

@@ -216,7 +216,7 @@ def test_checkpoint_of_another_kind_or_hidden_size_refused(tmp_path):
         load_drafter("mtp", target, checkpoint=str(path))
     wide = tiny_llama(vocab_size=32, hidden_size=64, seed=0)
     with pytest.raises(CheckpointMismatch, match="hidden_size 32.*hidden_size 64"):
-        load_drafter("eagle", Target.from_hf(wide, None, "wide"), checkpoint=str(path))
+        load_drafter("eagle", Target.from_hf(wide, None, "wide", pack=False), checkpoint=str(path))
 
 
 @pytest.mark.parametrize("bad", ["duplicate", "range"])

@@ -51,7 +51,7 @@ def self_gen(target) -> SpeculativeGenerator:
 
 # ---------------------------------------------------------------------------- bad input
 def test_empty_prompt_string(target) -> None:
-    tok_target = Target.from_hf(target.model, word_tokenizer([f"w{i}" for i in range(V - 2)]), "t")
+    tok_target = Target.from_hf(target.model, word_tokenizer([f"w{i}" for i in range(V - 2)]), "t", pack=False)
     gen = SpeculativeGenerator(tok_target, "target", ChainBuilder(budget=3))
     for prompt in ("", "   \n"):
         with pytest.raises(ValueError, match="prompt is empty; pass some text or token ids"):
@@ -255,7 +255,7 @@ def test_eos_stops_generation_and_is_included(target) -> None:
 
 def test_eos_from_the_tokenizer_and_text(target) -> None:
     tok = word_tokenizer([f"w{i}" for i in range(V - 2)])  # <eos> is id V - 1
-    tok_target = Target.from_hf(target.model, tok, "t")
+    tok_target = Target.from_hf(target.model, tok, "t", pack=False)
     assert tok_target.eos_token_ids == (V - 1,)
     gen = SpeculativeGenerator(tok_target, "target", ChainBuilder(budget=4))
     ended = 0

@@ -117,7 +117,7 @@ def vllm_medusa_logits(out_dir, hidden: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- helpers
 def _tiny(num_layers: int = 2, vocab: int = 64) -> Target:
     model = tiny_llama(vocab_size=vocab, num_layers=num_layers, seed=3)
-    return Target.from_hf(model, tokenizer=None, name=f"tiny-l{num_layers}")
+    return Target.from_hf(model, tokenizer=None, name=f"tiny-l{num_layers}", pack=False)
 
 
 def _hidden(target: Target, ids: torch.Tensor):

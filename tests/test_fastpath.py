@@ -147,7 +147,7 @@ def test_fp32_fast_path_greedy_equals_hf_generate_on_stock_model() -> None:
     stock = small_llama(seed=3)
     packed = copy.deepcopy(stock)
     pack_linears(packed)
-    target = Target.from_hf(packed, tokenizer=None, name="small")
+    target = Target.from_hf(packed, tokenizer=None, name="small", pack=False)
     drafter = NoisyTargetDrafter(copy.deepcopy(stock), noise=0.5, seed=1)
     gen = SpeculativeGenerator(target, drafter, DynamicTreeBuilder(budget=16, depth=4, top_k=3))
     ids = torch.tensor([5, 17, 200, 42, 7])
@@ -391,7 +391,7 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
     words = [f"w{i}" for i in range(30)]
     model = tiny_llama(vocab_size=len(words) + 2, max_position_embeddings=1024)
     pack_linears(model)
-    target = Target.from_hf(model, word_tokenizer(words), name="tiny-demo")
+    target = Target.from_hf(model, word_tokenizer(words), name="tiny-demo", pack=False)
     out = io.StringIO()
     path = ensure_calibration(target, "lookup", out=out)
     assert path == default_calibration_path("tiny-demo", torch.float32, linear_kernel(model), isa=linear_isa(model))
@@ -450,7 +450,7 @@ def test_a_cached_calibration_measures_a_new_or_replaced_drafter_again(tmp_path,
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
     words = [f"w{i}" for i in range(30)]
     model = tiny_llama(vocab_size=len(words) + 2, max_position_embeddings=1024)
-    target = Target.from_hf(model, word_tokenizer(words), name="tiny-weights")
+    target = Target.from_hf(model, word_tokenizer(words), name="tiny-weights", pack=False)
     shipped = tmp_path / "checkpoints" / "eagle3.safetensors"    # what load_drafter("eagle3") reads
     monkeypatch.setattr(feature, "shipped_checkpoint", lambda target, name: shipped.with_name(f"{name}.safetensors"))
 
@@ -532,7 +532,7 @@ def test_a_cached_calibration_whose_pass_time_is_off_is_flagged(tmp_path, monkey
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
     words = [f"w{i}" for i in range(30)]
     model = tiny_llama(vocab_size=len(words) + 2, max_position_embeddings=1024)
-    target = Target.from_hf(model, word_tokenizer(words), name="tiny-stale")
+    target = Target.from_hf(model, word_tokenizer(words), name="tiny-stale", pack=False)
     path = ensure_calibration(target, "lookup", out=io.StringIO())
     data = json.loads(path.read_text())
     assert data["target"]["seconds"][0] < STALE_CHECK_MIN_SECONDS   # a tiny pass: below the check
@@ -556,7 +556,7 @@ def test_demo_stock_baseline_restores_the_fast_path() -> None:
     model = small_llama(seed=5)
     pack_linears(model)
     kernel = linear_kernel(model)
-    target = Target.from_hf(model, tokenizer=None, name="small")
+    target = Target.from_hf(model, tokenizer=None, name="small", pack=False)
     ids = torch.tensor([5, 17, 200])
     assert stock_decode_speed(target, ids, 4) > 0
     assert linear_kernel(model) == kernel and kernel != "stock"

@@ -83,7 +83,7 @@ def _blocks_target() -> Target:
     """A tiny fp32 target stored as integer blocks (Q4_1 layers, a Q8_0 LM head), as SmolLM2's GGUF is."""
     model = quantized_llama(seed=3)
     pack_linears(model, kernel="blocks")
-    return Target.from_hf(model, None, name="tiny-blocks")
+    return Target.from_hf(model, None, name="tiny-blocks", pack=False)
 
 
 @pytest.fixture
@@ -158,7 +158,7 @@ def test_greedy_output_with_an_8_bit_head_equals_plain_decoding(shipped_head) ->
 
 
 def test_weights_option_errors_name_the_fix(shipped_head) -> None:
-    plain = Target.from_hf(small_llama(seed=2), None, name="tiny-fp32")   # stock layers, no blocks
+    plain = Target.from_hf(small_llama(seed=2), None, name="tiny-fp32", pack=False)   # stock layers, no blocks
     shipped_head(plain)
     assert not stores_blocks(plain.model)
     assert load_drafter("eagle3", plain).head_weights == "trained"       # auto: nothing to match

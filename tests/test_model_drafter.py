@@ -174,7 +174,7 @@ def test_early_exit_model_is_the_targets_first_layers() -> None:
 
 
 def test_registered_model_drafters() -> None:
-    target = Target.from_hf(peaky_llama(V, seed=11, num_layers=2), None, "t")
+    target = Target.from_hf(peaky_llama(V, seed=11, num_layers=2), None, "t", pack=False)
     mine = load_drafter("target", target)
     assert isinstance(mine, ModelDrafter) and mine.model is target.model
     early = load_drafter("early-exit", target)
@@ -191,7 +191,7 @@ def test_drafter_state_in_the_engine_loop(temperature: float) -> None:
 
     from treespec import DynamicTreeBuilder, SpeculativeGenerator
 
-    target = Target.from_hf(peaky_llama(V, seed=12, num_layers=2, std=0.3), None, "t")
+    target = Target.from_hf(peaky_llama(V, seed=12, num_layers=2, std=0.3), None, "t", pack=False)
     draft = copy.deepcopy(target.model)  # the target with noisy weights: a fair drafter
     noise = torch.Generator().manual_seed(1)
     with torch.no_grad():

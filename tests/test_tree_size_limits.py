@@ -28,7 +28,7 @@ def test_a_huge_tree_warns_with_the_memory_its_verify_takes():
     from treespec.targets.loader import Target, tiny_llama
 
     model = tiny_llama(vocab_size=49152, max_position_embeddings=8192)
-    target = Target.from_hf(model, None, "wide-vocab")
+    target = Target.from_hf(model, None, "wide-vocab", pack=False)
     need = verify_memory_bytes(model, 4000, 4000)
     assert need > 4000 * 49152 * 12                                  # logits, p and q rows at least
     from treespec.runtime.generator import LargeTreeWarning

@@ -235,7 +235,12 @@ def _cached_calibration(path, target):
 
     if not path.exists():
         return None, f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) on this machine"
-    cached = Calibration.load(path)
+    from treespec.planning.calibration import DamagedCalibration
+
+    try:
+        cached = Calibration.load(path)
+    except DamagedCalibration as e:   # truncated or hand-edited: measured again and rewritten
+        return None, f"{e}; rebuilding it"
     stale = machine_mismatch(cached, target.device)
     if stale is not None:  # e.g. a home directory shared by an AVX-512 and an AVX2 machine
         return None, f"the cached calibration of {target.name} does not fit this machine ({stale})"

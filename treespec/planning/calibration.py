@@ -174,6 +174,11 @@ class LoopCost:
         return self.step + self.call * calls
 
 
+class DamagedCalibration(ValueError):
+    """A calibration file that cannot be read (truncated, hand-edited): its message names the
+    file and the command that rebuilds it."""
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Measured pass times of one model on this machine.
@@ -261,7 +266,15 @@ class Calibration:
         if not path.is_file():
             raise FileNotFoundError(f"no calibration at {path}; run `treespec calibrate --model <name>` "
                                     "(or `python -m treespec.cli.plan calibrate`) first")
-        data = json.loads(path.read_text())
+        try:
+            return cls._from_json(json.loads(path.read_text()), path)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            raise DamagedCalibration(f"the calibration file {path} is damaged ({type(e).__name__}: {e}); delete it "
+                                     f"and rebuild it with `treespec calibrate --model <name> --weights pretrained` "
+                                     f"(--budget auto measures it again by itself)") from None
+
+    @classmethod
+    def _from_json(cls, data: dict, path: Path) -> Calibration:
         if data.get("version") != CALIBRATION_VERSION:
             raise ValueError(f"{path}: calibration version {data.get('version')!r}, expected "
                              f"{CALIBRATION_VERSION}; recalibrate")

@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -97,12 +98,27 @@ class Target:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase | None,
         name: str | None = None,
+        pack: bool | str = True,
     ) -> Target:
-        """Wrap any HF causal LM. Puts ``model`` in eval mode and freezes it (in place)."""
+        """Wrap any HF causal LM (your own model: ``Target.from_hf(model, tokenizer)``). Puts
+        ``model`` in eval mode and freezes it (in place).
+
+        ``pack``: as ``load_target``'s. By default the linear layers are packed for this CPU's
+        GEMM (and grouped-KV attention reads heads in place) where the fast path applies: a CPU
+        model in fp32, or bf16 on a CPU with native bf16 units; fp32 output stays token-identical
+        to HF ``generate``. Elsewhere (a GPU, fp16) the model is left as it is. ``False`` keeps
+        the stock modules; a kernel name (``"blocks"``, ``"amx"``, ``"panel"``, ``"onednn"``)
+        forces one. ``speed_path`` says what was done and why."""
+        if not isinstance(pack, (bool, str)):
+            raise TypeError(f"pack must be True, False, 'blocks', 'amx', 'panel' or 'onednn', got {pack!r}")
         model.eval().requires_grad_(False)
         if name is None:
             name = model.config.name_or_path or model.config.model_type
-        return cls(model=model, tokenizer=tokenizer, name=name)
+        target = cls(model=model, tokenizer=tokenizer, name=name)
+        if pack is False:
+            return target
+        dtype_name = str(target.dtype).removeprefix("torch.")
+        return dataclasses.replace(target, speed_path=f"{dtype_name}; {apply_fast_path(model, pack)}")
 
     @property
     def vocab_size(self) -> int:
@@ -290,9 +306,16 @@ def _load_converted(gguf: Path, name: str, dtype: torch.dtype, device: str | tor
     converted = root / f"{name}-{gguf_fingerprint(gguf)}"
     if not converted.is_dir() or _cache_missing(converted):
         _convert_gguf(gguf, converted)
-    model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device)
+    except Exception as e:   # a truncated or damaged cache file: rebuild it from the GGUF at hand
+        print(f"[the converted target at {converted} is damaged ({type(e).__name__}: {str(e)[:120]}); "
+              f"rebuilding it from {gguf}]", file=sys.stderr, flush=True)
+        shutil.rmtree(converted, ignore_errors=True)
+        _convert_gguf(gguf, converted)
+        model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device)
     tokenizer = AutoTokenizer.from_pretrained(converted)
-    return Target.from_hf(model, tokenizer, name=name)
+    return Target.from_hf(model, tokenizer, name=name, pack=False)   # load_target packs it
 
 
 def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
@@ -430,8 +453,7 @@ def load_target(
     copying them; bit-identical numbers); ``False`` keeps stock attention too.
     ``Target.speed_path`` says what was chosen and why.
     """
-    from treespec.fastpath.attention import use_grouped_attention, use_row_attention
-    from treespec.fastpath.packing import pack_linears, resolve_dtype
+    from treespec.fastpath.packing import resolve_dtype
 
     if name not in TARGET_LOADERS:
         raise KeyError(f"unknown target {name!r}; known targets: {sorted(TARGET_LOADERS)}")
@@ -440,17 +462,24 @@ def load_target(
     types = gguf_matrix_types(name, cache_dir) if dtype == "auto" and pack is not False else None
     resolved, why = resolve_dtype(dtype, device, weight_types=types)
     target = TARGET_LOADERS[name](dtype=resolved, device=device, cache_dir=cache_dir)
-    report = pack_linears(target.model, enabled=pack is not False,
-                          kernel=pack if isinstance(pack, str) else None)
+    dtype_name = str(resolved).removeprefix("torch.")
+    return dataclasses.replace(target, speed_path=f"{dtype_name} ({why}); {apply_fast_path(target.model, pack)}")
+
+
+def apply_fast_path(model: PreTrainedModel, pack: bool | str) -> str:
+    """Pack ``model``'s linear layers and set its attention path (in place) as ``pack`` says
+    (``load_target``'s argument); returns the speed path in words."""
+    from treespec.fastpath.attention import use_grouped_attention, use_row_attention
+    from treespec.fastpath.packing import pack_linears
+
+    report = pack_linears(model, enabled=pack is not False, kernel=pack if isinstance(pack, str) else None)
     if pack is False:
         attention = "stock (packing turned off)"
     elif pack == "amx":   # inputs rounded to bf16: tree rows must be the one-token steps' bits
-        attention = use_row_attention(target.model)[1]
+        attention = use_row_attention(model)[1]
     else:
-        attention = use_grouped_attention(target.model)[1]
-    dtype_name = str(resolved).removeprefix("torch.")
-    return dataclasses.replace(target, speed_path=f"{dtype_name} ({why}); linear layers: {report}; "
-                                                  f"attention: {attention}")
+        attention = use_grouped_attention(model)[1]
+    return f"linear layers: {report}; attention: {attention}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,4 +572,4 @@ def tiny_target(
     model = tiny_llama(
         vocab_size=vocab_size, seed=seed, attn_implementation=attn_implementation, dtype=dtype
     )
-    return Target.from_hf(model, tokenizer=None, name=f"tiny-llama-v{vocab_size}-s{seed}")
+    return Target.from_hf(model, tokenizer=None, name=f"tiny-llama-v{vocab_size}-s{seed}", pack=False)
