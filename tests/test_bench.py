@@ -252,3 +252,24 @@ def test_render_rewrites_markdown_and_plot_from_the_json_alone(tmp_path, capsys)
     assert (tmp_path / "bench.png").stat().st_size > 0 and "toy chain:4" in capsys.readouterr().out
     assert cli.main(["bench", "--render", "--out", str(tmp_path / "none")]) == 2
     assert "--render: no saved run" in capsys.readouterr().err
+
+
+def test_the_api_sequoia_builder_takes_the_calibrated_vector_and_says_so(tmp_path, monkeypatch):
+    from treespec.builders.sequoia import DEFAULT_ACCEPTANCE
+    from treespec.planning.calibration import Calibration, Curve, model_calibration_path
+    from treespec.planning.shapes import model_shape
+    from treespec.runtime.bench import sequoia_builder
+    from treespec.targets.loader import tiny_llama
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    target = types.SimpleNamespace(name="toy", model=tiny_llama())
+    default = sequoia_builder(target, "eagle3", budget=8, depth=3)
+    assert default.acceptance == tuple(DEFAULT_ACCEPTANCE) and default.acceptance_source.startswith("Sequoia's default")
+    Calibration(model="toy", shape=model_shape("smollm2-135m"), context=8, target=Curve.fit((1, 2), [1.0, 1.0]),
+                acceptance={"eagle3": (0.6, 0.1)}).save(model_calibration_path("toy", target.model))
+    drafter = types.SimpleNamespace(registry_name="eagle3")
+    calibrated = sequoia_builder(target, drafter, budget=8, depth=3)
+    assert calibrated.acceptance == (0.6, 0.1) and calibrated.acceptance_source.startswith("calibrated: ")
+    assert calibrated.budget == 8
+    with pytest.raises(TypeError, match="registry_name"):
+        sequoia_builder(target, object())

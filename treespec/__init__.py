@@ -20,6 +20,7 @@ from treespec.runtime import (
     BatchVerifier, BatchVerifyOutput, GenerationResult, GenerationStats, RequestResult, SpeculativeGenerator,
     SpeculativeServer, generate_batch,
 )
+from treespec.runtime.bench import sequoia_builder   # Sequoia shaped by this machine's calibrated vector
 from treespec.targets import Target, load_target
 
 __all__ = [
@@ -55,4 +56,5 @@ __all__ = [
     "load_target",
     "logits_to_probs",
     "registered_drafters",
+    "sequoia_builder",
 ]

@@ -27,7 +27,7 @@ import torch
 from treespec.runtime.generator import SpeculativeGenerator
 
 __all__ = ["Run", "RowSummary", "paired_ratio", "pooled_ratio", "run_generator", "run_hf_generate",
-           "sequoia_acceptance", "summarize"]
+           "sequoia_acceptance", "sequoia_builder", "summarize"]
 
 
 @dataclass
@@ -182,3 +182,21 @@ def sequoia_acceptance(target, drafter_name: str, temperature: float,
     if vector is None:
         return None, f"Sequoia's default ({path} has no entry {key!r}; `treespec calibrate --drafter {drafter_name}`)"
     return tuple(float(x) for x in vector), f"calibrated: {path} [{key}]"
+
+
+def sequoia_builder(target, drafter: str | object, budget: int = 16, depth: int = 5, temperature: float = 0.0,
+                    mode: str = "deterministic"):
+    """A ``SequoiaBuilder`` of ``budget`` nodes (incl. the root) shaped for ``drafter``'s
+    acceptance on ``target``: the vector ``treespec calibrate`` measured on this machine at
+    ``temperature`` in ``mode``, else Sequoia's default. ``drafter``: a name or a loaded drafter
+    (its ``registry_name``). The builder's ``acceptance_source`` says which vector it took."""
+    from treespec.builders.sequoia import SequoiaBuilder
+
+    name = drafter if isinstance(drafter, str) else getattr(drafter, "registry_name", None)
+    if not isinstance(name, str):
+        raise TypeError(f"drafter must be a registered name or a drafter loaded by treespec.load_drafter (it "
+                        f"carries registry_name), got {type(drafter).__name__}")
+    vector, source = sequoia_acceptance(target, name, temperature, mode)
+    builder = SequoiaBuilder(budget=budget, depth=depth, acceptance=vector, mode=mode)
+    builder.acceptance_source = source
+    return builder
