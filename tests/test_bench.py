@@ -37,7 +37,9 @@ def test_temperatures_and_drafters_are_checked_before_any_model_loads():
         with pytest.raises(ValueError, match="--temperatures"):
             parse_temperatures(bad)
     assert parse_drafters("eagle3, lookup") == ["eagle3", "lookup"]
-    assert parse_drafters("mypkg.drafters:make") == ["mypkg.drafters:make"]   # resolved when it loads
+    assert parse_drafters("treespec.drafters.lookup:LookupDrafter") == ["treespec.drafters.lookup:LookupDrafter"]
+    with pytest.raises(ValueError, match="--drafters: drafter 'nosuchpkg.mod:make': cannot import module"):
+        parse_drafters("nosuchpkg.mod:make")
     with pytest.raises(ValueError, match="--drafters: unknown drafter 'nope'; registered: .*eagle3"):
         parse_drafters("eagle3,nope")
     with pytest.raises(ValueError, match="--drafters takes distinct"):

@@ -83,20 +83,21 @@ def parse_temperatures(text: str) -> list[float]:
 
 
 def parse_drafters(text: str) -> list[str]:
-    """Drafter names, checked against the registry before any model loads (a
-    ``package.module:factory`` name is resolved when the drafter loads)."""
+    """Drafter names, each resolved before any model loads as ``treespec.load_drafter`` resolves
+    it: a registered name, a ``package.module:factory`` reference or a ``treespec.drafters``
+    entry point."""
     from treespec.drafters import drafter_factory, merged_options
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names or len(set(names)) != len(names):
         raise ValueError(f"--drafters takes distinct comma-separated drafter names (e.g. eagle3,hybrid), got {text!r}")
     for name in names:
-        if ":" in name:
-            continue
         try:
             drafter_factory(merged_options(name, {})[0])
         except KeyError as e:
             raise ValueError(f"--drafters: {e.args[0]}") from None
+        except (ValueError, TypeError, ImportError) as e:
+            raise ValueError(f"--drafters: {e}") from None
     return names
 
 
