@@ -25,10 +25,10 @@ def doc_block(marker: str) -> tuple[str, str]:
 def test_every_doc_python_block_is_run_by_a_test():
     """Each ```python block of the docs is one a test executes, found by its marker: the tests
     below, test_docs_drafters.py for the drafter tutorial ("register_drafter"), test_batch.py for the serving step functions ("prepare_verify(") and test_qwen_real.py
-    for the Qwen pair (slow, where its parts are installed), test_bench.py for ``treespec bench``."""
+    for the Qwen pair (slow, where its parts are installed), test_bench.py for ``treespec bench``, test_serve.py for the HTTP client ("import openai")."""
     markers = ("register_drafter", "SpeculativeServer(", "min_confidence", "prepare_verify(",
                'load_drafter("qwen2.5-coder-0.5b"', "regenerate_batch(target",
-               "from treespec.cli.bench import bench")
+               "from treespec.cli.bench import bench", "import openai")
     blocks = [b for path in DOCS for b in python_blocks(path)]
     assert DOCS and blocks
     untested = [b.splitlines()[0] for b in blocks if not any(m in b for m in markers)]

@@ -300,3 +300,28 @@ def test_the_serve_command_checks_its_flags_before_loading_a_model(capsys) -> No
     assert "--max-batch must be >= 1" in capsys.readouterr().err
     assert main(["serve", "--budget", "big"]) == 2
     assert "--budget must be an integer or 'auto'" in capsys.readouterr().err
+
+
+def test_the_serving_doc_openai_block_streams_from_a_live_server(served, capsys) -> None:
+    """docs/serving.md's ``import openai`` block as written, pointed at this loopback server (its
+    URL and model name put in place of the doc's): it streams the whole reply, which the server
+    counts as one request of exactly max_tokens generated tokens (this target never stops early)."""
+    from test_readme import doc_block
+
+    _, _, url, _ = served
+    code, where = doc_block("import openai")
+    assert code.count('"http://127.0.0.1:8000/v1"') == 1 and code.count('"smollm2-135m"') == 1
+    code = code.replace('"http://127.0.0.1:8000/v1"', repr(url)).replace('"smollm2-135m"', repr(MODEL))
+    metrics_url = url.removesuffix("/v1") + "/metrics"
+
+    def counter(name: str) -> float:
+        return next(float(line.split()[-1]) for line in http("GET", metrics_url).text.splitlines()
+                    if line.startswith(name))
+
+    before = counter("treespec_generation_tokens_total"), counter('treespec_requests_total{outcome="length"}')
+    capsys.readouterr()
+    exec(compile(code, where, "exec"), {})
+    printed = capsys.readouterr().out
+    after = counter("treespec_generation_tokens_total"), counter('treespec_requests_total{outcome="length"}')
+    assert printed.strip(), "the block printed nothing"
+    assert after[0] - before[0] == 64 and after[1] - before[1] == 1   # the block's max_tokens=64, one request
