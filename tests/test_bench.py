@@ -209,6 +209,8 @@ def test_smoke_two_drafters_two_trees_greedy_equal_and_resumable(tmp_path, capsy
     assert report.summary([r for r in configs if r.label == "eagle3 chain:4"][0]).tau > 1.0
     md = (tmp_path / "bench.md").read_text()
     assert "llama.cpp is not built here" in md and "| eagle3 dynamic:8 |" in md and "prefill" in md
+    assert (f"Reproduce: `treespec bench --model smollm2-135m --drafters lookup,eagle3 --trees chain:4,dynamic:8 "
+            f"--temperatures 0 --prompt-set mt-bench --prompts 2 --max-new-tokens 16") in md
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "eagle3 dynamic:8" in out and "llama.cpp is not built here" in out
     assert cli.main([*argv[:-4], "--max-new-tokens", "8", "--out", str(tmp_path), "--resume"]) == 2

@@ -132,6 +132,7 @@ class BenchReport:
     llamacpp: str = ""                        # the llama.cpp row's binary, or why it is absent
     wall_s: float = 0.0
     complete: bool = False
+    command: str = ""                         # the command line that reproduces it, where known
 
     def plain_key(self, temperature: float) -> str:
         return Row(PLAIN, temperature).key
@@ -151,7 +152,7 @@ class BenchReport:
                 "prompts": self.prompts, "rows": [asdict(r) for r in self.rows],
                 "runs": {k: [r.to_json() for r in v] for k, v in self.runs.items()},
                 "sequoia": self.sequoia, "llamacpp": self.llamacpp, "wall_s": self.wall_s,
-                "complete": self.complete, "summary": summaries}
+                "complete": self.complete, "command": self.command, "summary": summaries}
 
     @classmethod
     def from_json(cls, data: dict) -> BenchReport:
@@ -159,7 +160,7 @@ class BenchReport:
                    prompts=data["prompts"], rows=[Row(**r) for r in data["rows"]],
                    runs={k: [Run.from_json(r) for r in v] for k, v in data["runs"].items()},
                    sequoia=data["sequoia"], llamacpp=data["llamacpp"], wall_s=data["wall_s"],
-                   complete=data["complete"])
+                   complete=data["complete"], command=data.get("command", ""))
 
 
 def select_prompts(prompt_sets: Sequence[str], prompts: int | None) -> list[tuple[str, object]]:
@@ -217,7 +218,8 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
           prompts: int | None = 20, max_new_tokens: int = 128, *, target: str | object = "smollm2-135m",
           depth: int = 5, top_k: int = 4, sampled_mode: str = "without_replacement", seed: int = 0,
           hf_plain: bool = True, llamacpp: str | None = None, out: str | Path | None = None, name: str = "bench",
-          plot: bool = False, resume: bool = False, progress: bool = True, note: str = "") -> BenchReport:
+          plot: bool = False, resume: bool = False, progress: bool = True, note: str = "",
+          command: str = "") -> BenchReport:
     """Measure ``drafters`` x ``trees`` x ``temperatures`` on ``prompt_sets`` against plain decoding.
 
     ``trees``: ``"NAME:NODES"`` strings or TreeSpecs (nodes incl. the root). ``target``: a
@@ -226,7 +228,8 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
     all). At T > 0 trees draw children in ``sampled_mode``; at T = 0 they rank them. Sequoia
     uses this machine's calibrated acceptance vector for the drafter where one exists.
     ``out``: a folder for ``<name>.json`` / ``.md`` (and ``.png`` with ``plot``), rewritten
-    after every prompt; ``resume`` continues the run saved there."""
+    after every prompt; ``resume`` continues the run saved there. ``command``: the command line
+    written into the result as the way to reproduce it."""
     from treespec.data import chat_prompt
 
     specs = [t if isinstance(t, TreeSpec) else parse_trees(t)[0] for t in trees]
@@ -263,6 +266,8 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
                              rows=rows, runs={r.key: [] for r in rows}, sequoia=sequoia, llamacpp=llamacpp_note)
     if note:
         report.settings["note"] = note
+    if command:
+        report.command = command
     _warm_up(tgt, gens, hf_plain)
     done = len(report.prompts)
     wall_before = report.wall_s
@@ -501,6 +506,8 @@ def markdown(report: BenchReport) -> str:
               "pooled* leaves both prefills out. τ = tokens per target forward; acceptance by depth = accepted / "
               "attempted draft nodes at depth 1, 2, ...; = plain (T = 0): prompts whose output equals the plain "
               "row's token for token.", ""]
+    if report.command:
+        lines += [f"Reproduce: `{report.command}`", ""]
     if report.llamacpp:
         present = any(r.label == LLAMACPP for r in report.rows)
         lines += [f"llama.cpp: {report.llamacpp}." if present else f"llama.cpp: {report.llamacpp}.", ""]
@@ -607,6 +614,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=cmd_bench)
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The ``treespec bench`` command that reproduces ``args`` (every option spelled out)."""
+    import shlex
+
+    words = ["treespec", "bench", "--model", args.model, "--drafters", args.drafters, "--trees", args.trees,
+             "--temperatures", args.temperatures, "--prompt-set", args.prompt_set, "--prompts", str(args.prompts),
+             "--max-new-tokens", str(args.max_new_tokens), "--depth", str(args.depth), "--top-k-draft",
+             str(args.top_k_draft), "--sampled-mode", args.sampled_mode, "--seed", str(args.seed), "--threads",
+             str(args.threads)]
+    words += [w for flag, on in (("--no-hf", args.no_hf), ("--no-pack", args.no_pack), ("--plot", args.plot)) if on
+              for w in (flag,)]
+    words += [w for flag, value in (("--dtype", args.dtype), ("--kernel", args.kernel), ("--device", args.device))
+              if value not in ("auto", "cpu") for w in (flag, value)]
+    if args.llamacpp:
+        words += ["--llamacpp", args.llamacpp]
+    if args.out:
+        words += ["--out", args.out, "--name", args.name, "--resume"]
+    return shlex.join(words)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from treespec.targets import load_target
     from treespec.cli.plan import target_pack
@@ -640,7 +667,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = bench(drafters, trees, temperatures, sets, prompts, args.max_new_tokens, target=target, depth=args.depth,
                    top_k=args.top_k_draft, sampled_mode=args.sampled_mode, seed=args.seed, hf_plain=not args.no_hf,
                    llamacpp=args.llamacpp, out=args.out, name=args.name, plot=args.plot, resume=args.resume,
-                   note=args.note)
+                   note=args.note, command=command_line(args))
     print(text_table(report))
     if args.out:
         written = ", ".join(f"{args.name}{s}" for s in (".json", ".md") + ((".png",) if args.plot else ()))
