@@ -4,6 +4,8 @@
                batched passes; ``calibrate`` / ``calibrate_batches`` return a Calibration
     drafters   a registered drafter's pass times and acceptance vectors, measured by running
                the generator (so this package sits above ``treespec.runtime``)
+    ensure     ``ensure_calibration``: the cached calibration builder="auto" reads, with what it
+               lacks measured now (``treespec generate / demo / serve --budget auto``)
 """
 
 from treespec.calibrate.drafters import calibrate_drafter, measure_acceptance_vector

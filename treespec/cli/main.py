@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from collections.abc import Sequence
@@ -14,6 +15,10 @@ from treespec.core.sampling import SamplingConfig
 # The builders by name live in treespec.cli.trees (treespec bench uses them without this module);
 # treespec.cli.main.make_builder stays importable.
 from treespec.cli.trees import ADAPTIVE, BUILDERS, make_builder  # noqa: E402,F401
+
+# The calibration auto needs lives in treespec.calibrate.ensure (treespec serve uses it without
+# this module); both names stay importable from here.
+from treespec.calibrate.ensure import _cached_calibration, ensure_calibration  # noqa: E402,F401
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -44,7 +49,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                         "--drafter-option min_ngram=3, --tree chain --min-confidence 0.5 drafts only where the text "
                         "repeats")
     p.add_argument("--draft-mode", default="deterministic",
-                   choices=("deterministic", "with_replacement", "without_replacement"))
+                   choices=("deterministic", "with_replacement", "without_replacement"),
+                   help="how trees pick children: their most likely tokens, or draws from the drafter")
     p.add_argument("--verify", default="token", choices=("token", "block", "traversal"),
                    help="acceptance rule: token-level (default), block (chains: --tree chain) or "
                         "traversal (trees); all exact. The new rules gain only with drawn children "
@@ -55,8 +61,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="keep the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=float, default=defaults.top_p, help="nucleus mass; 1 = off")
     p.add_argument("--min-p", type=float, default=defaults.min_p, help="drop tokens below min-p x the most likely; 0 = off")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a different run each time)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's; demo: 1, see its help)")
 
@@ -86,8 +92,11 @@ def auto_threshold_line(calibration, n_nodes: int) -> str:
 
 def _build_generator(args):
     from treespec import SpeculativeGenerator, load_drafter
+    from treespec.cli.trees import check_tree_flags, parse_budget
 
     options = drafter_options(args.drafter_option)     # malformed flags fail before the model loads
+    budget = parse_budget(args.budget)
+    check_tree_flags(args.tree, args.depth, args.top_k_draft, args.verify, numeric_budget=budget != "auto")
     key = None   # --budget auto: the name the drafter's calibration entries go under
     if args.budget == "auto":
         if args.min_confidence:
@@ -107,10 +116,6 @@ def _build_generator(args):
         print(f"[auto tree: {gen.builder.config}; {auto_threshold_line(gen.calibration, gen.builder.budget)}]",
               file=sys.stderr)
         return target, gen
-    try:
-        budget = int(args.budget)
-    except ValueError:
-        raise SystemExit(f"--budget must be an integer or 'auto', got {args.budget!r}") from None
     acceptance = _sequoia_acceptance(args, target.model) if args.tree == "sequoia" else None
     builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode, acceptance,
                            args.min_confidence)
@@ -197,144 +202,6 @@ def plain_decode_speed(target, ids: torch.Tensor, max_new_tokens: int, temperatu
     return n / dt, n
 
 
-def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Sequence[int] = ()):
-    """The target's calibration for ``builder="auto"``, measured now (with a progress bar) and
-    cached if this machine has none for this model, dtype and linear path. A drafter the cached
-    file never measured, or measured with weights other than the shipped checkpoint it loads
-    now (a new head), is measured again, the target's timings kept. Parts a cached calibration
-    lacks are added: the drafter's acceptance at T = 1, the generator's loop costs, batched
-    passes at ``batches`` (the server's auto at B > 1). Returns its path."""
-    from treespec.calibrate.drafters import calibration_prompts
-    from treespec.calibrate.passes import pass_time_disagrees
-    from treespec.planning.calibration import model_calibration_path
-
-    path = model_calibration_path(target.name, target.model)
-    held_out = calibration_prompts()   # the demo uses the first questions, these are the last
-    cal, why = _cached_calibration(path, target)
-    measured_now = cal is None
-    if measured_now:
-        print(f"[{why}: measuring it once, about a minute; cached at {path}]", file=out, flush=True)
-        cal = _measure_calibration(target, drafter_name, held_out, out)
-        cal.save(path)
-    elif why := _drafter_unmeasured(cal, target, drafter_name):
-        print(f"[{why}: measuring {drafter_name} on this machine, about a minute; the target's "
-              f"timings are kept; cached at {path}]", file=out, flush=True)
-        cal = _measure_calibration(target, drafter_name, held_out, out, cal.without_drafter(drafter_name))
-        cal.save(path)
-    cal = _complete_calibration(cal, path, target, drafter_name, held_out, batches, out)
-    if not measured_now and (stale := pass_time_disagrees(cal, target.model)):   # measured under another load
-        print(f"[the calibration at {path} {stale}: it was probably measured while the machine "
-              "was busier or quieter than now, and builder='auto' sizes trees from it. Delete the "
-              "file to measure it again on a quiet machine]", file=out, flush=True)
-    return path
-
-
-def _cached_calibration(path, target):
-    """(the cached calibration if its target timings fit this machine, else None; why not)."""
-    from treespec.planning import Calibration, machine_mismatch
-
-    if not path.exists():
-        return None, f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) on this machine"
-    from treespec.planning.calibration import DamagedCalibration
-
-    try:
-        cached = Calibration.load(path)
-    except DamagedCalibration as e:   # truncated or hand-edited: measured again and rewritten
-        return None, f"{e}; rebuilding it"
-    stale = machine_mismatch(cached, target.device)
-    if stale is not None:  # e.g. a home directory shared by an AVX-512 and an AVX2 machine
-        return None, f"the cached calibration of {target.name} does not fit this machine ({stale})"
-    if cached.timing_noise is None:  # auto's minimum gain reads the spread of the timings
-        return None, f"the cached calibration of {target.name} predates timing spreads"
-    return cached, ""
-
-
-def _drafter_unmeasured(cal, target, drafter_name: str) -> str:
-    """Why ``cal`` cannot serve ``drafter_name`` as it is now ("" if it can): never measured, or
-    measured with weights other than the shipped checkpoint it loads today (a new head)."""
-    from treespec.drafters import split_drafter_key
-    from treespec.drafters.feature import shipped_checksum
-
-    if drafter_name not in cal.acceptance:
-        return f"the cached calibration of {target.name} has no measurement of drafter {drafter_name!r}"
-    now, then = shipped_checksum(target, *split_drafter_key(drafter_name)), cal.weights.get(drafter_name)
-    if now is not None and then != now:
-        was = f"checkpoint {_checksum_text(then)}" if then else "weights it did not record"
-        return (f"the cached calibration of {target.name} measured drafter {drafter_name!r} with {was}; "
-                f"the shipped checkpoint is now {_checksum_text(now)}")
-    return ""
-
-
-def _checksum_text(checksum: str) -> str:
-    """A weights checksum as a note shows it: 12 hex digits, and "as 8-bit blocks" for a head
-    rounded to them (``+int8``)."""
-    head, _, rounded = checksum.partition("+")
-    return head[:12] + (f" (as {rounded.replace('int8', '8-bit blocks')})" if rounded else "")
-
-
-def _measure_calibration(target, drafter_name: str, held_out, out, cal=None):
-    """A new calibration (or ``cal``, the target's timings kept): the target's pass curve, two
-    generic drafter curves, the drafter's pass times, the generator's loop and the drafter's
-    acceptances, with a progress bar on ``out``."""
-    from tqdm.auto import tqdm
-
-    from treespec.calibrate.drafters import ACCEPTANCE_TEMPERATURES, acceptance_keys, calibrate_drafter
-    from treespec.calibrate.passes import calibrate
-
-    target_stages = 3 if cal is None else 0
-    stages = target_stages + 2 + sum(len(acceptance_keys(drafter_name, t)) for t in ACCEPTANCE_TEMPERATURES)
-    bar = tqdm(total=stages, desc="calibrating", unit="stage", file=out)
-
-    def step(message: str) -> None:
-        bar.set_postfix_str(message.split(":")[0])
-        bar.update(1)
-
-    try:
-        if cal is None:
-            ns = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-            layers = target.model.config.num_hidden_layers
-            cal = calibrate(target.model, target.name, ns=ns, context=128, n_rep=5,
-                            early_exit_layers=min(4, layers), progress=step)
-        return calibrate_drafter(cal, drafter_name, target, held_out, progress=step)
-    finally:
-        bar.close()
-
-
-def _complete_calibration(cal, path, target, drafter_name: str, held_out, batches, out):
-    """``cal`` with what it lacked for ``drafter_name`` and ``batches`` measured and saved, saying what."""
-    from treespec.calibrate.drafters import (
-        ACCEPTANCE_TEMPERATURES, acceptance_keys, calibrate_acceptance, calibrate_drafter_batches, calibrate_loop,
-    )
-    from treespec.calibrate.passes import calibrate_batches
-
-    missing_t = [t for t in ACCEPTANCE_TEMPERATURES
-                 if any(key not in cal.acceptance for key in acceptance_keys(drafter_name, t))]
-    missing_b = sorted(set(batches) - set(cal.batch_target))
-    missing_d = (sorted(set(batches) - set(cal.batch_drafters.get(drafter_name, {})))
-                 if drafter_name in cal.drafters else [])
-    missing_loop = drafter_name in cal.drafters and drafter_name not in cal.loop
-    if not (missing_t or missing_b or missing_d or missing_loop):
-        return cal
-    parts = [text for text, missing in (
-        (f"{drafter_name} acceptance at T = {', '.join(f'{t:g}' for t in missing_t)}", missing_t),
-        (f"the generator's loop costs with {drafter_name}", missing_loop),
-        (f"batched passes at B = {', '.join(map(str, missing_b))}", missing_b),
-        (f"batched {drafter_name} calls at B = {', '.join(map(str, missing_d))}", missing_d),
-    ) if missing]
-    print(f"[adding to the calibration at {path}: {'; '.join(parts)}]", file=out, flush=True)
-    say = lambda m: print(f"  {m}", file=out, flush=True)  # noqa: E731
-    if missing_t:
-        cal = calibrate_acceptance(cal, drafter_name, drafter_name, target, held_out, missing_t)
-    if missing_loop:
-        cal = calibrate_loop(cal, drafter_name, drafter_name, target, held_out, progress=say)
-    if missing_b:
-        cal = calibrate_batches(cal, target.model, missing_b, progress=say)
-    if missing_d:
-        cal = calibrate_drafter_batches(cal, drafter_name, target, missing_d, progress=say)
-    cal.save(path)
-    return cal
-
-
 def cmd_demo(args) -> int:
     """Answer an MT-bench question with the tree the cost model picks for this machine, and
     compare with plain decoding of the same weights, in the same dtype, on the same path."""
@@ -355,18 +222,19 @@ def cmd_demo(args) -> int:
     print(res.text, "\n")
     print(res.stats.table())
     base_tps, base_n = plain_decode_speed(target, ids, args.max_new_tokens, args.temperature, args.seed)
-    spec_tps = res.stats.new_tokens / (res.stats.decode_time + res.stats.prefill_time)
+    spec_tps = res.stats.tokens_per_s_with_prefill
     mode = "greedy" if args.temperature == 0 else f"sampled at T={args.temperature:g}"
     print(f"\npath: {target.speed_path}; {torch.get_num_threads()} threads")
     print(f"plain decoding (HF generate, {mode}, same weights and path): {base_tps:.1f} tokens/s "
-          f"({base_n} tokens)")
+          f"with prefill ({base_n} tokens)")
     print(f"treespec {getattr(gen.builder, 'config', type(gen.builder).__name__)} + {args.drafter}: "
-          f"{spec_tps:.1f} tokens/s -> speedup {spec_tps / base_tps:.2f}x (prefill included on both sides)")
+          f"{spec_tps:.1f} tokens/s with prefill -> speedup {spec_tps / base_tps:.2f}x (prefill included on "
+          f"both sides)")
     stock_tps = stock_decode_speed(target, ids, args.max_new_tokens, args.temperature, args.seed)
     if stock_tps is not None:
         print(f"plain decoding with PyTorch's stock linear layers (what HF generate runs without treespec): "
-              f"{stock_tps:.1f} tokens/s -> treespec {spec_tps / stock_tps:.2f}x, plain on the fast path "
-              f"{base_tps / stock_tps:.2f}x")
+              f"{stock_tps:.1f} tokens/s with prefill -> treespec {spec_tps / stock_tps:.2f}x, plain on the fast "
+              f"path {base_tps / stock_tps:.2f}x")
     return 0
 
 
@@ -386,13 +254,36 @@ def stock_decode_speed(target, ids: torch.Tensor, max_new_tokens: int, temperatu
         pack_linears(target.model, kernel=kernel)
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that ends each option with ``(default: ...)``, options without help text too (the
+    stock ArgumentDefaultsHelpFormatter skips those). Not shown: defaults already spelled out in
+    the help ("(default ..."), None and empty ones (the help says what happens), and on / off flags."""
+
+    def _shows_default(self, action: argparse.Action) -> bool:
+        empty = action.default is None or (isinstance(action.default, (str, list, tuple)) and not action.default)
+        return (bool(action.option_strings) and not empty and action.default is not argparse.SUPPRESS
+                and action.nargs != 0 and "(default" not in (action.help or ""))
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return f"{text} (default: %(default)s)".lstrip() if self._shows_default(action) else text
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"     # a blank help would not be formatted at all
+        return super()._format_action(action)
+
+
 class HelpParser(argparse.ArgumentParser):
     """An ArgumentParser whose ``--help`` shows every option's default; its subcommands'
-    parsers (``add_subparsers`` makes them of the parser's own class) do too."""
+    parsers (``add_subparsers`` makes them of the parser's own class) do too, with the
+    formatter a subcommand asks for (e.g. raw descriptions) kept under the defaults."""
 
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, formatter_class: type = DefaultsHelpFormatter, **kwargs):
+        if not issubclass(formatter_class, DefaultsHelpFormatter):
+            formatter_class = type(f"Defaults{formatter_class.__name__}", (DefaultsHelpFormatter, formatter_class), {})
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -403,9 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream a speculative generation")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the user message (through the chat template)")
     _add_generation_args(g)
-    g.add_argument("--stats", action="store_true", help="print the stats table")
+    g.add_argument("--stats", action="store_true",
+                   help="print the stats table (tau, acceptance by depth, time split, tokens/s with and "
+                        "without the prefill)")
     g.add_argument("--show-tree", default=None, metavar="DIR", help="save a PNG of every step's tree")
     g.set_defaults(func=cmd_generate)
 

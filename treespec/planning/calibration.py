@@ -207,7 +207,7 @@ class Calibration:
                   loaded from a checkpoint; ``calibrate_drafter`` records their
                   ``weights_checksum``). Acceptance is a property of the weights: builder="auto"
                   does not plan a drafter loaded from other weights with it, and
-                  ``treespec.cli.main.ensure_calibration`` measures a drafter again when its
+                  ``treespec.calibrate.ensure.ensure_calibration`` measures a drafter again when its
                   shipped checkpoint has changed since.
         device:   machine description (CPU model, threads, torch version).
         threads:  torch intra-op threads during the measurement (run the engine with the same).

@@ -28,9 +28,9 @@ def register(sub) -> None:
                    help="an option of the drafter's factory, repeatable")
     p.add_argument("--budget", default="auto",
                    help="tree nodes incl. the root, or 'auto' (default): the cost model sizes each step's tree "
-                        "for the current batch size and each request's temperature, down to plain decoding; "
-                        "it needs this machine's calibration (`treespec calibrate --weights pretrained "
-                        "--drafter NAME --batch-sizes 2,4,8`; `treespec generate --budget auto` makes one too)")
+                        "for the current batch size and each request's temperature, down to plain decoding. "
+                        "auto measures what this machine's calibration lacks before serving (the drafter and "
+                        "the batched passes up to --max-batch; a few minutes the first time, then cached)")
     p.add_argument("--depth", type=int, default=5, help="max draft depth of a numeric --budget's dynamic tree")
     p.add_argument("--top-k-draft", type=int, default=4, help="children per expanded node (numeric --budget)")
     p.add_argument("--verify", default="token", choices=("token", "block", "traversal"), help="acceptance rule")
@@ -76,6 +76,14 @@ def build_server(args: argparse.Namespace):
             budget = int(args.budget)
         except ValueError:
             raise ValueError(f"--budget must be an integer or 'auto', got {args.budget!r}") from None
+    key = None   # --budget auto: the name the drafter's calibration entries go under
+    if budget is None and args.drafter != "none":
+        from treespec.drafters.base import drafter_key, merged_options
+
+        key = drafter_key(*merged_options(args.drafter, options))   # its options change its costs
+        if key is None:
+            raise ValueError(f"--drafter-option: {args.drafter_option} cannot name a calibration (a value with "
+                             f"one of [],=); give --budget a number instead of auto")
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -86,9 +94,48 @@ def build_server(args: argparse.Namespace):
         return target, SpeculativeServer(target, None)
     drafter = load_drafter(args.drafter, target, **options)
     if budget is None:
-        return target, SpeculativeServer(target, drafter, "auto", verify=args.verify)
+        from treespec.calibrate.ensure import ensure_calibration
+
+        # the batched curves let auto shrink the tree as the batch grows (a chain, then none)
+        ensure_calibration(target, key, batches=auto_batches(args.max_batch))
+        server = SpeculativeServer(target, drafter, "auto", verify=args.verify)
+        for line in auto_plan(server, args.max_batch):
+            print(f"[{line}]", file=sys.stderr, flush=True)
+        return target, server
     builder = DynamicTreeBuilder(budget=budget, depth=args.depth, top_k=args.top_k_draft)
     return target, SpeculativeServer(target, drafter, builder, verify=args.verify)
+
+
+def auto_batches(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes above 1 whose verify pass auto's calibration measures for a server of
+    ``max_batch``: the powers of two below it and itself (others are interpolated)."""
+    return tuple(sorted({b for b in (2, 4, 8, 16, 32, 64) if b < max_batch} | ({max_batch} - {1})))
+
+
+def auto_plan(server, max_batch: int, temperature: float = 0.0) -> list[str]:
+    """One line per batch size (1, the measured ones, ``max_batch``): the tree auto gives a
+    request at ``temperature`` when that many are decoded together."""
+    from treespec.runtime.generator import auto_builder
+    from treespec.runtime.server import AUTO_MAX_BUDGET
+
+    lines = []
+    for b in sorted({1, *auto_batches(max_batch)}):
+        builder = auto_builder(server.target, server.drafter, server.calibration, max_budget=AUTO_MAX_BUDGET,
+                               batch=b, temperature=temperature)
+        lines.append(f"auto at batch {b}, T = {temperature:g}: {describe_tree(builder)}")
+    return lines
+
+
+def describe_tree(builder) -> str:
+    """"plain decoding", "a chain of k drafts" or "a tree of n nodes, depth d"."""
+    from treespec.builders import ChainBuilder
+
+    if builder.budget == 1:
+        return "plain decoding (no draft)"
+    if isinstance(builder, ChainBuilder):
+        drafts = builder.budget - 1
+        return f"a chain of {drafts} draft{'s' if drafts > 1 else ''}"
+    return f"a tree of {builder.budget} nodes, depth {builder.config.depth}"
 
 
 def serve_app(app, host: str, port: int, drain_timeout: float, sock=None, log_level: str = "info") -> None:
