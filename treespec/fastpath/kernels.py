@@ -101,14 +101,39 @@ def compile_kernel(source: Path, name: str):
     return load(name, sources=[str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
 
 
+def build_needed(name: str = "treespec_panel_gemm", source: Path = SOURCE) -> bool:
+    """Whether loading ``source`` as module ``name`` (:func:`compile_kernel`) will compile it,
+    as ``torch.utils.cpp_extension`` decides: no built module or build file in its extension
+    folder, a build file for another source or other flags, or ninja finding work (the source or
+    a header newer than the build). Anything it cannot read counts as a build."""
+    import subprocess
+
+    try:
+        from torch.utils.cpp_extension import LIB_EXT, _get_build_directory
+
+        folder = Path(_get_build_directory(name, verbose=False))
+        rules = folder / "build.ninja"
+        if not (folder / f"{name}{LIB_EXT}").exists() or not rules.exists():
+            return True
+        text = rules.read_text()
+        if str(source.resolve()) not in text or not all(flag in text for flag in _FLAGS):
+            return True
+        dry = subprocess.run(["ninja", "-n", "-C", str(folder)], capture_output=True, text=True, timeout=60)
+        return dry.returncode != 0 or "no work to do" not in dry.stdout
+    except Exception:  # a private torch helper moved, ninja missing, a file unreadable: say it may compile
+        return True
+
+
 @lru_cache(maxsize=1)
 def _build():
-    """(module, None) or (None, reason). Built once per process, cached on disk across them."""
+    """(module, None) or (None, reason). Built once per process, cached on disk across them; the
+    one-minute message is printed only when a build is needed (:func:`build_needed`)."""
     missing = _missing_tools()
     if missing:
         return None, missing
-    print("treespec: loading the fp32 panel kernel (compiled on first use, about a minute)...",
-          file=sys.stderr, flush=True)
+    if build_needed():
+        print("treespec: compiling the fp32 panel kernel (once per source change, about a minute)...",
+              file=sys.stderr, flush=True)
     try:
         module = compile_kernel(SOURCE, "treespec_panel_gemm")
     except Exception as e:  # a compiler error is a reason to keep the stock path, not a crash
