@@ -68,6 +68,7 @@ __all__ = [
     "packing_available",
     "resolve_dtype",
     "stores_blocks",
+    "TARGET_DTYPES",
     "unpack_linears",
 ]
 
@@ -142,14 +143,16 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
     AVX-512-BF16 EPYC (benchmarks/results/verify_cost_epyc_avx512bf16.md) and 27.5 ms against
     46.1 ms on an AMX Xeon (verify_cost_amx_blocks.md).
 
-    Names (``"float32"``, ``"bfloat16"``, ``"float16"``) and ``torch.dtype`` pass through.
-    Returns the dtype and the reason, for printing once.
+    The others are taken as asked, by name or as a ``torch.dtype`` (:data:`TARGET_DTYPES`):
+    float32, bfloat16, float16, and float64, a reference precision for exactness checks that no
+    packed kernel takes (PyTorch's stock modules run it, slower than float32; the reason says so).
+    Anything else (an integer or 8-bit float dtype, an unknown name) is refused with the accepted
+    values. Returns the dtype and the reason, for printing once.
     """
     if isinstance(dtype, torch.dtype):
-        return dtype, "requested"
+        return _target_dtype(dtype, repr(dtype))
     if not isinstance(dtype, str):
-        raise TypeError(f"dtype must be a torch.dtype or a name ('auto', 'float32', 'bfloat16'), "
-                        f"got {type(dtype).__name__}")
+        raise TypeError(f"dtype must be a torch.dtype or a name ({_DTYPE_NAMES}), got {type(dtype).__name__}")
     if dtype == "auto":
         ok, why = native_bf16(device, cpu)
         if ok and torch.device(device).type == "cpu":
@@ -158,9 +161,26 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
                 return torch.float32, f"auto: {reason}"
         return (torch.bfloat16 if ok else torch.float32), f"auto: {why}"
     resolved = getattr(torch, dtype, None)
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"unknown dtype {dtype!r}; use 'auto', 'float32' or 'bfloat16'")
-    return resolved, "requested"
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {_DTYPE_NAMES}")
+    return _target_dtype(resolved, repr(dtype))
+
+
+# The dtypes a target is loaded in; float64 is a reference precision (stock modules only).
+TARGET_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_DTYPE_NAMES = ", ".join(repr(n) for n in ("auto", *(str(d).removeprefix("torch.") for d in TARGET_DTYPES)))
+
+
+def _target_dtype(dtype: torch.dtype, given: str) -> tuple[torch.dtype, str]:
+    """``dtype`` and its reason if a target can be loaded in it, else a ValueError with the fix."""
+    if dtype not in TARGET_DTYPES:
+        hint = (" (8-bit weights: load_target's pack='blocks' runs the GGUF's integer blocks in float32)"
+                if dtype in (torch.int8, torch.uint8) or (dtype.is_floating_point and dtype.itemsize == 1) else "")
+        raise ValueError(f"dtype={given} cannot hold a target's weights; use one of {_DTYPE_NAMES} or the "
+                         f"torch.dtype of the same name{hint}")
+    if dtype == torch.float64:
+        return dtype, "requested: a float64 reference, PyTorch's stock modules (no packed kernel takes float64)"
+    return dtype, "requested"
 
 
 def _blocks_before_bf16(cpu: CpuInfo, weight_types: frozenset[str] | None) -> tuple[bool, str]:

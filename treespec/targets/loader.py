@@ -437,7 +437,9 @@ def load_target(
 ) -> Target:
     """Load a registered target by name. Unknown name -> ``KeyError`` listing known names.
 
-    ``dtype``: a ``torch.dtype`` or a name (default fp32: the exact reference target); ``"auto"`` is bf16 where the hardware has
+    ``dtype``: ``"float32"`` (default: the exact reference target), ``"bfloat16"``, ``"float16"``,
+    ``"float64"`` (a reference precision on PyTorch's stock modules: no packed kernel takes it), or the
+    ``torch.dtype`` of one of these; any other dtype is refused with a ``ValueError``. ``"auto"`` is bf16 where the hardware has
     native bf16 matrix units (``avx512_bf16`` / ``amx_bf16``, or a CUDA GPU of compute capability
     >= 8), fp32 elsewhere, and fp32 on the block kernel on a CPU with native bf16 when every
     weight matrix of the GGUF is an exact block type (SmolLM2's Q4_1 / Q8_0: measured faster on
