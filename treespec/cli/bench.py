@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from treespec.cli.trees import BUILDERS, make_builder
+from treespec.cli.trees import BUILDERS, check_tree_flags, make_builder
 from treespec.runtime.bench import Run, RowSummary, run_generator, run_hf_generate, sequoia_acceptance, summarize
 
 __all__ = ["BenchReport", "TreeSpec", "bench", "parse_drafters", "parse_temperatures", "parse_trees", "register",
@@ -646,6 +646,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     drafters = parse_drafters(args.drafters)
     trees = parse_trees(args.trees)
+    for spec in trees:                                # --top-k-draft / --depth in the flags' words
+        check_tree_flags(spec.name, args.depth, args.top_k_draft)
     temperatures = parse_temperatures(args.temperatures)
     if args.prompts == "all":
         prompts = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from collections.abc import Sequence
@@ -48,7 +49,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                         "--drafter-option min_ngram=3, --tree chain --min-confidence 0.5 drafts only where the text "
                         "repeats")
     p.add_argument("--draft-mode", default="deterministic",
-                   choices=("deterministic", "with_replacement", "without_replacement"))
+                   choices=("deterministic", "with_replacement", "without_replacement"),
+                   help="how trees pick children: their most likely tokens, or draws from the drafter")
     p.add_argument("--verify", default="token", choices=("token", "block", "traversal"),
                    help="acceptance rule: token-level (default), block (chains: --tree chain) or "
                         "traversal (trees); all exact. The new rules gain only with drawn children "
@@ -59,8 +61,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="keep the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=float, default=defaults.top_p, help="nucleus mass; 1 = off")
     p.add_argument("--min-p", type=float, default=defaults.min_p, help="drop tokens below min-p x the most likely; 0 = off")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a different run each time)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's; demo: 1, see its help)")
 
@@ -90,8 +92,11 @@ def auto_threshold_line(calibration, n_nodes: int) -> str:
 
 def _build_generator(args):
     from treespec import SpeculativeGenerator, load_drafter
+    from treespec.cli.trees import check_tree_flags, parse_budget
 
     options = drafter_options(args.drafter_option)     # malformed flags fail before the model loads
+    budget = parse_budget(args.budget)
+    check_tree_flags(args.tree, args.depth, args.top_k_draft, args.verify, numeric_budget=budget != "auto")
     key = None   # --budget auto: the name the drafter's calibration entries go under
     if args.budget == "auto":
         if args.min_confidence:
@@ -111,10 +116,6 @@ def _build_generator(args):
         print(f"[auto tree: {gen.builder.config}; {auto_threshold_line(gen.calibration, gen.builder.budget)}]",
               file=sys.stderr)
         return target, gen
-    try:
-        budget = int(args.budget)
-    except ValueError:
-        raise SystemExit(f"--budget must be an integer or 'auto', got {args.budget!r}") from None
     acceptance = _sequoia_acceptance(args, target.model) if args.tree == "sequoia" else None
     builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode, acceptance,
                            args.min_confidence)
@@ -221,18 +222,19 @@ def cmd_demo(args) -> int:
     print(res.text, "\n")
     print(res.stats.table())
     base_tps, base_n = plain_decode_speed(target, ids, args.max_new_tokens, args.temperature, args.seed)
-    spec_tps = res.stats.new_tokens / (res.stats.decode_time + res.stats.prefill_time)
+    spec_tps = res.stats.tokens_per_s_with_prefill
     mode = "greedy" if args.temperature == 0 else f"sampled at T={args.temperature:g}"
     print(f"\npath: {target.speed_path}; {torch.get_num_threads()} threads")
     print(f"plain decoding (HF generate, {mode}, same weights and path): {base_tps:.1f} tokens/s "
-          f"({base_n} tokens)")
+          f"with prefill ({base_n} tokens)")
     print(f"treespec {getattr(gen.builder, 'config', type(gen.builder).__name__)} + {args.drafter}: "
-          f"{spec_tps:.1f} tokens/s -> speedup {spec_tps / base_tps:.2f}x (prefill included on both sides)")
+          f"{spec_tps:.1f} tokens/s with prefill -> speedup {spec_tps / base_tps:.2f}x (prefill included on "
+          f"both sides)")
     stock_tps = stock_decode_speed(target, ids, args.max_new_tokens, args.temperature, args.seed)
     if stock_tps is not None:
         print(f"plain decoding with PyTorch's stock linear layers (what HF generate runs without treespec): "
-              f"{stock_tps:.1f} tokens/s -> treespec {spec_tps / stock_tps:.2f}x, plain on the fast path "
-              f"{base_tps / stock_tps:.2f}x")
+              f"{stock_tps:.1f} tokens/s with prefill -> treespec {spec_tps / stock_tps:.2f}x, plain on the fast "
+              f"path {base_tps / stock_tps:.2f}x")
     return 0
 
 
@@ -252,13 +254,36 @@ def stock_decode_speed(target, ids: torch.Tensor, max_new_tokens: int, temperatu
         pack_linears(target.model, kernel=kernel)
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that ends each option with ``(default: ...)``, options without help text too (the
+    stock ArgumentDefaultsHelpFormatter skips those). Not shown: defaults already spelled out in
+    the help ("(default ..."), None and empty ones (the help says what happens), and on / off flags."""
+
+    def _shows_default(self, action: argparse.Action) -> bool:
+        empty = action.default is None or (isinstance(action.default, (str, list, tuple)) and not action.default)
+        return (bool(action.option_strings) and not empty and action.default is not argparse.SUPPRESS
+                and action.nargs != 0 and "(default" not in (action.help or ""))
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return f"{text} (default: %(default)s)".lstrip() if self._shows_default(action) else text
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"     # a blank help would not be formatted at all
+        return super()._format_action(action)
+
+
 class HelpParser(argparse.ArgumentParser):
     """An ArgumentParser whose ``--help`` shows every option's default; its subcommands'
-    parsers (``add_subparsers`` makes them of the parser's own class) do too."""
+    parsers (``add_subparsers`` makes them of the parser's own class) do too, with the
+    formatter a subcommand asks for (e.g. raw descriptions) kept under the defaults."""
 
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, formatter_class: type = DefaultsHelpFormatter, **kwargs):
+        if not issubclass(formatter_class, DefaultsHelpFormatter):
+            formatter_class = type(f"Defaults{formatter_class.__name__}", (DefaultsHelpFormatter, formatter_class), {})
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,9 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream a speculative generation")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the user message (through the chat template)")
     _add_generation_args(g)
-    g.add_argument("--stats", action="store_true", help="print the stats table")
+    g.add_argument("--stats", action="store_true",
+                   help="print the stats table (tau, acceptance by depth, time split, tokens/s with and "
+                        "without the prefill)")
     g.add_argument("--show-tree", default=None, metavar="DIR", help="save a PNG of every step's tree")
     g.set_defaults(func=cmd_generate)
 

@@ -194,6 +194,7 @@ def _plan(args: argparse.Namespace) -> int:
     costs = {name: _cost(name, target, spec, args) for name in names}
     print(f"target {target.name} ({target.total_params / 1e9:.3g} B params, {target.bytes_per_weight:g} B/weight), "
           f"drafter {spec.kind}, acceptance {acceptance}, context {args.context}")
+    print("tokens/s: predicted decoding rate of the whole batch, prefill excluded")
     header = f"{'hardware':<9} {'batch':>5} {'budget':>6} {'depth':>5} {'tau':>6} {'tokens/s':>10} " \
              f"{'speedup':>7} {'verify ms':>9} {'draft ms':>8} {'loop ms':>7}"
     print(header)

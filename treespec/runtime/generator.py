@@ -70,7 +70,14 @@ class GenerationStats:
 
     @property
     def tokens_per_s(self) -> float:
+        """New tokens over the decoding time, prefill left out."""
         return self.new_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    @property
+    def tokens_per_s_with_prefill(self) -> float:
+        """New tokens over the decoding time plus the prompt's prefill."""
+        total = self.decode_time + self.prefill_time
+        return self.new_tokens / total if total > 0 else 0.0
 
     @property
     def depth_acceptance(self) -> list[float]:
@@ -91,7 +98,8 @@ class GenerationStats:
             ("new tokens", f"{self.new_tokens}"),
             ("target forwards", f"{self.steps}"),
             ("tau (tokens/forward)", f"{self.tau:.2f}"),
-            ("tokens/s", f"{self.tokens_per_s:.1f}"),
+            ("tokens/s, prefill excluded", f"{self.tokens_per_s:.1f}"),
+            ("tokens/s, prefill included", f"{self.tokens_per_s_with_prefill:.1f}"),
             ("mean tree nodes", f"{self.tree_nodes / max(self.steps, 1):.1f}"),
             ("acceptance by depth", " ".join(f"{a:.2f}" for a in self.depth_acceptance)),
             ("time draft/verify/accept/other",
