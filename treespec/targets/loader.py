@@ -306,15 +306,19 @@ def _load_converted(gguf: Path, name: str, dtype: torch.dtype, device: str | tor
     converted = root / f"{name}-{gguf_fingerprint(gguf)}"
     if not converted.is_dir() or _cache_missing(converted):
         _convert_gguf(gguf, converted)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device), \
+            AutoTokenizer.from_pretrained(converted)
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device)
-    except Exception as e:   # a truncated or damaged cache file: rebuild it from the GGUF at hand
+        model, tokenizer = load()
+    except Exception as e:   # a truncated or damaged cache file (weights, config, tokenizer): rebuilt from the GGUF
         print(f"[the converted target at {converted} is damaged ({type(e).__name__}: {str(e)[:120]}); "
               f"rebuilding it from {gguf}]", file=sys.stderr, flush=True)
         shutil.rmtree(converted, ignore_errors=True)
         _convert_gguf(gguf, converted)
-        model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(converted)
+        model, tokenizer = load()
     return Target.from_hf(model, tokenizer, name=name, pack=False)   # load_target packs it
 
 
