@@ -215,3 +215,15 @@ def test_bench_refuses_top_k_draft_0_before_loading(monkeypatch, capsys) -> None
                  "--no-hf"]) == 2
     err = capsys.readouterr().err
     assert "error: --top-k-draft must be >= 1 (children per expanded node of the dynamic tree), got 0" in err
+
+
+def test_the_engine_names_its_own_argument_for_the_block_rule() -> None:
+    """An API user of SpeculativeGenerator(verify="block") with a branching tree is told its
+    argument (verify='traversal'), beside accept's rule= and the CLI's flag."""
+    from treespec import DynamicTreeBuilder, SpeculativeGenerator
+    from treespec.targets.loader import tiny_target
+
+    target = tiny_target(vocab_size=32, seed=0)
+    gen = SpeculativeGenerator(target, "target", DynamicTreeBuilder(10, 3, 3), verify="block")
+    with pytest.raises(ValueError, match=r"verify='traversal' / verify='token'; the CLI's --verify traversal"):
+        gen.generate([4, 2], 8, temperature=1.0, seed=0)

@@ -166,7 +166,8 @@ def check_chain(tree: DraftTree) -> None:
     """Block verification's precondition: a chain (every node has at most one child)."""
     if not tree.is_chain:
         raise ValueError("rule='block' verifies a chain (at most one child per node), but this tree "
-                         "branches; use rule='traversal' (trees) or rule='token'")
+                         "branches; use rule='traversal' (trees) or rule='token' (the generator's and "
+                         "server's verify='traversal' / verify='token'; the CLI's --verify traversal)")
 
 
 def accept_block(tree: DraftTree, target_probs: torch.Tensor, us) -> Acceptance:
