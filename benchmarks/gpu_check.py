@@ -57,7 +57,11 @@ def gpu_preset(device: torch.device) -> str | None:
 
 
 def device_info(device: torch.device) -> dict:
-    info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version()}
+    """The device, torch and CUDA versions, the GPU's name and driver, and the host (machine_info())."""
+    from harness import machine_info
+
+    info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
+            "host": machine_info()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, memory_gib=round(props.total_memory / 2 ** 30, 1), cuda=torch.version.cuda,
