@@ -75,14 +75,18 @@ class BatchVerifier:
         """S, the shared (padded) length of every cache row."""
         return self.cache.get_seq_length() if self.cache is not None else 0
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: DynamicCache):
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor | None, mask: torch.Tensor | None, cache: DynamicCache,
+                 logits_to_keep: int = 0):
+        """``mask`` None: plain causal attention (positions from the cache); ``logits_to_keep``:
+        HF's own argument, 0 = logits for every row, k = the last k rows."""
         out = self.model(
             input_ids=ids,
             position_ids=pos,
-            attention_mask=to_hf_mask(mask, self.attn_impl, self.dtype),
+            attention_mask=None if mask is None else to_hf_mask(mask, self.attn_impl, self.dtype),
             cache=cache,
             use_cache=True,
             output_hidden_states=bool(self.target_layers),
+            logits_to_keep=logits_to_keep,
         )
         return out.logits, out.hidden_states
 
@@ -157,6 +161,11 @@ class BatchVerifier:
         ids = torch.zeros(b_, s, dtype=torch.long, device=self.device)
         for b, p in enumerate(prompts):
             ids[b, :p.numel() - 1] = p[:-1].to(self.device)
+        # No prompt row's logits are used (the root's come with the first tree): the LM head runs
+        # over one row, not B x S (a [S, V] product and its S x V floats per request otherwise).
+        if len(set(lens)) == 1:             # no padding (one request, or equal lengths): causal
+            _, hidden = self._forward(ids, None, None, cache, logits_to_keep=1)
+            return cache, lens, tuple(self._features(hidden, b, p) for b, p in enumerate(lens))
         pos = torch.arange(s, device=self.device).expand(b_, s)
         q = torch.arange(s, device=self.device)
         n = torch.tensor(lens, device=self.device)
@@ -164,7 +173,7 @@ class BatchVerifier:
         real = (q[None, :, None] < n[:, None, None]) & (q[None, None, :] <= q[None, :, None]) \
             & (q[None, None, :] < n[:, None, None])
         mask = real | ((q[None, :, None] >= n[:, None, None]) & (q[None, None, :] == q[None, :, None]))
-        _, hidden = self._forward(ids, pos, mask, cache)
+        _, hidden = self._forward(ids, pos, mask, cache, logits_to_keep=1)
         pad = (q[None] >= n[:, None])[:, None, :, None]               # [B, 1, S, 1]
         for layer in cache.layers:          # padding slots hold zeros between steps
             layer.keys.masked_fill_(pad, 0)
