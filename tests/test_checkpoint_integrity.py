@@ -215,3 +215,59 @@ def test_shipped_drafters_load_on_a_low_precision_smollm2(dtype):
     target = load_target("smollm2-135m", dtype=dtype)
     for kind in ("eagle", "eagle3", "medusa", "mtp"):
         assert load_drafter(kind, target).vocab_size == target.vocab_size
+
+
+def test_blocks8_storage_reads_back_the_block_rounding_exactly(tmp_path):
+    """storage="blocks8": every 2-D weight whose width is a multiple of 32 is stored as int8 with
+    an fp16 scale per 32 and read back as exactly round_to_blocks8 of it (the numbers the block
+    kernel's int8 path runs); the rest is float16; the drafter loads and drafts from it."""
+    from safetensors import safe_open
+
+    from treespec import load_drafter
+    from treespec.drafters.checkpoint import BLOCKS8_SCALE, load_checkpoint, read_header, save_checkpoint
+    from treespec.drafters.eagle import random_feature_drafter
+    from treespec.fastpath.kernels import round_to_blocks8
+    from treespec.targets.loader import tiny_target
+
+    target = tiny_target(vocab_size=32, seed=0)
+    head = random_feature_drafter(target, "eagle", seed=1).head
+    state = {k: v.float() for k, v in head.state_dict().items()}
+    path = save_checkpoint(tmp_path / "eagle.safetensors", state, "eagle", head.cfg.to_json(), target, storage="blocks8")
+    header = read_header(path)
+    blocked = [k for k, v in state.items() if v.dim() == 2 and v.shape[1] % 32 == 0]
+    assert blocked and header["blocks8"] == sorted(blocked)
+    with safe_open(str(path), framework="pt") as f:
+        assert all(f.get_tensor(k).dtype == torch.int8 and f.get_tensor(k + BLOCKS8_SCALE).dtype == torch.float16
+                   for k in blocked)
+    loaded, _ = load_checkpoint(path, target, "eagle")
+    assert set(loaded) == set(state)
+    for k, v in state.items():
+        want = round_to_blocks8(v) if k in blocked else v.half().float()
+        assert torch.equal(loaded[k], want), k
+    assert load_drafter("eagle", target, checkpoint=str(path)).vocab_size == 32
+    with pytest.raises(ValueError, match="storage must be one of"):
+        save_checkpoint(tmp_path / "x.safetensors", state, "eagle", head.cfg.to_json(), target, storage="int4")
+
+
+def test_a_blocks8_weight_without_its_scales_is_one_error_naming_it(tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from treespec import load_drafter
+    from treespec.drafters.checkpoint import BLOCKS8_SCALE, CheckpointError, read_header, save_checkpoint, \
+        tensor_checksum
+    from treespec.drafters.eagle import random_feature_drafter
+    from treespec.targets.loader import tiny_target
+
+    target = tiny_target(vocab_size=32, seed=0)
+    head = random_feature_drafter(target, "eagle", seed=1).head
+    path = save_checkpoint(tmp_path / "eagle.safetensors", dict(head.state_dict()), "eagle", head.cfg.to_json(),
+                           target, storage="blocks8")
+    header, tensors = read_header(path), load_file(str(path))
+    gone = header["blocks8"][0]
+    tensors.pop(gone + BLOCKS8_SCALE)
+    header["checksum"] = tensor_checksum(tensors)          # consistent file, missing scales
+    save_file(tensors, str(path), metadata={"treespec": json.dumps(header)})
+    with pytest.raises(CheckpointError, match=f"8-bit weight '{gone}' cannot be read"):
+        load_drafter("eagle", target, checkpoint=str(path))

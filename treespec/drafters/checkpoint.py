@@ -1,4 +1,4 @@
-"""Drafter checkpoints: fp16 safetensors + a JSON card, validated against the target on load.
+"""Drafter checkpoints: safetensors + a JSON card, validated against the target on load.
 
 A checkpoint ``<dir>/<name>.safetensors`` holds the drafter's own tensors only (never the
 target's shared embedding / LM head) and, in the safetensors metadata under ``"treespec"``, a
@@ -30,10 +30,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from treespec.fastpath.kernels import BLOCK, dequantize_blocks8, quantize_blocks8
 from treespec.targets.loader import model_fingerprint
 
 __all__ = [
-    "CheckpointError", "CheckpointMismatch", "card_path", "load_card", "load_checkpoint", "restore_module",
+    "BLOCKS8_SCALE", "CheckpointError", "CheckpointMismatch", "card_path", "load_card", "load_checkpoint", "restore_module",
     "save_checkpoint", "target_identity", "tensor_checksum", "weights_mismatch",
 ]
 
@@ -172,15 +173,34 @@ def card_path(path: str | os.PathLike) -> Path:
     return Path(path).with_suffix(".json")
 
 
+STORAGES = ("float16", "blocks8")
+BLOCKS8_SCALE = ".q8_scale"   # suffix of the float16 block scales of an 8-bit weight
+
+
 def save_checkpoint(path: str | os.PathLike, state: dict[str, torch.Tensor], kind: str, arch: dict,
-                    target, card: dict | None = None, dtype: torch.dtype = torch.float16) -> Path:
-    """Write ``state`` (floating tensors cast to ``dtype``) with its header, and the card."""
+                    target, card: dict | None = None, storage: str = "float16") -> Path:
+    """Write ``state`` with its header, and the card. ``storage``: "float16" casts every
+    floating tensor to fp16; "blocks8" stores each 2-D one whose width is a multiple of 32 as
+    8-bit blocks (lossy, the Q8_0 rounding: measure held-out acceptance before shipping it) and
+    the rest in fp16."""
+    if storage not in STORAGES:
+        raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()).contiguous()
-               for k, v in state.items()}
+    tensors, blocks8 = {}, []
+    for name, value in state.items():
+        value = value.detach().to("cpu")
+        if not value.is_floating_point():
+            tensors[name] = value.contiguous()
+        elif storage == "blocks8" and value.dim() == 2 and value.shape[1] % BLOCK == 0:
+            tensors[name], tensors[name + BLOCKS8_SCALE] = quantize_blocks8(value.float().contiguous())
+            blocks8.append(name)
+        else:
+            tensors[name] = value.to(torch.float16).contiguous()
     checksum = tensor_checksum(tensors)
     header = {"kind": kind, "arch": arch, "target": target_identity(target), "checksum": checksum}
+    if blocks8:
+        header["blocks8"] = sorted(blocks8)
     tmp = path.with_suffix(".tmp")
     save_file(tensors, tmp, metadata={"treespec": json.dumps(header)})
     os.replace(tmp, path)
@@ -213,8 +233,8 @@ def read_header(path: str | os.PathLike, kind: str | None = None) -> dict:
 
 
 def _read_tensors(path: Path, kind: str, header: dict) -> dict[str, torch.Tensor]:
-    """The stored tensors, checked against the header's checksum (when it has one) and for
-    non-finite values."""
+    """The stored tensors, checked against the header's checksum (when it has one), 8-bit
+    blocks read back as float32, and checked for non-finite values."""
     try:
         with safe_open(str(path), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -224,6 +244,13 @@ def _read_tensors(path: Path, kind: str, header: dict) -> dict[str, torch.Tensor
     if want is not None and tensor_checksum(tensors) != want:
         raise CheckpointError(f"{path} is corrupted: its tensors do not match the checksum in its header; "
                               f"{_fix(path, kind)}")
+    for name in header.get("blocks8", ()):
+        scale = tensors.pop(name + BLOCKS8_SCALE, None)
+        try:
+            tensors[name] = dequantize_blocks8(tensors[name], scale)
+        except (KeyError, ValueError, AttributeError) as err:
+            raise CheckpointError(f"{path}: its 8-bit weight {name!r} cannot be read ({err}); "
+                                  f"{_fix(path, kind)}") from None
     bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
         raise CheckpointError(f"{path} holds non-finite weights (NaN or inf) in {', '.join(sorted(bad))}: the "

@@ -62,7 +62,8 @@ from treespec.fastpath.cpu import CpuInfo, cpu_info
 
 __all__ = ["AMX_FLAGS", "BLOCK", "ISAS", "PANEL", "BlockPanels", "PanelUnavailable", "amx_linear", "amx_status",
            "block_linear", "kernel_isa", "pack_blocks", "pack_panels", "panel_linear", "panel_status",
-           "ROW_HEAD_DIMS", "draft_block_post", "draft_block_pre", "round_to_blocks8", "row_attention_kernel"]
+           "ROW_HEAD_DIMS", "dequantize_blocks8", "draft_block_post", "draft_block_pre", "quantize_blocks8",
+           "round_to_blocks8", "row_attention_kernel"]
 
 PANEL = 16
 BLOCK = 32
@@ -436,6 +437,14 @@ def round_to_blocks8(weight: torch.Tensor) -> torch.Tensor:
     stores the result as 8-bit blocks (or 4-bit ones where a block happens to fit them), a
     quarter of fp32's bytes. Lossy, ``|w - q d| <= d / 2``: for a drafter's weights, whose
     numbers only steer the proposals, never for a target's."""
+    q, d = quantize_blocks8(weight)
+    return dequantize_blocks8(q, d)
+
+
+def quantize_blocks8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [N, K] float32 as GGUF Q8_0 blocks: (q int8 [N, K], d float16 [N, K/32]) with
+    ``dequantize_blocks8(q, d) == round_to_blocks8(weight)`` exactly (an fp16 number times an
+    integer of at most 128 in magnitude is exact in float32)."""
     if weight.dim() != 2 or weight.dtype != torch.float32:
         raise ValueError(f"round_to_blocks8 takes a 2-D float32 weight, got {tuple(weight.shape)} {weight.dtype}")
     n, k = weight.shape
@@ -449,7 +458,17 @@ def round_to_blocks8(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError("round_to_blocks8: a block's largest magnitude / 127 overflows fp16 (> 65504)")
     safe = torch.where(d > 0, d, torch.ones_like(d))
     q = torch.where(d > 0, torch.round(blocks / safe), torch.zeros_like(blocks)).clamp_(-128, 127)
-    return (q * d).reshape(n, k)
+    return q.to(torch.int8).reshape(n, k), d.reshape(n, k // BLOCK).half()
+
+
+def dequantize_blocks8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] from Q8_0 blocks q int8 [N, K] and d float16 [N, K/32] (exact)."""
+    if q.dim() != 2 or q.dtype != torch.int8 or d.dtype != torch.float16 or d.shape != (q.shape[0], q.shape[1] // BLOCK) \
+            or q.shape[1] % BLOCK:
+        raise ValueError(f"8-bit blocks need q int8 [N, K] (K a multiple of {BLOCK}) and d float16 [N, K/{BLOCK}], "
+                         f"got q {q.dtype} {tuple(q.shape)} and d {d.dtype} {tuple(d.shape)}")
+    n, k = q.shape
+    return (q.reshape(n, k // BLOCK, BLOCK).float() * d.float().unsqueeze(-1)).reshape(n, k)
 
 
 def block_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None = None,
