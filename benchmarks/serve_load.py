@@ -1,19 +1,24 @@
 """Load test of `treespec serve` on loopback: the official openai client (async) against the HTTP
-server, speculation on and off, at several concurrencies. Bounded in count and time; stops by
-itself.
+server running as its own process (`treespec serve` on a free 127.0.0.1 port, as it is deployed),
+speculation on and off, at several concurrencies. Bounded in count and time; stops by itself and
+stops the servers it started.
 
-Per mode (the speculative server, and the same server with speculation off: ``drafter=None``)
+Per mode (the speculative server, and the same server with speculation off: ``--drafter none``)
 and concurrency c: ``--requests`` chat requests of random prompt lengths (MT-bench questions,
 1-2 of them joined), half at T = 0 and half at T = 1 (seeded), ``--cancel`` of them closed
-mid-stream after 1-3 chunks. Checks: nothing lost (every request not cancelled ends with a
-finish reason, its usage and, at T = 0, the text its run alone gives); the cancelled ones free
-their rows (no live request, an empty cache after each level); memory flat (RSS after the run
-within 5 % of after warm-up). Reports throughput, TTFT and inter-token latency (p50 / p99; a
-request's ITL is (last token - first token) / (tokens - 1)), and at c = 1 the HTTP server's
-tokens/s against ``SpeculativeGenerator`` on the same greedy prompts. llama.cpp's llama-server
-is compared where it is built (it is not on these machines: the row says so).
+mid-stream after 1-3 chunks. Before the baseline RSS the server is warmed up with the same mix
+at the largest concurrency (its KV cache, batched buffers and allocator pools reach their size
+for that batch). Checks: nothing lost (every request not cancelled ends with a finish reason,
+its usage and, at T = 0, the same text at every level); the cancelled ones free their rows (no
+live request and 0 KV rows on /metrics after each level); memory flat (the server process's
+RSS after the run within 5 % of after the warm-up). Reports throughput, TTFT and inter-token
+latency (p50 / p99; a request's ITL is (last token - first token) / (tokens - 1)), and at c = 1
+the HTTP server's tokens/s against ``SpeculativeGenerator`` in this process on the same greedy
+prompts, one prompt over HTTP then the same prompt in the generator, so that a drifting load
+on a shared host hits both alike. llama.cpp's llama-server is compared where it is built.
 
-    python benchmarks/serve_load.py --requests 200 --max-tokens 32 --out benchmarks/results/serve_load_avx512bf16
+    python benchmarks/serve_load.py --requests 200 --max-tokens 32 --budget auto \\
+        --out benchmarks/results/serve_load_avx512bf16
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ import asyncio
 import os
 import random
 import shutil
-import statistics
+import signal
+import socket
+import subprocess
 import sys
-import threading
+import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from harness import machine_info, machine_line, md_table, publish
@@ -44,59 +52,107 @@ def prompts_for(n: int, rng: random.Random) -> list[str]:
     return [" ".join(rng.sample(qs, rng.randint(1, 2))) for _ in range(n)]
 
 
-class Live:
-    """uvicorn serving an app on a free loopback port in a thread."""
-
-    def __init__(self, app):
-        import socket
-
-        import uvicorn
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.05)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=120)
-        self.sock.close()
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-async def one(client, prompt: str, max_tokens: int, temperature: float, seed: int, cancel_after: int | None):
+class ServerProcess:
+    """`treespec serve` in a child process on a free loopback port; ``close`` sends SIGTERM
+    (it drains), then SIGKILL if it has not exited after ``grace`` s."""
+
+    def __init__(self, flags: list[str], threads: int, start_timeout: float, grace: float = 60.0):
+        self.port, self.grace = free_port(), grace
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="treespec-serve-", suffix=".log", delete=False)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+        self.command = [sys.executable, "-m", "treespec", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                        "--threads", str(threads), *flags]
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"treespec serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if self.get("/health").startswith('{"status":"ok"'):
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"treespec serve did not answer /health in {start_timeout:.0f} s:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.5)
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return r.read().decode()
+
+    def gauge(self, name: str) -> float:
+        for line in self.get("/metrics").splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        raise KeyError(f"{name} not in /metrics")
+
+    def rss_mb(self) -> float:
+        import psutil
+
+        return psutil.Process(self.proc.pid).memory_info().rss / 2**20
+
+    def log_tail(self, chars: int = 4000) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-chars:]
+
+    def close(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        self.log.close()
+        return self.proc.returncode
+
+
+async def one(client, model: str, prompt: str, max_tokens: int, temperature: float, seed: int,
+              cancel_after: int | None):
     t0 = time.perf_counter()
-    stream = await client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=temperature,
-        seed=seed, stream=True)
-    first = last = None
-    parts, chunks, finish, usage = [], 0, None, None
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.choices and chunk.choices[0].delta.content:
-            parts.append(chunk.choices[0].delta.content)
-            first = first or now
-            last = now
-            chunks += 1
-        if chunk.choices and chunk.choices[0].finish_reason:
-            finish = chunk.choices[0].finish_reason
-        if chunk.usage:
-            usage = chunk.usage
-        if cancel_after is not None and chunks >= cancel_after:
-            await stream.close()
-            return {"cancelled": True, "t0": t0}
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            temperature=temperature, seed=seed, stream=True)
+        first = last = None
+        parts, chunks, finish, usage = [], 0, None, None
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+                first = first or now
+                last = now
+                chunks += 1
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            if chunk.usage:
+                usage = chunk.usage
+            if cancel_after is not None and chunks >= cancel_after:
+                await stream.close()
+                return {"cancelled": True, "t0": t0}
+    except Exception as e:                      # noqa: BLE001 - counted as lost, the run goes on
+        return {"error": f"{type(e).__name__}: {e}", "t0": t0}
     n = usage.completion_tokens if usage else 0
-    return {"cancelled": False, "text": "".join(parts), "finish": finish, "tokens": n, "t0": t0, "end": time.perf_counter(),
-            "ttft": (first - t0) if first else None, "itl": (last - first) / (n - 1) if first and n > 1 else None}
+    return {"cancelled": False, "text": "".join(parts), "finish": finish, "tokens": n, "t0": t0,
+            "end": time.perf_counter(), "ttft": (first - t0) if first else None,
+            "itl": (last - first) / (n - 1) if first and n > 1 else None}
 
 
 async def level(url: str, prompts, temps, seeds, cancels, concurrency: int, max_tokens: int, deadline: float):
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
     sem = asyncio.Semaphore(concurrency)
     out: list = [None] * len(prompts)
 
@@ -105,7 +161,7 @@ async def level(url: str, prompts, temps, seeds, cancels, concurrency: int, max_
             if time.monotonic() > deadline:
                 out[i] = {"skipped": True}
                 return
-            out[i] = await one(client, prompts[i], max_tokens, temps[i], seeds[i], cancels[i])
+            out[i] = await one(client, model, prompts[i], max_tokens, temps[i], seeds[i], cancels[i])
 
     t0 = time.perf_counter()
     await asyncio.gather(*(run(i) for i in range(len(prompts))))
@@ -114,22 +170,76 @@ async def level(url: str, prompts, temps, seeds, cancels, concurrency: int, max_
     return out, wall
 
 
-def rss_mb() -> float:
-    import psutil
-
-    return psutil.Process(os.getpid()).memory_info().rss / 2**20
-
-
 def summarize(rows, wall: float) -> dict:
-    done = [r for r in rows if r and not r.get("cancelled") and not r.get("skipped")]
+    done = [r for r in rows if r and not r.get("cancelled") and not r.get("skipped") and not r.get("error")]
     toks = sum(r["tokens"] for r in done)
     return {"completed": len(done), "cancelled": sum(1 for r in rows if r and r.get("cancelled")),
-            "skipped": sum(1 for r in rows if r and r.get("skipped")), "tokens": toks, "wall_s": wall,
+            "skipped": sum(1 for r in rows if r and r.get("skipped")),
+            "errors": sum(1 for r in rows if r and r.get("error")), "tokens": toks, "wall_s": wall,
             "tokens_per_s": toks / wall if wall else 0.0,
             "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in done if r["ttft"] is not None], 0.5),
             "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in done if r["ttft"] is not None], 0.99),
             "itl_p50_ms": 1e3 * pct([r["itl"] for r in done if r["itl"] is not None], 0.5),
             "itl_p99_ms": 1e3 * pct([r["itl"] for r in done if r["itl"] is not None], 0.99)}
+
+
+def wait_idle(server: ServerProcess, timeout: float = 30.0) -> bool:
+    """True once the server holds no live request and no KV row (the cancelled ones freed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.gauge("treespec_live_requests") == 0 and server.gauge("treespec_kv_rows") == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def compare_c1(server: ServerProcess, args, prompts: list[str], deadline: float) -> dict:
+    """HTTP (c = 1, greedy, streamed) against SpeculativeGenerator in this process on the same
+    prompts with the same tree, prompt by prompt, alternating which goes first."""
+    import torch
+
+    from treespec import DynamicTreeBuilder, SpeculativeGenerator, load_drafter, load_target
+
+    torch.set_num_threads(args.threads)
+    target = load_target("smollm2-135m")
+    builder = ("auto" if args.budget == "auto"
+               else DynamicTreeBuilder(budget=int(args.budget), depth=args.depth, top_k=args.top_k_draft))
+    gen = SpeculativeGenerator(target, load_drafter(args.drafter, target), builder)
+    gen.generate(prompts[0], 4)   # warm
+    http = {"tokens": 0, "s": 0.0}
+    lib = {"tokens": 0, "s": 0.0}
+    same, ratios = 0, []
+    for i, q in enumerate(prompts):
+        if time.monotonic() > deadline:
+            break
+
+        def over_http():
+            (row,), wall = asyncio.run(level(server.url, [q], [0.0], [0], [None], 1, args.max_tokens, deadline))
+            return row, wall
+
+        def in_process():
+            t0 = time.perf_counter()
+            res = gen.generate(q, args.max_tokens)
+            return res, time.perf_counter() - t0
+
+        if i % 2 == 0:
+            (row, h_wall), (res, g_wall) = over_http(), in_process()
+        else:
+            (res, g_wall), (row, h_wall) = in_process(), over_http()
+        if row.get("error"):
+            raise RuntimeError(f"the c = 1 comparison request failed: {row['error']}")
+        http["tokens"] += row["tokens"]
+        http["s"] += h_wall
+        lib["tokens"] += res.stats.new_tokens
+        lib["s"] += g_wall
+        same += row["text"] == res.text
+        ratios.append((row["tokens"] / h_wall) / (res.stats.new_tokens / g_wall))
+    n = len(ratios)
+    return {"prompts": n, "http_tokens_per_s": http["tokens"] / http["s"],
+            "generator_tokens_per_s": lib["tokens"] / lib["s"],
+            "ratio": (http["tokens"] / http["s"]) / (lib["tokens"] / lib["s"]),
+            "median_prompt_ratio": pct(ratios, 0.5), "same_text": same,
+            "generator_tree": str(getattr(gen.builder, "config", gen.builder))}
 
 
 def main() -> int:
@@ -139,27 +249,20 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--cancel", type=float, default=0.1, help="share of requests closed mid-stream")
     p.add_argument("--drafter", default="eagle3")
-    p.add_argument("--budget", default="8", help="tree nodes incl. the root, or auto (needs the calibration)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--budget", default="auto",
+                   help="tree nodes incl. the root, or auto (the server measures what its calibration lacks)")
+    p.add_argument("--depth", type=int, default=4, help="depth of a numeric --budget's dynamic tree")
+    p.add_argument("--top-k-draft", type=int, default=2, help="children per node of a numeric --budget's tree")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the server and of the generator")
     p.add_argument("--compare-prompts", type=int, default=20, help="greedy prompts of the c = 1 comparison")
     p.add_argument("--minutes", type=float, default=40.0, help="time bound: later requests are skipped (reported)")
+    p.add_argument("--start-timeout", type=float, default=1800.0,
+                   help="seconds a server may take to answer /health (auto may calibrate first)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/serve_load")
     args = p.parse_args()
 
-    import torch
-
-    torch.set_num_threads(args.threads)
-    from treespec import DynamicTreeBuilder, SpeculativeGenerator, SpeculativeServer, load_drafter, load_target
-    from treespec.cli.serve.app import make_app
-
     deadline = time.monotonic() + 60 * args.minutes
-    target = load_target("smollm2-135m")
-    builder = "auto" if args.budget == "auto" else DynamicTreeBuilder(budget=int(args.budget), depth=4, top_k=2)
-    if builder == "auto":
-        from treespec.cli.main import ensure_calibration
-
-        ensure_calibration(target, args.drafter, batches=[int(c) for c in args.concurrency.split(",") if c != "1"])
     levels = [int(c) for c in args.concurrency.split(",")]
     rng = random.Random(args.seed)
     n = args.requests
@@ -167,61 +270,72 @@ def main() -> int:
     temps = [0.0 if i % 2 == 0 else 1.0 for i in range(n)]
     seeds = [rng.randrange(2**31) for _ in range(n)]
     cancels = [rng.randint(1, 3) if rng.random() < args.cancel else None for _ in range(n)]
-    modes = {"speculative": lambda: SpeculativeServer(target, load_drafter(args.drafter, target), builder),
-             "plain": lambda: SpeculativeServer(target, None)}
-    result: dict = {"args": vars(args), "modes": {}}
-    greedy_ref: dict[int, str] = {}
-    for mode, make in modes.items():
-        server = make()
-        app = make_app(server, "m", max_queue=max(levels) * 2 + 8, max_batch=max(levels), default_max_tokens=args.max_tokens)
-        live = Live(app)
-        warm = asyncio.run(level(live.url, prompts[:4], [0.0] * 4, seeds[:4], [None] * 4, 2, args.max_tokens,
-                                 deadline))
-        rss_warm = rss_mb()
-        rows_by_level, lost = {}, []
-        for c in levels:
-            rows, wall = asyncio.run(level(live.url, prompts, temps, seeds, cancels, c, args.max_tokens, deadline))
-            front = app.state.front
-            t_wait = time.monotonic() + 30
-            while (front.engine.live or server.live) and time.monotonic() < t_wait:
-                time.sleep(0.05)
-            freed = front.engine.live == 0 and server.verifier.batch_size == 0 and not server.live
-            for i, r in enumerate(rows):
-                if r is None or r.get("cancelled") or r.get("skipped"):
-                    continue
-                if r["finish"] not in ("stop", "length") or (r["finish"] == "length" and r["tokens"] != args.max_tokens):
-                    lost.append((mode, c, i, "no finish"))
-                if temps[i] == 0.0 and mode == "speculative":
-                    if i in greedy_ref and greedy_ref[i] != r["text"]:
-                        lost.append((mode, c, i, "greedy text differs between levels"))
-                    greedy_ref.setdefault(i, r["text"])
-            s = summarize(rows, wall)
-            s["rows_freed"] = freed
-            rows_by_level[c] = s
-            print(f"[{mode} c={c}] {s}", file=sys.stderr, flush=True)
-        rss_after = rss_mb()
-        result["modes"][mode] = {"levels": rows_by_level, "rss_warm_mb": rss_warm, "rss_after_mb": rss_after,
-                                 "lost": lost, "warmup_ok": all(r and not r.get("skipped") for r in warm[0])}
-        if mode == "speculative" and 1 in levels:
-            # goal: at c = 1, HTTP tokens/s within 10 % of SpeculativeGenerator on the same greedy prompts
-            k = args.compare_prompts
-            http_rows, http_wall = asyncio.run(level(live.url, prompts[:k], [0.0] * k, seeds[:k], [None] * k, 1,
-                                                     args.max_tokens, deadline + 600))
-            gen = SpeculativeGenerator(target, load_drafter(args.drafter, target), builder)
-            t0 = time.perf_counter()
-            gen_tokens = sum(gen.generate(q, args.max_tokens).stats.new_tokens for q in prompts[:k])
-            gen_wall = time.perf_counter() - t0
-            http_tokens = sum(r["tokens"] for r in http_rows)
-            same = sum(r["text"] == gen.generate(q, args.max_tokens).text for r, q in zip(http_rows, prompts[:k]))
-            result["c1_goal"] = {"prompts": k, "http_tokens_per_s": http_tokens / http_wall,
-                                 "generator_tokens_per_s": gen_tokens / gen_wall,
-                                 "ratio": (http_tokens / http_wall) / (gen_tokens / gen_wall), "same_text": same}
-            result["speculative_tau"] = server.stats.tau
-            result["speculative_acceptance_by_position"] = server.stats.depth_acceptance
-        live.close()
+    common = ["--max-batch", str(max(levels)), "--max-queue", str(max(levels) * 2 + 8),
+              "--max-tokens-default", str(args.max_tokens)]
+    spec_flags = ["--drafter", args.drafter, "--budget", args.budget]
+    if args.budget != "auto":
+        spec_flags += ["--depth", str(args.depth), "--top-k-draft", str(args.top_k_draft)]
+    modes = {"speculative": spec_flags, "plain": ["--drafter", "none"]}
+    result: dict = {"args": vars(args), "modes": {}, "load_average_start": os.getloadavg()}
+    for mode, flags in modes.items():
+        greedy_ref: dict[int, str] = {}   # a greedy request's text at its first level
+        server = ServerProcess(flags + common, args.threads, args.start_timeout)
+        try:
+            m = max(levels)
+            k = min(n, 2 * m)
+            warm, _ = asyncio.run(level(server.url, prompts[:k], temps[:k], seeds[:k], cancels[:k], m,
+                                        args.max_tokens, deadline))
+            wait_idle(server)
+            rss_warm = server.rss_mb()
+            rows_by_level, lost, rss_by_level = {}, [], {}
+            for c in levels:
+                rows, wall = asyncio.run(level(server.url, prompts, temps, seeds, cancels, c, args.max_tokens,
+                                               deadline))
+                freed = wait_idle(server)
+                rss_by_level[c] = server.rss_mb()
+                for i, r in enumerate(rows):
+                    if r is None or r.get("cancelled") or r.get("skipped"):
+                        continue
+                    if r.get("error"):
+                        lost.append((mode, c, i, r["error"]))
+                        continue
+                    if r["finish"] not in ("stop", "length") or (r["finish"] == "length"
+                                                                 and r["tokens"] != args.max_tokens):
+                        lost.append((mode, c, i, "no finish"))
+                    if temps[i] == 0.0:
+                        if i in greedy_ref and greedy_ref[i] != r["text"]:
+                            lost.append((mode, c, i, "greedy text differs between levels"))
+                        greedy_ref.setdefault(i, r["text"])
+                s = summarize(rows, wall)
+                s["rows_freed"] = freed
+                s["load_average"] = os.getloadavg()[0]
+                rows_by_level[c] = s
+                print(f"[{mode} c={c}] {s}", file=sys.stderr, flush=True)
+            metrics = server.get("/metrics")
+            result["modes"][mode] = {
+                "levels": rows_by_level, "rss_warm_mb": rss_warm, "rss_after_mb": server.rss_mb(),
+                "rss_by_level_mb": rss_by_level, "lost": lost,
+                "warmup_ok": all(r and not r.get("skipped") and not r.get("error") for r in warm),
+                "server_log": [line for line in server.log_tail(20000).splitlines()
+                               if line.startswith(("[auto at", "[treespec serve", "[target", "[adding",
+                                                   "[no calibration"))],
+                "tau": gauge_of(metrics, "treespec_tau"),
+                "acceptance_by_position": [float(line.split()[-1]) for line in metrics.splitlines()
+                                           if line.startswith("treespec_acceptance_rate{")],
+            }
+            if mode == "speculative" and 1 in levels:
+                result["c1_goal"] = compare_c1(server, args, prompts[:args.compare_prompts],
+                                               deadline + 600)
+        finally:
+            result["modes"].setdefault(mode, {})["exit_code"] = server.close()
+    result["load_average_end"] = os.getloadavg()
     result["llama_server"] = "built" if shutil.which("llama-server") else "not built"
     write(result, args)
     return 0
+
+
+def gauge_of(metrics: str, name: str) -> float:
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " "))
 
 
 def write(result: dict, args) -> None:
@@ -231,27 +345,41 @@ def write(result: dict, args) -> None:
     for c in spec["levels"]:
         for name, m in (("treespec speculative", spec), ("treespec plain (speculation off)", plain)):
             s = m["levels"][c]
-            rows.append([name, c, s["completed"], s["cancelled"], s["skipped"], f"{s['tokens_per_s']:.1f}",
-                         f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f}", f"{s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f}",
-                         "yes" if s["rows_freed"] else "NO"])
-        rows.append(["llama.cpp llama-server", c, "-", "-", "-", result["llama_server"], "-", "-", "-"])
-    lines = [f"# Load test of `treespec serve` (loopback, openai client)", "", machine_line(info), "",
+            rows.append([name, c, s["completed"], s["cancelled"], s["skipped"], s["errors"], f"{s['tokens_per_s']:.1f}",
+                         f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f}",
+                         f"{s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f}", "yes" if s["rows_freed"] else "NO",
+                         f"{s['load_average']:.1f}"])
+        rows.append(["llama.cpp llama-server", c, "-", "-", "-", "-", result["llama_server"], "-", "-", "-", "-"])
+    la0, la1 = result["load_average_start"], result["load_average_end"]
+    lines = ["# Load test of `treespec serve` (loopback, openai client, server in its own process)", "",
+             machine_line(info), "",
              f"SmolLM2-135M ({args.drafter}, budget {args.budget}), {args.requests} chat requests per level, "
-             f"max_tokens {args.max_tokens}, T = 0 / 1 alternating (seeded), {args.cancel:.0%} closed mid-stream.", ""]
-    lines += md_table(["server", "concurrency", "completed", "cancelled", "skipped (time bound)", "tokens/s",
-                       "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "rows freed"], rows, "llrrrrrrl")
+             f"max_tokens {args.max_tokens}, T = 0 / 1 alternating (seeded), {args.cancel:.0%} closed mid-stream; "
+             f"server and generator on {args.threads} torch thread(s). Host load average (1 min) "
+             f"{la0[0]:.1f} at the start, {la1[0]:.1f} at the end, on {os.cpu_count()} cores shared with other work.",
+             ""]
+    lines += md_table(["server", "concurrency", "completed", "cancelled", "skipped (time bound)", "errors",
+                       "tokens/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "rows freed", "load avg"], rows,
+                      "llrrrrrrrlr")
     lines += [""]
     for name, m in (("speculative", spec), ("plain", plain)):
         growth = (m["rss_after_mb"] - m["rss_warm_mb"]) / m["rss_warm_mb"]
-        lines.append(f"- {name}: lost requests {len(m['lost'])}; RSS after warm-up {m['rss_warm_mb']:.0f} MB, "
-                     f"after the run {m['rss_after_mb']:.0f} MB ({growth:+.1%}; goal within 5 %)")
+        by = ", ".join(f"c={c}: {v:.0f}" for c, v in m["rss_by_level_mb"].items())
+        lines.append(f"- {name}: lost requests {len(m['lost'])}; server RSS after the warm-up at the largest "
+                     f"concurrency {m['rss_warm_mb']:.0f} MB, after each level {by} MB, at the end "
+                     f"{m['rss_after_mb']:.0f} MB ({growth:+.1%}; goal within 5 %); exit code {m['exit_code']}")
+    lines.append(f"- speculative server: tau {spec['tau']:.2f}, acceptance by position "
+                 + (", ".join(f"{a:.2f}" for a in spec["acceptance_by_position"]) or "none (no draft)"))
+    for line in spec["server_log"]:
+        if line.startswith("[auto at"):
+            lines.append(f"- {line.strip('[]')}")
     if "c1_goal" in result:
         g = result["c1_goal"]
-        lines.append(f"- c = 1, {g['prompts']} greedy prompts: HTTP {g['http_tokens_per_s']:.1f} tokens/s, "
-                     f"SpeculativeGenerator {g['generator_tokens_per_s']:.1f} tokens/s: **{g['ratio']:.2f}x** "
-                     f"(goal >= 0.90); same text {g['same_text']}/{g['prompts']}")
-        lines.append(f"- speculative server: tau {result['speculative_tau']:.2f}, acceptance by position "
-                     + ", ".join(f"{a:.2f}" for a in result["speculative_acceptance_by_position"]))
+        lines.append(f"- c = 1, {g['prompts']} greedy prompts, HTTP and generator alternating prompt by prompt: "
+                     f"HTTP {g['http_tokens_per_s']:.1f} tokens/s, SpeculativeGenerator "
+                     f"{g['generator_tokens_per_s']:.1f} tokens/s: **{g['ratio']:.2f}x** (median per prompt "
+                     f"{g['median_prompt_ratio']:.2f}x; goal >= 0.90); "
+                     f"same text {g['same_text']}/{g['prompts']}; generator tree {g['generator_tree']}")
     lines.append(f"- llama.cpp's llama-server: {result['llama_server']} on this machine")
     command = "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])
     publish(Path(args.out), lines, command, result)

@@ -168,6 +168,7 @@ def test_a_client_that_leaves_mid_stream_is_cancelled_and_frees_its_rows() -> No
         assert front.server.stats.new_tokens < 400
         metrics = http("GET", url.removesuffix("/v1") + "/metrics").text
         assert 'treespec_requests_total{outcome="cancelled"} 1.0' in metrics
+        assert "\ntreespec_kv_rows 0.0\n" in metrics             # what the load test reads over HTTP
         r = client.completions.create(model=MODEL, prompt="after", max_tokens=5, temperature=0)
         assert r.choices[0].text == alone(target, "after", 5, chat=False)   # the server goes on
 
@@ -285,7 +286,8 @@ def test_models_health_and_metrics(served) -> None:
                  "treespec_generation_tokens_total", "treespec_tau", 'treespec_acceptance_rate{position="1"}',
                  'treespec_draft_attempts_total{position="1"}', 'treespec_step_seconds_total{phase="draft"}',
                  'treespec_step_seconds_total{phase="verify"}', 'treespec_step_seconds_total{phase="other"}',
-                 "treespec_queue_depth", "treespec_live_requests", "treespec_time_to_first_token_seconds_bucket",
+                 "treespec_queue_depth", "treespec_live_requests", "treespec_kv_rows",
+                 "treespec_time_to_first_token_seconds_bucket",
                  "treespec_inter_token_latency_seconds_bucket"):
         assert name in text, name
     generated = next(float(line.split()[-1]) for line in text.splitlines()

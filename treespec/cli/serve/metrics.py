@@ -4,7 +4,7 @@ Counted by the front door and the engine: requests by outcome, prompt and genera
 time to first token and inter-token latency (a step's k tokens arrive together: each of them
 is observed at the step's gap over k). Read from the server's ``ServerStats`` at scrape time:
 τ, acceptance by draft position, the draft / verify / accept / other / prefill split of the
-step time, steps; and the engine's queue depth and live requests.
+step time, steps; and the engine's queue depth, live requests and KV cache rows.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ class _EngineCollector:
         yield GaugeMetricFamily("treespec_queue_depth", "requests waiting to join the batch",
                                 value=engine.queue_depth)
         yield GaugeMetricFamily("treespec_live_requests", "requests being decoded", value=engine.live)
+        yield GaugeMetricFamily("treespec_kv_rows", "target KV cache rows held (one per live request; 0 when idle)",
+                                value=engine.server.verifier.batch_size)
         yield GaugeMetricFamily("treespec_tau", "mean tokens a request emits per target forward (accepted + 1)",
                                 value=stats.tau)
         steps = CounterMetricFamily("treespec_steps", "target verify forwards (one per step for the whole batch)")
