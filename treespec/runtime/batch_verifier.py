@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from treespec.core.tree_batch import TreeBatch
+from treespec.fastpath.kvcache import GrowingLayer
 from treespec.drafters.base import TargetFeatures
 from treespec.core.masks import attn_implementation_of, padded_tree_masks, to_hf_mask
 from treespec.core.sampling import process
@@ -145,6 +146,9 @@ class BatchVerifier:
                 raise TypeError(f"prompts[{b}] must be a 1-D LongTensor with at least one token")
         cache = DynamicCache(config=self.model.config)
         kinds = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+        # full-attention layers that append in place (a step copies no cached row; retain / add,
+        # which replace the tensors, are adopted at the next forward)
+        cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
         if kinds:
             raise NotImplementedError(f"BatchVerifier gathers full-attention KV rows; this model's cache has "
                                       f"{sorted(kinds)} layers (sliding window / linear attention), whose "
@@ -255,7 +259,7 @@ class BatchVerifier:
                 kv[rb, :, dst] = kv[rb, :, src]            # the right side is gathered first
                 if zs.numel():
                     kv[zb, :, zs] = 0
-            layer.keys, layer.values = layer.keys[:, :, :s_new], layer.values[:, :, :s_new]
+            _shorten(layer, s_new)
         self.prefix_lens = new_lens
         self._pending = None
 
@@ -269,7 +273,7 @@ class BatchVerifier:
         s, _ = self._pending
         for layer in self.cache.layers:
             if layer.is_initialized:
-                layer.keys, layer.values = layer.keys[:, :, :s], layer.values[:, :, :s]
+                _shorten(layer, s)
         self._pending = None
 
     def retain(self, rows: Sequence[int]) -> None:
@@ -288,3 +292,13 @@ class BatchVerifier:
                 layer.keys = layer.keys.index_select(0, idx)[:, :, :s_new]
                 layer.values = layer.values.index_select(0, idx)[:, :, :s_new]
         self.prefix_lens = lens
+
+
+def _shorten(layer, length: int) -> None:
+    """Keep a cache layer's first ``length`` positions: a shorter view of a growing layer's
+    buffer (its next forward appends in place), a slice of any other."""
+    extra = layer.keys.shape[-2] - length
+    if extra > 0 and isinstance(layer, GrowingLayer):
+        layer.crop(-extra)
+    elif extra > 0:
+        layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
