@@ -12,7 +12,7 @@ from _tiny import one_thread  # noqa: F401
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _compute_bound_calibration(device: str, batches):
+def _compute_bound_calibration(device: str, batches, flat_tokens: int = 8):
     """A target whose verify pass is flat up to 8 tokens in all (the whole batch's), then linear:
     one request can verify a tree for free, four a short chain, eight nothing. The drafter is
     prompt lookup (free) with a high measured acceptance."""
@@ -21,7 +21,7 @@ def _compute_bound_calibration(device: str, batches):
     ns = (1, 2, 4, 8, 16, 32, 64)
 
     def curve(b: int) -> Curve:
-        return Curve.fit(ns, [max(1.0, b * n / 8) for n in ns])
+        return Curve.fit(ns, [max(1.0, b * n / flat_tokens) for n in ns])
 
     return Calibration(
         model="tiny", shape=model_shape("smollm2-135m", bytes_per_weight=4), context=64,
@@ -59,16 +59,47 @@ def test_serve_auto_ensures_the_calibration_and_shrinks_the_tree_as_the_batch_gr
     got, server = serve.build_server(args)
     assert got is target and isinstance(server, SpeculativeServer)
     assert seen == [(target, "lookup[min_ngram=2]", (2, 4, 8))]   # the drafter's key, the batches served
-    plan = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[auto at batch")]
+    err = capsys.readouterr().err
+    plan = [line for line in err.splitlines() if line.startswith("[auto at batch") and ", T = 0:" in line]
     assert [line.split(":")[0] for line in plan] == [f"[auto at batch {b}, T = 0" for b in (1, 2, 4, 8)]
     assert "a tree of" in plan[0]
     assert "a chain of" in plan[2]
     assert plan[3].endswith("plain decoding (no draft)]")
+    assert "not run" not in err                     # a tree pays somewhere: the drafter stays
     # and the server itself plans the same way as its batch grows
     for b in range(1, 9):
         server.add_request([1, 2, 3, 1, 2, 3, 1, 2][:3 + b % 5], max_new_tokens=4)
     server.step()
     assert len(server.live) == 8 and server._auto[(8, 0.0)].budget == 1
+
+
+def test_where_auto_plans_no_tree_at_any_batch_the_server_runs_without_the_drafter(tmp_path, monkeypatch,
+                                                                                   capsys) -> None:
+    """A verify pass that costs its tokens from the first one: no tree pays, alone or batched,
+    greedy or sampled, so the drafter (whose commit costs every step) is not run at all."""
+    import treespec
+    import treespec.calibrate.ensure as ensure
+    from treespec.cli import serve
+    from treespec.cli.main import build_parser
+    from treespec.runtime.server import PlainDrafter
+    from treespec.planning.calibration import _device_description, model_calibration_path
+    from treespec.targets.loader import tiny_target
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    target = tiny_target(vocab_size=32, seed=0)
+    monkeypatch.setattr(treespec, "load_target", lambda *a, **k: target)
+
+    def measure(t, key, out=None, batches=()):
+        path = model_calibration_path(t.name, t.model)
+        return _compute_bound_calibration(_device_description(t.device), batches, flat_tokens=1).save(path)
+
+    monkeypatch.setattr(ensure, "ensure_calibration", measure)
+    args = build_parser().parse_args(["serve", "--drafter", "lookup", "--drafter-option", "min_ngram=2",
+                                      "--max-batch", "4", "--threads", "1"])
+    _, server = serve.build_server(args)
+    err = capsys.readouterr().err
+    assert "no tree pays on this machine at any batch size up to 4, greedy or sampled" in err
+    assert isinstance(server.drafter, PlainDrafter)      # drafter=None: plain decoding
 
 
 def test_serve_auto_refuses_an_unnameable_drafter_option_before_loading(monkeypatch) -> None:

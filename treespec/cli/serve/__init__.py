@@ -99,8 +99,15 @@ def build_server(args: argparse.Namespace):
         # the batched curves let auto shrink the tree as the batch grows (a chain, then none)
         ensure_calibration(target, key, batches=auto_batches(args.max_batch))
         server = SpeculativeServer(target, drafter, "auto", verify=args.verify)
-        for line in auto_plan(server, args.max_batch):
-            print(f"[{line}]", file=sys.stderr, flush=True)
+        plan = auto_plan(server, args.max_batch)
+        for b, t, builder in plan:
+            print(f"[auto at batch {b}, T = {t:g}: {describe_tree(builder)}]", file=sys.stderr, flush=True)
+        if all(builder.budget == 1 for _, _, builder in plan):
+            # A drafter that never drafts still costs its commit every step (its state follows
+            # the text): where auto plans no tree at all, the server decodes plainly without it.
+            print(f"[auto: no tree pays on this machine at any batch size up to {args.max_batch}, greedy or "
+                  f"sampled: serving plain decoding, {args.drafter} not run]", file=sys.stderr, flush=True)
+            return target, SpeculativeServer(target, None)
         return target, server
     builder = DynamicTreeBuilder(budget=budget, depth=args.depth, top_k=args.top_k_draft)
     return target, SpeculativeServer(target, drafter, builder, verify=args.verify)
@@ -112,18 +119,15 @@ def auto_batches(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted({b for b in (2, 4, 8, 16, 32, 64) if b < max_batch} | ({max_batch} - {1})))
 
 
-def auto_plan(server, max_batch: int, temperature: float = 0.0) -> list[str]:
-    """One line per batch size (1, the measured ones, ``max_batch``): the tree auto gives a
-    request at ``temperature`` when that many are decoded together."""
+def auto_plan(server, max_batch: int, temperatures: tuple[float, ...] = (0.0, 1.0)) -> list[tuple[int, float, object]]:
+    """(batch size, temperature, the tree auto gives a request at that temperature when that
+    many are decoded together) for batch 1, the measured sizes and ``max_batch``."""
     from treespec.runtime.generator import auto_builder
     from treespec.runtime.server import AUTO_MAX_BUDGET
 
-    lines = []
-    for b in sorted({1, *auto_batches(max_batch)}):
-        builder = auto_builder(server.target, server.drafter, server.calibration, max_budget=AUTO_MAX_BUDGET,
-                               batch=b, temperature=temperature)
-        lines.append(f"auto at batch {b}, T = {temperature:g}: {describe_tree(builder)}")
-    return lines
+    return [(b, t, auto_builder(server.target, server.drafter, server.calibration, max_budget=AUTO_MAX_BUDGET,
+                                batch=b, temperature=t))
+            for t in temperatures for b in sorted({1, *auto_batches(max_batch)})]
 
 
 def describe_tree(builder) -> str:
