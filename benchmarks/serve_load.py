@@ -255,14 +255,15 @@ def main() -> int:
     p.add_argument("--top-k-draft", type=int, default=2, help="children per node of a numeric --budget's tree")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server and of the generator")
     p.add_argument("--compare-prompts", type=int, default=20, help="greedy prompts of the c = 1 comparison")
-    p.add_argument("--minutes", type=float, default=40.0, help="time bound: later requests are skipped (reported)")
+    p.add_argument("--minutes", type=float, default=40.0,
+                   help="time bound, shared equally by the two modes: later requests are skipped (reported)")
     p.add_argument("--start-timeout", type=float, default=1800.0,
                    help="seconds a server may take to answer /health (auto may calibrate first)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/serve_load")
     args = p.parse_args()
 
-    deadline = time.monotonic() + 60 * args.minutes
+    started = time.monotonic()
     levels = [int(c) for c in args.concurrency.split(",")]
     rng = random.Random(args.seed)
     n = args.requests
@@ -279,6 +280,9 @@ def main() -> int:
     result: dict = {"args": vars(args), "modes": {}, "load_average_start": os.getloadavg()}
     for mode, flags in modes.items():
         greedy_ref: dict[int, str] = {}   # a greedy request's text at its first level
+        # each mode gets an equal share of what is left of --minutes (its later requests are skipped)
+        left = 60 * args.minutes - (time.monotonic() - started)
+        deadline = time.monotonic() + left / (len(modes) - len(result["modes"]))
         server = ServerProcess(flags + common, args.threads, args.start_timeout)
         try:
             m = max(levels)
@@ -317,7 +321,7 @@ def main() -> int:
                 "rss_by_level_mb": rss_by_level, "lost": lost,
                 "warmup_ok": all(r and not r.get("skipped") and not r.get("error") for r in warm),
                 "server_log": [line for line in server.log_tail(20000).splitlines()
-                               if line.startswith(("[auto at", "[treespec serve", "[target", "[adding",
+                               if line.startswith(("[auto", "[treespec serve", "[target", "[adding",
                                                    "[no calibration"))],
                 "tau": gauge_of(metrics, "treespec_tau"),
                 "acceptance_by_position": [float(line.split()[-1]) for line in metrics.splitlines()
@@ -371,8 +375,8 @@ def write(result: dict, args) -> None:
     lines.append(f"- speculative server: tau {spec['tau']:.2f}, acceptance by position "
                  + (", ".join(f"{a:.2f}" for a in spec["acceptance_by_position"]) or "none (no draft)"))
     for line in spec["server_log"]:
-        if line.startswith("[auto at"):
-            lines.append(f"- {line.strip('[]')}")
+        if line.startswith("[auto"):
+            lines.append(f"- server: {line.strip('[]')}")
     if "c1_goal" in result:
         g = result["c1_goal"]
         lines.append(f"- c = 1, {g['prompts']} greedy prompts, HTTP and generator alternating prompt by prompt: "
