@@ -15,7 +15,12 @@ MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sam
   (``hybrid``, calibrated as its own drafter);
 - treespec lookup adaptive: prompt lookup (suffix n-grams of ``--lookup-min-ngram`` tokens or
   more) drafting an adaptive chain (``ChainBuilder(budget=k + 1, min_confidence=...)``): up to k tokens
-  where the text repeats, no draft (a plain step) where it does not.
+  where the text repeats, no draft (a plain step) where it does not;
+- ``--llamacpp BIN_DIR`` (built by ``make bench-llamacpp``): llama.cpp on the same GGUF file, the same
+  templated prompt (its token count checked) and thread count, greedy, at T = 0 only: its plain
+  decoding and its n-gram (prompt lookup) speculation (``treespec.runtime.llamacpp``), timed by
+  its own counters; their rows are the ``gguf`` group, and every row gets its ratio to
+  ``llama.cpp plain`` paired by prompt.
 fp32 is the exact reference target; bf16 rows run only where the CPU has native bf16 units, amx
 rows only where it has AMX-BF16 (the fp32 model with its linear layers on the AMX block kernel,
 each linear input rounded to bf16: ``load_target(..., pack="amx")``). bf16 and amx targets are
@@ -47,15 +52,17 @@ import treespec
 from harness import RESULTS, hf_generate, log_likelihood, machine_info, machine_line, write_results
 from treespec.cli.main import ensure_calibration, make_builder
 from treespec.planning import auto_threshold_text
-from treespec.runtime.bench import Run, paired_ratio, pooled_ratio   # the ratios treespec bench reports
+from treespec.runtime.bench import Run, paired_ratio, pooled_rate, pooled_ratio   # treespec bench's ratios
 from treespec.data import chat_prompt, mtbench_questions
 from treespec.fastpath.kernels import amx_status
 from treespec.fastpath.packing import cpu_info
 from treespec.builders import BestFirstBuilder
+from treespec.runtime.llamacpp import LlamaCppMode, LlamaCppTools, gguf_path, run_llamacpp_mode
 
 # plain decoding rows: HF generate (stock, and on the packed path) and treespec's own loop with a
 # one-node tree (no drafter; its target cache appends in place, treespec.fastpath.kvcache)
-PLAIN = ("HF generate", "HF generate (packed)", "treespec plain")
+PLAIN = ("HF generate", "HF generate (packed)", "treespec plain", "llama.cpp plain")
+LLAMACPP_GROUP = "gguf"     # the llama.cpp rows' "dtype": the GGUF file's own weights and kernels
 
 
 def is_plain(name: str) -> bool:
@@ -118,10 +125,12 @@ def build(args):
         rows = {}
         if d != "amx":   # amx's stock model is fp32's: its row would be fp32's HF generate again
             rows["HF generate"] = lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s)
-        if d == "fp32" or args.all_peers:   # the peers as a user runs them: stock fp32
+        skipped = {s.strip() for s in args.skip.split(",")}
+        if (d == "fp32" or args.all_peers) and "HF assisted (small)" not in skipped:   # as a user runs them
             small = treespec.load_drafter("small", stock).model
             rows["HF assisted (small)"] = lambda ids, t, s, m=stock.model, e=eos, a=small: hf_generate(
                 m, ids, args.max_new_tokens, e, t, s, assistant=a)
+        if d == "fp32" or args.all_peers:
             rows["HF prompt lookup"] = lambda ids, t, s, m=stock.model, e=eos: hf_generate(
                 m, ids, args.max_new_tokens, e, t, s, lookup=args.chain_k)
         # plain decoding on the fast path: the honest baseline wherever it is faster (bf16 packed,
@@ -138,16 +147,53 @@ def build(args):
         for name, g in gens.items():
             rows[name] = g
         runners[d] = rows
+    if args.llamacpp:
+        runners[LLAMACPP_GROUP], paths[LLAMACPP_GROUP] = llamacpp_rows(args)
     if scorer is None:   # the fp32 rows left out: the log-likelihoods still score under the fp32 target
         scorer = treespec.load_target("smollm2-135m", dtype=torch.float32, pack=False).model
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    names = {n for rows in runners.values() for n in rows}
+    names = {n for rows in runners.values() for n in rows} | {"HF assisted (small)"}   # that one: never loaded
     if skip - names:
         raise SystemExit(f"--skip names no row: {sorted(skip - names)}; rows are {sorted(names)}")
     return {d: {n: r for n, r in rows.items() if n not in skip} for d, rows in runners.items()}, paths, scorer
 
 
+class LlamaCppRow:
+    """A llama.cpp mode as a row: greedy only, on SmolLM2's GGUF, the prompt as templated text."""
+
+    def __init__(self, tools: LlamaCppTools, mode: LlamaCppMode, tokenizer, max_new: int, threads: int):
+        self.tools, self.mode, self.tokenizer, self.max_new, self.threads = tools, mode, tokenizer, max_new, threads
+        self.gguf = gguf_path("smollm2-135m")
+
+    def __call__(self, ids: torch.Tensor, temperature: float, seed: int) -> tuple[str, float, dict]:
+        """(generated text, seconds with the prefill, counters) for prompt ids ``ids`` [P]."""
+        if temperature != 0:
+            raise ValueError("the llama.cpp rows run greedy only (T = 0)")
+        text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+        res = run_llamacpp_mode(self.tools.binary(self.mode), self.mode, self.gguf, text, ids.numel(), self.max_new,
+                                self.threads)
+        return res.text, res.seconds, {"n_tokens": res.tokens, "prefill": res.prefill_s, "passes": res.passes,
+                                       "drafted": res.drafted, "accepted": res.accepted}
+
+
+def llamacpp_rows(args) -> tuple[dict, dict]:
+    """The llama.cpp rows of ``--llamacpp-modes`` and their paths (build, GGUF, command)."""
+    tools = LlamaCppTools.locate(args.llamacpp)
+    tokenizer = treespec.load_target("smollm2-135m", pack=False).tokenizer
+    n, m = (int(x) for x in args.llamacpp_ngram.split("/"))
+    modes = [LlamaCppMode("plain") if name == "plain" else LlamaCppMode("ngram", ngram_n=n, ngram_m=m)
+             for name in (x.strip() for x in args.llamacpp_modes.split(",")) if name]
+    rows = {mode.label: LlamaCppRow(tools, mode, tokenizer, args.max_new_tokens, args.threads) for mode in modes}
+    info = tools.build_info()
+    paths = {"llama.cpp": f"{tools.bin_dir} ({info.get('source', 'build info missing')}, build "
+                          f"{info.get('llama_cpp_build_number', '?')}, {' '.join(info.get('cmake_flags', []))}) on "
+                          f"{gguf_path('smollm2-135m')}, {args.threads} thread(s), --temp 0 --top-k 1"}
+    return rows, paths
+
+
 def run_row(runner, ids, temperature, seed, max_new):
+    if isinstance(runner, LlamaCppRow):
+        return runner(ids, temperature, seed)
     if isinstance(runner, treespec.SpeculativeGenerator):
         t0 = time.perf_counter()
         res = runner.generate(ids, max_new_tokens=max_new, temperature=temperature, seed=seed)
@@ -161,8 +207,9 @@ def run_row(runner, ids, temperature, seed, max_new):
 
 
 def _runs(records: list[dict]) -> list[Run]:
-    """A row's records as treespec bench's runs (new tokens, wall seconds with the prefill)."""
-    return [Run(tokens=r["tokens"], seconds=r["time"]) for r in records]
+    """A row's records as treespec bench's runs (new tokens, wall seconds with the prefill, the
+    prefill where the row knows it)."""
+    return [Run(tokens=r["tokens"], seconds=r["time"], prefill_s=r.get("prefill")) for r in records]
 
 
 def summarize(data: dict) -> dict:
@@ -171,7 +218,11 @@ def summarize(data: dict) -> dict:
     for temp, by_row in data["rows"].items():
         med = {name: statistics.median(r["tokens"] / r["time"] for r in rs) for name, rs in by_row.items() if rs}
         plain = {n: v for n, v in med.items() if is_plain(n)}
-        fastest_plain = max(plain, key=plain.get)
+        # treespec's own baseline: the fastest plain decoding of treespec's paths (llama.cpp's is a
+        # peer, compared in its own column)
+        ours = {n: v for n, v in plain.items() if not n.startswith(LLAMACPP_GROUP + " ")} or plain
+        fastest_plain = max(ours, key=ours.get)
+        llama = by_row.get(f"{LLAMACPP_GROUP} llama.cpp plain")
         hf = med.get("fp32 HF generate")
         table = {}
         for name, rs in by_row.items():
@@ -186,7 +237,17 @@ def summarize(data: dict) -> dict:
                  # prompts moves the medians of the two rows' rates apart
                  "vs_fastest_plain_paired": paired_ratio(_runs(rs), _runs(ref)),
                  "vs_fastest_plain_pooled": pooled_ratio(_runs(rs), _runs(ref)),
-                 "vs_fp32_hf_generate": med[name] / hf if hf else None, "prompts": len(rs)}
+                 "vs_fp32_hf_generate": med[name] / hf if hf else None, "prompts": len(rs),
+                 "tokens_per_s_pooled": pooled_rate(_runs(rs)),
+                 "decode_tokens_per_s_pooled": pooled_rate(_runs(rs), decode_only=True)}
+            if llama and len(llama) == len(rs):     # the same prompts, rows run back to back
+                e["vs_llamacpp_plain_paired"] = paired_ratio(_runs(rs), _runs(llama))
+                e["vs_llamacpp_plain_pooled"] = pooled_ratio(_runs(rs), _runs(llama))
+                e["vs_llamacpp_plain_decode_pooled"] = pooled_ratio(_runs(rs), _runs(llama), decode_only=True)
+            if "passes" in rs[0]:                   # llama.cpp's counters: τ and its draft acceptance
+                passes, drafted = sum(r["passes"] for r in rs), sum(r["drafted"] for r in rs)
+                e["tau"] = sum(r["tokens"] for r in rs) / passes if passes else None
+                e["acceptance"] = sum(r["accepted"] for r in rs) / drafted if drafted else None
             if "same_as_plain" in rs[0]:
                 e["same_as_plain"] = sum(r["same_as_plain"] for r in rs)
             if "tau" in rs[0]:
@@ -257,6 +318,27 @@ def limiter(summary_t: dict, goal: float) -> list[str]:
     return lines
 
 
+def limit_lines(data: dict) -> list[str]:
+    """The physical limit of each row group: bytes a target pass reads / one core's copy
+    bandwidth, and for each row its τ times that (the drafter's reads left out)."""
+    lim = data["limits"]
+    bw = lim["copy_bandwidth_bytes_per_s"]
+    lines = [f"Physical limit: one core copies {bw / 1e9:.1f} GB/s (a 1 GiB numpy copy, bytes read + written, "
+             "measured at the start on the loaded host); a target pass reads:"]
+    for group, g in lim["groups"].items():
+        lines.append(f"- {group}: {g['bytes_per_pass'] / 1e6:.1f} MB ({g['what']}): at most "
+                     f"{g['passes_per_s_limit']:.0f} passes/s")
+    lines += ["", "| row (T = 0) | tokens/s, decode only | limit: τ × passes/s | of the limit |", "| --- | ---: | ---: | ---: |"]
+    for name, e in data["summary"].get("0", {}).get("rows", {}).items():
+        g = lim["groups"].get(name.split(" ", 1)[0])
+        rate = e.get("decode_tokens_per_s_pooled")
+        if g is None or not rate:
+            continue
+        limit = (e.get("tau") or 1.0) * g["passes_per_s_limit"]
+        lines.append(f"| {name} | {rate:.1f} | {limit:.0f} | {100 * rate / limit:.0f} % |")
+    return lines
+
+
 def write(data: dict, out: Path) -> str:
     data["summary"] = summarize(data)
     m, a = data["machine"], data["args"]
@@ -283,22 +365,31 @@ def write(data: dict, out: Path) -> str:
         "whose attention rounds differently from a one-token step's, and the amx kernel's rounding of each "
         "linear input to bf16 can turn that last-bit difference into another token).",
     ]
+    if "limits" in data:
+        lines += ["", *limit_lines(data)]
     for temp, s in data["summary"].items():
         lines += ["", f"## T = {temp}", "",
                   f"Fastest plain decoding: {s['fastest_plain']}.", "",
-                  "| row | tokens/s | same dtype | fastest plain | paired | pooled | fp32 HF | τ | nodes | "
-                  "draft / verify / other ms per step | ll | = plain |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+                  "| row | tokens/s | pooled, decode only | same dtype | fastest plain | paired | pooled | fp32 HF | "
+                  "llama.cpp plain, paired / decode pooled | τ | nodes | draft / verify / other ms per step | ll | "
+                  "= plain |",
+                  "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |"]
         for name, e in s["rows"].items():
-            tau = f"{e['tau']:.2f}" if "tau" in e else "-"
+            tau = f"{e['tau']:.2f}" if e.get("tau") is not None else "-"
+            if e.get("acceptance") is not None:
+                tau += f" ({100 * e['acceptance']:.0f} % of drafts)"
+            rate = lambda v: f"{v:.1f}" if v else "-"     # noqa: E731
+            pooled = f"{rate(e.get('tokens_per_s_pooled'))}, {rate(e.get('decode_tokens_per_s_pooled'))}"
+            vs = (f"{e['vs_llamacpp_plain_paired']:.2f}x / {e['vs_llamacpp_plain_decode_pooled'] or 0:.2f}x"
+                  if e.get("vs_llamacpp_plain_paired") else "-")
             nodes = f"{e['nodes']:.1f}" if "nodes" in e else "-"
             split = (f"{e['draft_ms']:.1f} / {e['verify_ms']:.1f} / {e['accept_ms'] + e['other_ms']:.1f}"
                      if "draft_ms" in e else "-")
             ll = f"{e['ll_mean']:.3f} ± {e['ll_ci95']:.3f}" if "ll_mean" in e else "-"
             hf = f"{e['vs_fp32_hf_generate']:.2f}x" if e["vs_fp32_hf_generate"] else "-"
-            lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {e['vs_same_dtype_plain']:.2f}x | "
+            lines.append(f"| {name} | {e['tokens_per_s']:.1f} | {pooled} | {e['vs_same_dtype_plain']:.2f}x | "
                          f"{e['vs_fastest_plain']:.2f}x | {e['vs_fastest_plain_paired']:.2f}x | "
-                         f"{e['vs_fastest_plain_pooled']:.2f}x | {hf} | {tau} | {nodes} | {split} | {ll} | "
+                         f"{e['vs_fastest_plain_pooled']:.2f}x | {hf} | {vs} | {tau} | {nodes} | {split} | {ll} | "
                          f"{str(e['same_as_plain']) + '/' + str(e['prompts']) if 'same_as_plain' in e else '-'} |")
         if s.get("quality"):
             lines += ["", "Quality (paired over prompts): mean log-likelihood per token under the fp32 target, "
@@ -343,6 +434,12 @@ def main() -> None:
     ap.add_argument("--dtypes", default="",
                     help="comma-separated subset of fp32,bf16,amx (default: fp32, bf16 where the CPU has it "
                          "natively, amx where it has AMX-BF16)")
+    ap.add_argument("--llamacpp", default=None, metavar="BIN_DIR",
+                    help="add llama.cpp's rows (T = 0): the bin folder of `make bench-llamacpp` "
+                         "(.cache/llama.cpp/build/bin) or a binary in it")
+    ap.add_argument("--llamacpp-modes", default="plain,ngram", help="llama.cpp rows: plain, ngram")
+    ap.add_argument("--llamacpp-ngram", default="3/3", metavar="N/M",
+                    help="llama.cpp's ngram row: look up the last N tokens, draft the M after the match")
     ap.add_argument("--skip", default="", help="comma-separated rows to leave out, e.g. 'HF prompt lookup'")
     ap.add_argument("--note", default="", help="how the machine was used during the run")
     ap.add_argument("--resume", action="store_true", help="continue the run saved at --out")
@@ -357,18 +454,25 @@ def main() -> None:
     temps = [t.strip() for t in args.temperatures.split(",")]
     runners, paths, scorer = build(args)
     names = [f"{d} {n}" for d, rows in runners.items() for n in rows]
+    greedy_only = {f"{LLAMACPP_GROUP} {n}" for n in runners.get(LLAMACPP_GROUP, {})}   # llama.cpp: T = 0 only
+    names_at = {t: [n for n in names if float(t) == 0 or n not in greedy_only] for t in temps}
     if args.resume and out.with_suffix(".json").exists():
         data = json.loads(out.with_suffix(".json").read_text())
         data["note"] = " ".join(x for x in (data.get("note", ""), args.note) if x)
     else:
         data = {"machine": machine_info(), "args": vars(args), "paths": paths, "note": args.note, "wall_s": 0.0,
-                "load": [], "rows": {t: {n: [] for n in names} for t in temps}}
+                "load": [], "rows": {t: {n: [] for n in names_at[t]} for t in temps}}
+        if args.llamacpp:
+            from llamacpp import physical_limits
+
+            data["limits"] = physical_limits(runners)
     tokenizer = treespec.load_target("smollm2-135m", pack=False).tokenizer
     questions = mtbench_questions()[: args.prompts]
     warm = torch.tensor(chat_prompt(tokenizer, "Hello!"))
     for d, rows in runners.items():          # warm-up: kernels, allocator, packed shapes
         for runner in rows.values():
-            run_row(runner, warm, 0.0, 0, 8)
+            if not isinstance(runner, LlamaCppRow):
+                run_row(runner, warm, 0.0, 0, 8)
     done = min(len(rs) for t in data["rows"].values() for rs in t.values())
     for qi in range(done, len(questions)):
         t_start = time.time()
@@ -379,13 +483,18 @@ def main() -> None:
             plain_out: dict[str, list[int]] = {}
             for d, rows in runners.items():
                 for name, runner in rows.items():
+                    if f"{d} {name}" not in data["rows"][temp]:
+                        continue                 # a llama.cpp row at T > 0
                     new, dt, extra = run_row(runner, ids, temperature, seed, args.max_new_tokens)
-                    record = {"tokens": int(new.numel()), "time": dt, **extra}
+                    # llama.cpp's rows give their text and count (their greedy reference: llama.cpp plain)
+                    count = extra.pop("n_tokens") if isinstance(new, str) else int(new.numel())
+                    record = {"tokens": count, "time": dt, **extra}
                     if temperature > 0:
                         record["ll"], record["ll_n"] = log_likelihood(scorer, ids, new.cpu())
                     if temperature == 0:      # greedy: every row of a dtype must emit plain decoding's tokens
-                        reference = plain_out.setdefault(d, new.tolist())
-                        record["same_as_plain"] = new.tolist() == reference
+                        output = new if isinstance(new, str) else new.tolist()
+                        reference = plain_out.setdefault(d, output)
+                        record["same_as_plain"] = output == reference
                     data["rows"][temp][f"{d} {name}"].append(record)
         data["wall_s"] += time.time() - t_start
         data["load"].append(os.getloadavg()[0])

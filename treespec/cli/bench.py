@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -34,7 +32,7 @@ from treespec.runtime.bench import Run, RowSummary, run_generator, run_hf_genera
 __all__ = ["BenchReport", "TreeSpec", "bench", "parse_drafters", "parse_temperatures", "parse_trees", "register",
            "render"]
 
-LLAMACPP_ENV = "TREESPEC_LLAMACPP"     # path of a built llama.cpp binary (llama-cli / llama-completion)
+LLAMACPP_ENV = "TREESPEC_LLAMACPP"     # a built llama.cpp binary (llama-completion) or its bin folder
 PLAIN, HF, LLAMACPP = "plain (treespec loop)", "plain (HF generate)", "plain (llama.cpp)"
 SAMPLED_MODES = ("deterministic", "with_replacement", "without_replacement")
 
@@ -176,41 +174,37 @@ def select_prompts(prompt_sets: Sequence[str], prompts: int | None) -> list[tupl
 
 
 def find_llamacpp(path: str | None) -> tuple[str | None, str]:
-    """(binary, "") where llama.cpp is built (``path``, else $TREESPEC_LLAMACPP), else (None, why not)."""
+    """(binary, "") where llama.cpp is built (``path``, else $TREESPEC_LLAMACPP: a llama-completion
+    binary or the bin folder holding it), else (None, why not)."""
+    from treespec.runtime.llamacpp import BUILD_HINT, PLAIN_TOOL
+
     path = path or os.environ.get(LLAMACPP_ENV)
     if not path:
-        return None, (f"llama.cpp is not built here: no --llamacpp BIN and no ${LLAMACPP_ENV}, so its row is absent")
-    if not (Path(path).is_file() and os.access(path, os.X_OK)):
-        raise ValueError(f"--llamacpp: {path!r} is not an executable file (a built llama.cpp llama-cli or "
-                         "llama-completion)")
-    return path, ""
-
-
-_PROMPT_EVAL = re.compile(r"prompt eval time\s*=\s*([\d.]+)\s*ms\s*/\s*(\d+)\s*tokens")
-_EVAL = re.compile(r"(?<!prompt )eval time\s*=\s*([\d.]+)\s*ms\s*/\s*(\d+)\s*runs")
+        return None, (f"llama.cpp is not built here: no --llamacpp BIN and no ${LLAMACPP_ENV}, so its row is absent "
+                      f"({BUILD_HINT})")
+    binary = Path(path) / PLAIN_TOOL if Path(path).is_dir() else Path(path)
+    if not (binary.is_file() and os.access(binary, os.X_OK)):
+        raise ValueError(f"--llamacpp: {str(binary)!r} is not an executable file (a built llama.cpp {PLAIN_TOOL}, "
+                         f"or the bin folder holding it; {BUILD_HINT})")
+    return str(binary), ""
 
 
 def parse_llamacpp_timings(log: str) -> Run:
-    """A Run from llama.cpp's timing lines (``prompt eval time = X ms / P tokens`` and ``eval
-    time = Y ms / N runs``): N tokens in (X + Y) ms, X of them the prefill."""
-    prompt, decode = _PROMPT_EVAL.search(log), _EVAL.search(log)
-    if prompt is None or decode is None:
-        raise RuntimeError("llama.cpp printed no timing lines ('prompt eval time = ...', 'eval time = ...'); "
-                           f"its output ended with: {log[-300:]!r}")
-    prefill, seconds = float(prompt.group(1)) / 1e3, (float(prompt.group(1)) + float(decode.group(1))) / 1e3
-    return Run(tokens=int(decode.group(2)), seconds=seconds, prefill_s=prefill)
+    """A Run from llama-completion's timing lines (:func:`treespec.runtime.llamacpp.parse_completion_log`):
+    the prefill is ``prompt eval time``, the decode ``eval time`` (+ ``sampling time``)."""
+    from treespec.runtime.llamacpp import parse_completion_log
+
+    return parse_completion_log(log).to_run()
 
 
 def run_llamacpp(binary: str, gguf: Path, prompt_text: str, max_new_tokens: int, temperature: float, seed: int,
-                 threads: int) -> Run:
+                 threads: int, prompt_tokens: int | None = None) -> Run:
     """llama.cpp's plain decoding of ``prompt_text`` (the chat template already applied), timed by
-    its own counters (model loading left out)."""
-    cmd = [binary, "-m", str(gguf), "-p", prompt_text, "-n", str(max_new_tokens), "--temp", f"{temperature:g}",
-           "--seed", str(seed), "-t", str(threads), "-no-cnv", "--no-display-prompt"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp exited {done.returncode}: {' '.join(cmd[:3])} ...; {done.stderr[-300:]}")
-    return parse_llamacpp_timings(done.stderr + done.stdout)
+    its own counters (model loading left out); ``prompt_tokens``: the count its prompt must hold."""
+    from treespec.runtime.llamacpp import LlamaCppMode, run_llamacpp_mode
+
+    return run_llamacpp_mode(binary, LlamaCppMode("plain"), gguf, prompt_text, prompt_tokens, max_new_tokens, threads,
+                             temperature, seed).to_run()
 
 
 def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec] = ("chain:4", "dynamic:16"),
@@ -285,7 +279,7 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
                 bar.set_postfix_str(row.key, refresh=False)
                 if row.label == LLAMACPP:
                     run = run_llamacpp(binary, gguf, text, max_new_tokens, row.temperature, s,
-                                       torch.get_num_threads())
+                                       torch.get_num_threads(), prompt_tokens=ids.numel())
                 elif row.label == HF:
                     run, new = run_hf_generate(tgt, ids, max_new_tokens, row.temperature, s)
                 else:
@@ -321,12 +315,12 @@ def _target(target):
 
 
 def _gguf_of(target_name: str) -> Path:
-    from treespec.targets.loader import smollm2_gguf_path
+    from treespec.runtime.llamacpp import gguf_path
 
-    if target_name != "smollm2-135m":
-        raise ValueError(f"--llamacpp: the llama.cpp row runs the target's GGUF, which treespec ships for "
-                         f"smollm2-135m only, not {target_name!r}; leave --llamacpp out")
-    return smollm2_gguf_path()
+    try:
+        return gguf_path(target_name)
+    except ValueError as e:
+        raise ValueError(f"--llamacpp: {e}; leave --llamacpp out") from None
 
 
 def _rows(target, drafters, specs, temperatures, hf_plain, binary, depth, top_k, sampled_mode):
@@ -602,7 +596,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
     b.add_argument("--no-hf", action="store_true", help="leave out the HF generate plain row")
     b.add_argument("--llamacpp", default=None, metavar="BIN",
-                   help=f"a built llama.cpp binary (llama-cli) for its plain-decoding row (default ${LLAMACPP_ENV}; "
+                   help=f"a built llama.cpp llama-completion, or its bin folder (`make bench-llamacpp`: "
+                        f".cache/llama.cpp/build/bin), for its plain-decoding row (default ${LLAMACPP_ENV}; "
                         "absent: no row, and the output says so)")
     b.add_argument("--out", default=None, metavar="DIR", help="write DIR/<name>.json and .md after every prompt")
     b.add_argument("--name", default="bench", help="file stem under --out (default %(default)s)")
