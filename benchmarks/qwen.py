@@ -30,6 +30,13 @@ all methods alike):
   builds its lookup trees up to 32 nodes (``SwitchBuilder``: lookup drafts are free) and its head
   trees as ``best16``.
 
+``--llamacpp BIN_DIR`` (``make bench-llamacpp``) adds llama.cpp on the same GGUF files, the same
+templated prompts (token count checked) and thread count, at T = 0, after treespec's rows of each
+prompt (``treespec.runtime.llamacpp``): ``llama.cpp plain``, ``llama.cpp ngram3/10`` (prompt
+lookup: a 3-token suffix, 10 drafted, HF's count) and ``llama.cpp draft3`` (draft-model
+speculation with the same 0.5B GGUF, ``--llamacpp-draft-max`` tokens a step); τ = new tokens /
+target passes, timed by llama.cpp's own counters (prefill included).
+
 Reported per (method, T), over all prompts and per prompt kind: tokens/s (new tokens / (prefill +
 decode) seconds, pooled), τ, the draft / verify time split, speedup over ``hf`` and over
 ``hf-packed`` (plain decoding on the same path) at the same T, and at T = 0 whether every output
@@ -72,6 +79,7 @@ from treespec.data import CODE_EDIT_PROMPTS, chat_prompt, mtbench_questions
 from treespec.drafters import HybridDrafter, ModelDrafter, SwitchDrafter
 from treespec.drafters.model import frequent_vocab
 from treespec.fastpath.packing import PackedLinear, machine_info, machine_line
+from treespec.runtime.llamacpp import LlamaCppMode, LlamaCppTools, gguf_path, run_llamacpp_mode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import Pool  # noqa: E402  (pooled counters of one method)
@@ -179,6 +187,10 @@ def main() -> None:
     ap.add_argument("--merge", default=None, metavar="OUT1,OUT2,...",
                     help="comma-separated --out paths of one run's shards: write their sum to --out; measure nothing")
     ap.add_argument("--render", action="store_true", help="rewrite the Markdown from the JSON; measure nothing")
+    ap.add_argument("--llamacpp", default=None, metavar="BIN_DIR",
+                    help="add llama.cpp's rows at T = 0 (plain, ngram, draft model): the bin folder of "
+                         "`make bench-llamacpp` (.cache/llama.cpp/build/bin)")
+    ap.add_argument("--llamacpp-draft-max", type=int, default=3, help="llama.cpp draft3: tokens the 0.5B drafts a step")
     ap.add_argument("--calibrate-int4", action="store_true",
                     help="add the int4 0.5B to this machine's calibration of the target (what the "
                          "'0.5b auto int4' row plans from; the target's timings kept); measure nothing else")
@@ -211,7 +223,8 @@ def main() -> None:
     if unknown or "hf" not in chosen:
         raise SystemExit(f"--methods: {unknown or 'hf is missing'}; choose from {', '.join(ALL_METHODS)} "
                          "(hf, the baseline, always)")
-    run = options(args, chosen)
+    llama = llamacpp_modes(args)
+    run = options(args, [*chosen, *(m.label for m in llama)])
 
     target = treespec.load_target(TARGET, dtype=args.dtype)           # packed where the CPU gains
     eos = list(target.eos_token_ids)
@@ -321,6 +334,7 @@ def main() -> None:
                                                 ("hf-assisted int4", {"assistant_model": getattr(small4, "model", None)}),
                                                 ("hf-lookup", {"prompt_lookup_num_tokens": 10})) if name in chosen]
 
+    llama_tools = LlamaCppTools.locate(args.llamacpp) if llama else None
     out = Path(args.out)
     pools: dict[tuple[str, float, str], Pool] = {}
     greedy: dict[tuple[str, str], list[bool]] = {}       # (method, reference) -> per-prompt equality
@@ -374,9 +388,27 @@ def main() -> None:
                     for r in ("hf", "hf-packed"):
                         if r in refs:
                             greedy.setdefault((name, r), []).append(res.token_ids.tolist() == refs[r])
+            for mode in llama if temp == 0 else ():     # llama.cpp: greedy only
+                r = run_llamacpp_mode(llama_tools.binary(mode), mode, gguf_path(TARGET),
+                                      target.tokenizer.decode(ids.tolist(), skip_special_tokens=False), ids.numel(),
+                                      args.max_new_tokens, args.threads)
+                add(mode.label, temp, kind, r.tokens, r.seconds)
+                if r.speculative:                       # τ: new tokens per target pass
+                    for k in ("all", kind):
+                        pools[(mode.label, temp, k)].steps += r.passes
+                        pools[(mode.label, temp, k)].emitted += r.tokens
         print(f"[{i + 1}/{len(items)} {kind}] {time.time() - start:.0f} s", file=sys.stderr, flush=True)
         save(out, report(args, run, temps, items[: i + 1], reduced, pools, greedy, missing,
                          target.speed_path, time.time() - start))
+
+
+def llamacpp_modes(args) -> list[LlamaCppMode]:
+    """llama.cpp's rows where ``--llamacpp`` names its build (the draft row runs the 0.5B's GGUF)."""
+    if not args.llamacpp:
+        return []
+    LlamaCppTools.locate(args.llamacpp)              # not built: the error names make bench-llamacpp
+    return [LlamaCppMode("plain"), LlamaCppMode("ngram", ngram_n=3, ngram_m=10),
+            LlamaCppMode("draft", draft_max=args.llamacpp_draft_max, draft_gguf=gguf_path(DRAFT))]
 
 
 def options(args, methods: list[str]) -> dict:

@@ -158,3 +158,13 @@ def test_engine_compares_every_row_with_llamacpp_plain_by_prompt():
     assert ngram["tau"] == pytest.approx(60 / 40) and ngram["acceptance"] == pytest.approx(20 / 30)
     assert ngram["vs_same_dtype_plain"] == pytest.approx(55 / 50)            # against llama.cpp plain
     assert any(line.startswith("| gguf llama.cpp ngram3/3 |") and "150" in line for line in lines)
+
+
+def test_qwen_rows_need_the_build_and_the_qwen_gguf(tmp_path, monkeypatch):
+    import argparse
+
+    monkeypatch.delenv("TREESPEC_LLAMACPP", raising=False)
+    with benchmark_module("qwen") as qwen:
+        assert qwen.llamacpp_modes(argparse.Namespace(llamacpp=None, llamacpp_draft_max=3)) == []
+        with pytest.raises(FileNotFoundError, match="make bench-llamacpp"):
+            qwen.llamacpp_modes(argparse.Namespace(llamacpp=str(tmp_path), llamacpp_draft_max=3))
