@@ -191,8 +191,9 @@ def sequoia_builder(target, drafter: str | object, budget: int = 16, depth: int 
     ``temperature`` in ``mode``, else Sequoia's default. ``drafter``: a name or a loaded drafter
     (its ``registry_name``). The builder's ``acceptance_source`` says which vector it took."""
     from treespec.builders.sequoia import SequoiaBuilder
+    from treespec.drafters.base import capabilities
 
-    name = drafter if isinstance(drafter, str) else getattr(drafter, "registry_name", None)
+    name = drafter if isinstance(drafter, str) else capabilities(drafter).registry_name
     if not isinstance(name, str):
         raise TypeError(f"drafter must be a registered name or a drafter loaded by treespec.load_drafter (it "
                         f"carries registry_name), got {type(drafter).__name__}")
