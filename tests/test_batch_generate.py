@@ -93,8 +93,10 @@ def test_generate_batch_errors() -> None:
         generate_batch(target, ds, builder, prompts, [3])
     with pytest.raises(ValueError, match="its own drafter"):
         generate_batch(target, [ds[0], ds[0]], builder, prompts, [3, 3])
-    with pytest.raises(TypeError, match=r"prompts\[1\] must be a 1-D LongTensor"):
-        generate_batch(target, ds, builder, [prompts[0], [1, 2]], [3, 3])
+    with pytest.raises(TypeError, match=r"prompts\[1\] must be a 1-D LongTensor"):   # ids, text or a list of ids
+        generate_batch(target, ds, builder, [prompts[0], torch.zeros(2, 2, dtype=torch.long)], [3, 3])
+    with pytest.raises(TypeError, match=r"prompts\[1\]: prompt must be text, token ids"):
+        generate_batch(target, ds, builder, [prompts[0], 3.5], [3, 3])
     with pytest.raises(ValueError, match=r"max_new_tokens\[0\] must be an int > 0"):
         generate_batch(target, ds, builder, prompts, [0, 3])
     with pytest.raises(ValueError, match=r"drafters\[1\] has vocab size 17 but the target has 16"):
