@@ -331,7 +331,7 @@ def test_calibrate_loop_books_builder_and_commit_time_where_they_belong():
 
     drafter = SlowCommit(load_drafter("target", target))
     out = calibrate_loop(cal, drafter, "slow", target, [[1, 2, 3, 4, 5]], max_new_tokens=6,
-                         builders=(lambda: SlowChain(1),))
+                         builders=(lambda: SlowChain(budget=2),))   # the root and one draft
     plain, slow = out.loop[PLAIN_LOOP], out.loop["slow"]
     assert slow.call >= 0.03 * 0.9           # one drafter call per build: the sleep is the builder's
     assert slow.step >= 0.04 * 0.9           # the commit: after acceptance, in the step
