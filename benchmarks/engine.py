@@ -57,7 +57,7 @@ from treespec.data import chat_prompt, mtbench_questions
 from treespec.fastpath.kernels import amx_status
 from treespec.fastpath.packing import cpu_info
 from treespec.builders import BestFirstBuilder
-from treespec.runtime.llamacpp import LlamaCppMode, LlamaCppTools, gguf_path, run_llamacpp_mode
+from treespec.runtime.llamacpp import LlamaCppMode, LlamaCppTools, gguf_path, run_llamacpp_mode, same_greedy_text
 
 # plain decoding rows: HF generate (stock, and on the packed path) and treespec's own loop with a
 # one-node tree (no drafter; its target cache appends in place, treespec.fastpath.kvcache)
@@ -173,7 +173,8 @@ class LlamaCppRow:
         res = run_llamacpp_mode(self.tools.binary(self.mode), self.mode, self.gguf, text, ids.numel(), self.max_new,
                                 self.threads)
         return res.text, res.seconds, {"n_tokens": res.tokens, "prefill": res.prefill_s, "passes": res.passes,
-                                       "drafted": res.drafted, "accepted": res.accepted}
+                                       "drafted": res.drafted, "accepted": res.accepted, "mode": self.mode.name,
+                                       "prompt_tokens": res.prompt_tokens, "text": res.text}
 
 
 def llamacpp_rows(args) -> tuple[dict, dict]:
@@ -244,7 +245,7 @@ def summarize(data: dict) -> dict:
                 e["vs_llamacpp_plain_paired"] = paired_ratio(_runs(rs), _runs(llama))
                 e["vs_llamacpp_plain_pooled"] = pooled_ratio(_runs(rs), _runs(llama))
                 e["vs_llamacpp_plain_decode_pooled"] = pooled_ratio(_runs(rs), _runs(llama), decode_only=True)
-            if "passes" in rs[0]:                   # llama.cpp's counters: τ and its draft acceptance
+            if "passes" in rs[0] and rs[0]["mode"] != "plain":   # llama.cpp's speculation: τ, acceptance
                 passes, drafted = sum(r["passes"] for r in rs), sum(r["drafted"] for r in rs)
                 e["tau"] = sum(r["tokens"] for r in rs) / passes if passes else None
                 e["acceptance"] = sum(r["accepted"] for r in rs) / drafted if drafted else None
@@ -494,7 +495,8 @@ def main() -> None:
                     if temperature == 0:      # greedy: every row of a dtype must emit plain decoding's tokens
                         output = new if isinstance(new, str) else new.tolist()
                         reference = plain_out.setdefault(d, output)
-                        record["same_as_plain"] = output == reference
+                        record["same_as_plain"] = (same_greedy_text(output, reference) if isinstance(new, str)
+                                                   else output == reference)
                     data["rows"][temp][f"{d} {name}"].append(record)
         data["wall_s"] += time.time() - t_start
         data["load"].append(os.getloadavg()[0])

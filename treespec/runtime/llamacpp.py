@@ -14,11 +14,11 @@ The prompt is the chat-templated text with its special tokens, passed as a file,
 tokenizer gives, so both engines read the same ids. Times are llama.cpp's own counters (model
 loading left out):
 
-- plain: ``prompt eval time`` (the prefill) + ``eval time`` + ``sampling time``;
+- plain: ``total time`` (the generation's wall time), ``prompt eval time`` of it the prefill;
 - speculative: ``encoded N tokens in X seconds`` (the prefill) + ``decoded M tokens in Y seconds``.
 
-Glossary: *passes* = target forward calls after the prefill (``eval time ... / R runs``);
-τ = new tokens / passes; *drafted* / *accepted* = llama.cpp's ``n_drafted`` / ``n_accept``.
+Glossary: *passes* = target forward calls after the prefill; τ = new tokens / passes (for the
+speculative modes); *drafted* / *accepted* = llama.cpp's ``n_drafted`` / ``n_accept``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 
 from treespec.runtime.bench import Run
 
-__all__ = ["BUILD_HINT", "LlamaCppMode", "LlamaCppResult", "LlamaCppTools", "MODES", "gguf_path", "llamacpp_command",
-           "parse_completion_log", "parse_speculative_log", "run_llamacpp_mode"]
+__all__ = ["BUILD_HINT", "LlamaCppMode", "LlamaCppResult", "LlamaCppTools", "MODES", "generated_text", "gguf_path",
+           "llamacpp_command", "parse_completion_log", "parse_speculative_log", "run_llamacpp_mode", "same_greedy_text"]
 
 BUILD_HINT = "run `make bench-llamacpp` (builds llama.cpp's CPU tools into .cache/llama.cpp/build/bin, once)"
 ENV = "TREESPEC_LLAMACPP"          # a llama.cpp bin folder, or one binary in it
@@ -46,7 +46,7 @@ class LlamaCppMode:
     """One way llama.cpp decodes."""
 
     name: str                       # "plain" | "ngram" | "draft"
-    draft_max: int = 3              # draft: tokens the draft model proposes per step (--draft-max)
+    draft_max: int = 3              # draft: tokens the draft model proposes per step (--spec-draft-n-max)
     ngram_n: int = 3                # ngram: length of the looked-up suffix (--spec-ngram-simple-size-n)
     ngram_m: int = 3                # ngram: tokens drafted after a match (--spec-ngram-simple-size-m)
     draft_gguf: Path | None = None  # draft: the draft model's GGUF
@@ -149,6 +149,7 @@ _NUM = r"([\d.]+)"
 _PROMPT_EVAL = re.compile(rf"prompt eval time\s*=\s*{_NUM}\s*ms\s*/\s*(\d+)\s*tokens")
 _EVAL = re.compile(rf"(?<!prompt )eval time\s*=\s*{_NUM}\s*ms\s*/\s*(\d+)\s*runs")
 _SAMPLING = re.compile(rf"sampling time\s*=\s*{_NUM}\s*ms")
+_TOTAL = re.compile(rf"total time\s*=\s*{_NUM}\s*ms")
 _ENCODED = re.compile(rf"encoded\s+(\d+)\s+tokens in\s+{_NUM}\s+seconds")
 _DECODED = re.compile(rf"decoded\s+(\d+)\s+tokens in\s+{_NUM}\s+seconds")
 _DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
@@ -164,31 +165,38 @@ def _need(pattern: re.Pattern, log: str, what: str) -> re.Match:
 
 
 def parse_completion_log(log: str, text: str = "") -> LlamaCppResult:
-    """``llama-completion``'s timing lines: the prefill is ``prompt eval time``; the decode is
-    ``eval time`` + ``sampling time`` (older builds print no sampling line). New tokens = eval
-    runs + 1: the prompt pass gives the first token, and the last one sampled (the n-th, or the
-    end-of-text token) is never evaluated."""
+    """``llama-completion``'s timing lines: the prefill is ``prompt eval time``; the whole
+    generation is ``total time`` (its wall time from the prompt pass to the last token:
+    sampling, detokenizing and printing included, as treespec's wall time includes its own),
+    else ``prompt eval`` + ``eval`` + ``sampling time`` where no total is printed. New tokens =
+    eval runs + 1: the prompt pass gives the first token, and the last one sampled (the n-th, or
+    the end-of-text token) is never evaluated."""
     prompt = _need(_PROMPT_EVAL, log, "'prompt eval time = X ms / P tokens'")
     decode = _need(_EVAL, log, "'eval time = Y ms / R runs'")
-    sampling = _SAMPLING.search(log)
+    sampling, total = _SAMPLING.search(log), _TOTAL.search(log)
     runs = int(decode.group(2))
-    tokens = runs + 1
-    sample_ms = float(sampling.group(1)) if sampling else 0.0
-    return LlamaCppResult(prompt_tokens=int(prompt.group(2)), tokens=tokens, prefill_s=float(prompt.group(1)) / 1e3,
-                          decode_s=(float(decode.group(1)) + sample_ms) / 1e3, passes=runs, text=text)
+    prefill_ms = float(prompt.group(1))
+    if total is not None:
+        decode_ms = float(total.group(1)) - prefill_ms
+    else:
+        decode_ms = float(decode.group(1)) + (float(sampling.group(1)) if sampling else 0.0)
+    return LlamaCppResult(prompt_tokens=int(prompt.group(2)), tokens=runs + 1, prefill_s=prefill_ms / 1e3,
+                          decode_s=decode_ms / 1e3, passes=runs, text=text)
 
 
 def parse_speculative_log(log: str, text: str = "") -> LlamaCppResult:
-    """``llama-speculative-simple``'s summary: ``encoded N tokens in X seconds`` (the prefill),
-    ``decoded M tokens in Y seconds``, ``n_drafted`` / ``n_accept``, and the target's ``eval
-    time ... / R runs`` (its passes)."""
+    """``llama-speculative-simple``'s summary: ``encoded N tokens in X seconds`` (the prefill: the
+    prompt but its last token), ``decoded M tokens in Y seconds``, ``n_drafted`` / ``n_accept``.
+    Each of its target passes emits the drafts it accepts plus one token, so the passes after the
+    prefill are M - n_accept (its perf counters mix the warm-up and the verify batches into the
+    prompt's)."""
     enc = _need(_ENCODED, log, "'encoded N tokens in X seconds'")
     dec = _need(_DECODED, log, "'decoded M tokens in Y seconds'")
-    passes = _need(_EVAL, log, "target 'eval time = Y ms / R runs'")
-    drafted, accepted = _need(_DRAFTED, log, "'n_drafted = D'"), _need(_ACCEPTED, log, "'n_accept = A'")
-    return LlamaCppResult(prompt_tokens=int(enc.group(1)), tokens=int(dec.group(1)), prefill_s=float(enc.group(2)),
-                          decode_s=float(dec.group(2)), passes=int(passes.group(2)), drafted=int(drafted.group(1)),
-                          accepted=int(accepted.group(1)), speculative=True, text=text)
+    drafted, accepted = int(_need(_DRAFTED, log, "'n_drafted = D'").group(1)), int(_need(_ACCEPTED, log, "'n_accept = A'").group(1))
+    tokens = int(dec.group(1))
+    return LlamaCppResult(prompt_tokens=int(enc.group(1)), tokens=tokens, prefill_s=float(enc.group(2)),
+                          decode_s=float(dec.group(2)), passes=tokens - accepted, drafted=drafted,
+                          accepted=accepted, speculative=True, text=text)
 
 
 def llamacpp_command(binary: Path, mode: LlamaCppMode, gguf: Path, prompt_file: Path, max_new_tokens: int,
@@ -207,10 +215,10 @@ def llamacpp_command(binary: Path, mode: LlamaCppMode, gguf: Path, prompt_file: 
         cmd += ["-no-cnv", "--no-display-prompt"]
     elif mode.name == "ngram":
         cmd += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(mode.ngram_n),
-                "--spec-ngram-simple-size-m", str(mode.ngram_m), "--draft-max", str(mode.ngram_m)]
+                "--spec-ngram-simple-size-m", str(mode.ngram_m)]
     else:
-        cmd += ["--spec-type", "draft-simple", "-md", str(mode.draft_gguf), "--draft-max", str(mode.draft_max),
-                "--draft-min", "0", "-td", str(threads)]
+        cmd += ["--spec-type", "draft-simple", "-md", str(mode.draft_gguf), "--spec-draft-n-max", str(mode.draft_max),
+                "--spec-draft-n-min", "0", "-td", str(threads)]
     return cmd
 
 
@@ -236,11 +244,30 @@ def run_llamacpp_mode(binary: str | os.PathLike, mode: LlamaCppMode, gguf: Path,
         raise RuntimeError(f"{mode.tool} exited {done.returncode}: {' '.join(cmd)}\n{done.stderr[-1500:]}")
     log = done.stderr + done.stdout
     parse = parse_completion_log if mode.name == "plain" else parse_speculative_log
-    result = parse(log, text=done.stdout)
+    result = parse(log, text=generated_text(done.stdout, prompt_text))
     if prompt_tokens is not None and result.prompt_tokens != prompt_tokens:
         raise RuntimeError(f"llama.cpp's prompt held {result.prompt_tokens} tokens, treespec's tokenizer gives {prompt_tokens}: the "
                            f"engines would not read the same ids ({mode.tool}; check the chat template / BOS)")
     return result
+
+
+def generated_text(stdout: str, prompt_text: str) -> str:
+    """The new text in a tool's stdout: llama-speculative-simple prints the prompt first (after a
+    blank line) and a blank line last; llama-completion ends with ``[end of text]`` at EOS."""
+    for head in ("\n\n" + prompt_text, prompt_text):
+        if stdout.startswith(head):
+            stdout = stdout[len(head):]
+            break
+    for tail in (" [end of text]\n", "\n\n"):
+        if stdout.endswith(tail):
+            stdout = stdout[: -len(tail)]
+    return stdout
+
+
+def same_greedy_text(a: str, b: str) -> bool:
+    """Whether two greedy generations agree: one text starts the other (llama-speculative-simple
+    emits a whole accepted draft, so it may stop a token or two past ``-n``)."""
+    return a.startswith(b) or b.startswith(a)
 
 
 def gguf_path(target_name: str) -> Path:
