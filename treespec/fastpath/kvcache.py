@@ -46,7 +46,10 @@ class GrowingLayer(DynamicLayer):
     def _reserve(self, length: int, like_keys: torch.Tensor, like_values: torch.Tensor) -> None:
         """Room for ``length`` positions, the filled part kept (its values copied once)."""
         filled = self.keys.shape[-2] if self.keys.dim() == 4 else 0
-        capacity = max(length, 2 * self._capacity(), _MIN_CAPACITY)
+        # doubled only to grow: adopting replaced tensors (a batch verifier's rows joining or
+        # leaving, every few steps) keeps the capacity, else it would double at each adoption
+        have = self._capacity()
+        capacity = max(length, 2 * have if length > have else have, _MIN_CAPACITY)
         keys = like_keys.new_empty((*like_keys.shape[:-2], capacity, like_keys.shape[-1]))
         values = like_values.new_empty((*like_values.shape[:-2], capacity, like_values.shape[-1]))
         if filled:
