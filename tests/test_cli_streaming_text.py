@@ -7,23 +7,7 @@ import argparse
 
 import pytest
 
-
-def byte_tokenizer():
-    """A byte-level fast tokenizer with one token per byte (no merges, no download): a CJK
-    character or an emoji spans 3-4 tokens, so decoding a prefix can end mid-character."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    vocab["<eos>"] = len(vocab)
-    tok = Tokenizer(BPE(vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-
-
+from _serve_helpers import byte_tokenizer   # one token per byte: a CJK character or an emoji spans 3-4 tokens
 
 TEXTS = ["日本語: こんにちは, 中文: 你好", "emoji 😀👍🏽 ok", "e\u0301 🇯🇵!"]
 
