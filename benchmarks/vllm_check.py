@@ -123,8 +123,12 @@ def phase_compare(args) -> int:
                       "speed comparison",
               "treespec": {k: ts[k] for k in keep}, "vllm": {k: vl[k] for k in keep},
               "identical_outputs": same, "gap_position_1": gap, "tol": args.tol, "pass": ok}
-    if args.results:
-        write_json(Path(args.results) / f"vllm_check_{ts['kind']}.json", record)
+    if args.results:   # one file per machine kind, a record per head
+        from treespec.fastpath.cpu import cpu_info
+
+        path = Path(args.results) / f"vllm_check_{cpu_info().kind}.json"
+        heads = json.loads(path.read_text()) if path.exists() else {}
+        write_json(path, {**heads, ts["kind"]: record})
     return 0 if ok else 1
 
 
