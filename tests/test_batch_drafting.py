@@ -37,8 +37,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 V = 32
 PROMPT_LENS = (1, 5, 11, 3)
 LIMITS = [9, 14, 6, 12]
-KINDS = ("small", "eagle", "eagle3", "mtp", "medusa", "lookup")
-BATCHED = {"small": BatchModelDrafter, "eagle": BatchFeatureDrafter, "eagle3": BatchFeatureDrafter,
+KINDS = ("model", "eagle", "eagle3", "mtp", "medusa", "lookup")
+BATCHED = {"model": BatchModelDrafter, "eagle": BatchFeatureDrafter, "eagle3": BatchFeatureDrafter,
            "mtp": BatchFeatureDrafter, "medusa": BatchMedusaDrafter, "lookup": LoopBatchDrafter}
 
 
@@ -63,7 +63,7 @@ def target_of(dtype=torch.float32):
 
 def single_drafter(kind: str, target):
     """A fresh single-request drafter of ``kind`` (seeded: every call gives the same weights)."""
-    if kind == "small":
+    if kind == "model":
         model = peaky_llama(V, seed=7, hidden_size=16, num_layers=2, std=0.3, dtype=target.dtype)
         return ModelDrafter(model, V)
     if kind == "medusa":
@@ -125,7 +125,7 @@ def test_seeded_sampling_batch_equals_each_request_alone(kind: str, builder_kind
     assert other[0] != outs[0] and other[1:] == outs[1:]
 
 
-@pytest.mark.parametrize("kind", ("small", "eagle3", "medusa"))
+@pytest.mark.parametrize("kind", ("model", "eagle3", "medusa"))
 def test_one_drafter_forward_per_round_for_all_requests(kind: str) -> None:
     """The batched drafter runs once per drafting round, not once per request."""
     target = target_of()
@@ -145,7 +145,7 @@ def test_one_drafter_forward_per_round_for_all_requests(kind: str) -> None:
     assert server.stats.drafter_calls == batched.calls
 
 
-@pytest.mark.parametrize("kind", ("small", "eagle", "medusa"))
+@pytest.mark.parametrize("kind", ("model", "eagle", "medusa"))
 def test_draft_rows_match_the_single_drafter(kind: str) -> None:
     """Driven with the same trees and commits, the batched drafter's q rows equal the single
     drafters' (float64, 1e-12), the trees are identical, and after every commit each request's
@@ -255,7 +255,7 @@ def test_loop_batch_drafter_errors() -> None:
         loop.commit(0, torch.tensor([], dtype=torch.long), torch.tensor([3]), None)
     with pytest.raises(TypeError, match="must be a Drafter or a BatchDrafter"):
         as_batch_drafter(object())
-    template = single_drafter("small", target)
+    template = single_drafter("model", target)
     batched = as_batch_drafter(template)
     assert as_batch_drafter(batched) is batched
     # a looped model drafter: per-request state, the model shared (not copied)
