@@ -100,14 +100,18 @@ def build(args):
             scorer = stock.model
         eos = list(stock.eos_token_ids)
         eagle3 = treespec.load_drafter("eagle3", packed)
-        cal = ensure_calibration(packed, "eagle3")
+        skipped = {s.strip() for s in args.skip.split(",")}
+        # the calibration (of this thread count) only where an auto row runs: measuring it for
+        # another thread count replaces the cached one
+        cal = ensure_calibration(packed, "eagle3") if "treespec auto" not in skipped else None
         gens = {
             "treespec chain": treespec.SpeculativeGenerator(
                 packed, eagle3, make_builder("chain", args.chain_k + 1, 5, 4)),
             f"treespec best-first {args.budget}": treespec.SpeculativeGenerator(
                 packed, eagle3, BestFirstBuilder(args.budget, max_width=4)),
-            "treespec auto": treespec.SpeculativeGenerator(packed, eagle3, "auto"),
         }
+        if cal is not None:
+            gens["treespec auto"] = treespec.SpeculativeGenerator(packed, eagle3, "auto")
         if args.hybrid:
             hybrid = treespec.load_drafter("hybrid", packed)
             hybrid_cal = ensure_calibration(packed, "hybrid")   # the same file, the hybrid's entries added
@@ -118,14 +122,14 @@ def build(args):
                                        min_ngram=args.lookup_min_ngram)
         gens["treespec lookup adaptive"] = treespec.SpeculativeGenerator(
             packed, lookup, make_builder("chain", args.chain_k + 1, 5, 4, min_confidence=args.min_confidence))
-        paths[d]["auto"] = auto_path(gens["treespec auto"], cal, "eagle3")
+        if cal is not None:
+            paths[d]["auto"] = auto_path(gens["treespec auto"], cal, "eagle3")
         if args.hybrid:
             paths[d]["hybrid auto"] = auto_path(gens["treespec hybrid auto"], hybrid_cal, "hybrid")
         paths[d]["lookup adaptive"] = f"{lookup.config}, {gens['treespec lookup adaptive'].builder}"
         rows = {}
         if d != "amx":   # amx's stock model is fp32's: its row would be fp32's HF generate again
             rows["HF generate"] = lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s)
-        skipped = {s.strip() for s in args.skip.split(",")}
         if (d == "fp32" or args.all_peers) and "HF assisted (small)" not in skipped:   # as a user runs them
             small = treespec.load_drafter("small", stock).model
             rows["HF assisted (small)"] = lambda ids, t, s, m=stock.model, e=eos, a=small: hf_generate(
@@ -152,7 +156,7 @@ def build(args):
     if scorer is None:   # the fp32 rows left out: the log-likelihoods still score under the fp32 target
         scorer = treespec.load_target("smollm2-135m", dtype=torch.float32, pack=False).model
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    names = {n for rows in runners.values() for n in rows} | {"HF assisted (small)"}   # that one: never loaded
+    names = {n for rows in runners.values() for n in rows} | {"HF assisted (small)", "treespec auto"}   # not built
     if skip - names:
         raise SystemExit(f"--skip names no row: {sorted(skip - names)}; rows are {sorted(names)}")
     return {d: {n: r for n, r in rows.items() if n not in skip} for d, rows in runners.items()}, paths, scorer
@@ -337,6 +341,16 @@ def limit_lines(data: dict) -> list[str]:
             continue
         limit = (e.get("tau") or 1.0) * g["passes_per_s_limit"]
         lines.append(f"| {name} | {rate:.1f} | {limit:.0f} | {100 * rate / limit:.0f} % |")
+    if data.get("llama_bench"):
+        runs = {(r["n_prompt"], r["n_gen"]): r for r in data["llama_bench"]}
+        one = runs.get((1, 0))
+        lines += ["", f"`llama-bench` on the same GGUF ({data['llama_bench'][0]['n_threads']} thread(s)): "
+                  + ", ".join(f"{'tg' + str(g) if g else 'pp' + str(p)} {r['avg_ts']:.1f} ± {r['stddev_ts']:.1f} "
+                              "tokens/s" for (p, g), r in runs.items())
+                  + ("; a pass over n tokens costs " + ", ".join(
+                      f"{one['avg_ts'] / r['avg_ts'] * p:.1f}x (n = {p})" for (p, g), r in runs.items() if p > 1 and not g)
+                     + " a 1-token pass: its CPU kernels are compute-bound past one row" if one else "")
+                  + (f". {data['llama_bench_note']}" if data.get("llama_bench_note") else "")]
     return lines
 
 
@@ -464,9 +478,11 @@ def main() -> None:
         data = {"machine": machine_info(), "args": vars(args), "paths": paths, "note": args.note, "wall_s": 0.0,
                 "load": [], "rows": {t: {n: [] for n in names_at[t]} for t in temps}}
         if args.llamacpp:
-            from llamacpp import physical_limits
+            from llamacpp import llama_bench, physical_limits
 
             data["limits"] = physical_limits(runners)
+            data["llama_bench"] = llama_bench(LlamaCppTools.locate(args.llamacpp), gguf_path("smollm2-135m"),
+                                              args.threads)
     tokenizer = treespec.load_target("smollm2-135m", pack=False).tokenizer
     questions = mtbench_questions()[: args.prompts]
     warm = torch.tensor(chat_prompt(tokenizer, "Hello!"))

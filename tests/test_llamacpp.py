@@ -175,4 +175,5 @@ def test_generated_text_leaves_out_the_echoed_prompt_and_end_markers():
     prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert generated_text("\n\n" + prompt + "Hello there.\n\n", prompt) == "Hello there."    # speculative-simple
     assert generated_text("Hello there. [end of text]\n", prompt) == "Hello there."         # completion at EOS
+    assert generated_text("Hello there. [end of text]\n\n", prompt) == "Hello there."
     assert same_greedy_text("Hello there", "Hello there, friend") and not same_greedy_text("Hello", "Help")

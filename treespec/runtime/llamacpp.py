@@ -258,10 +258,8 @@ def generated_text(stdout: str, prompt_text: str) -> str:
         if stdout.startswith(head):
             stdout = stdout[len(head):]
             break
-    for tail in (" [end of text]\n", "\n\n"):
-        if stdout.endswith(tail):
-            stdout = stdout[: -len(tail)]
-    return stdout
+    stdout = stdout.rstrip("\n")          # the tools' closing blank lines (and a reply's own, alike)
+    return stdout[: -len(" [end of text]")] if stdout.endswith(" [end of text]") else stdout
 
 
 def same_greedy_text(a: str, b: str) -> bool:
