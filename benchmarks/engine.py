@@ -18,7 +18,8 @@ MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sam
   where the text repeats, no draft (a plain step) where it does not;
 - ``--llamacpp BIN_DIR`` (built by ``make bench-llamacpp``): llama.cpp on the same GGUF file, the same
   templated prompt (its token count checked) and thread count, greedy, at T = 0 only: its plain
-  decoding and its n-gram (prompt lookup) speculation (``treespec.runtime.llamacpp``), timed by
+  decoding and its n-gram speculation (ngram-simple: prompt lookup; ngram-mod)
+  (``treespec.runtime.llamacpp``), timed by
   its own counters; their rows are the ``gguf`` group, and every row gets its ratio to
   ``llama.cpp plain`` paired by prompt.
 fp32 is the exact reference target; bf16 rows run only where the CPU has native bf16 units, amx
@@ -186,8 +187,10 @@ def llamacpp_rows(args) -> tuple[dict, dict]:
     tools = LlamaCppTools.locate(args.llamacpp)
     tokenizer = treespec.load_target("smollm2-135m", pack=False).tokenizer
     n, m = (int(x) for x in args.llamacpp_ngram.split("/"))
-    modes = [LlamaCppMode("plain") if name == "plain" else LlamaCppMode("ngram", ngram_n=n, ngram_m=m)
-             for name in (x.strip() for x in args.llamacpp_modes.split(",")) if name]
+    names = [x.strip() for x in args.llamacpp_modes.split(",") if x.strip()]
+    if set(names) - {"plain", "ngram", "ngram-mod"}:
+        raise SystemExit(f"--llamacpp-modes takes plain, ngram, ngram-mod; got {args.llamacpp_modes!r}")
+    modes = [LlamaCppMode("ngram", ngram_n=n, ngram_m=m) if name == "ngram" else LlamaCppMode(name) for name in names]
     rows = {mode.label: LlamaCppRow(tools, mode, tokenizer, args.max_new_tokens, args.threads) for mode in modes}
     info = tools.build_info()
     paths = {"llama.cpp": f"{tools.bin_dir} ({info.get('source', 'build info missing')}, build "
@@ -452,7 +455,8 @@ def main() -> None:
     ap.add_argument("--llamacpp", default=None, metavar="BIN_DIR",
                     help="add llama.cpp's rows (T = 0): the bin folder of `make bench-llamacpp` "
                          "(.cache/llama.cpp/build/bin) or a binary in it")
-    ap.add_argument("--llamacpp-modes", default="plain,ngram", help="llama.cpp rows: plain, ngram")
+    ap.add_argument("--llamacpp-modes", default="plain,ngram,ngram-mod",
+                    help="llama.cpp rows: plain, ngram (ngram-simple, --llamacpp-ngram), ngram-mod")
     ap.add_argument("--llamacpp-ngram", default="3/3", metavar="N/M",
                     help="llama.cpp's ngram row: look up the last N tokens, draft the M after the match")
     ap.add_argument("--skip", default="", help="comma-separated rows to leave out, e.g. 'HF prompt lookup'")

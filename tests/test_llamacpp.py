@@ -90,6 +90,8 @@ def test_command_lines_greedy_same_threads_and_each_mode(tmp_path):
     sampled = llamacpp_command(Path("/b/x"), LlamaCppMode("plain"), gguf, prompt, 64, 1, 256, temperature=1.0)
     assert sampled[sampled.index("--temp") + 1] == "1" and sampled[sampled.index("--top-k") + 1] == "0"
     assert LlamaCppMode("ngram").label == "llama.cpp ngram3/3" and LlamaCppMode("plain").tool == "llama-completion"
+    mod = llamacpp_command(Path("/b/x"), LlamaCppMode("ngram-mod"), gguf, prompt, 64, 1, 256)
+    assert mod[mod.index("--spec-type") + 1] == "ngram-mod" and LlamaCppMode("ngram-mod").tool == "llama-speculative-simple"
     with pytest.raises(ValueError, match="draft_gguf"):
         LlamaCppMode("draft")
     with pytest.raises(ValueError, match="one of"):
