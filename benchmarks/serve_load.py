@@ -6,7 +6,9 @@ stops the servers it started.
 Per mode (the speculative server, and the same server with speculation off: ``--drafter none``)
 and concurrency c: ``--requests`` chat requests of random prompt lengths (MT-bench questions,
 1-2 of them joined), half at T = 0 and half at T = 1 (seeded), ``--cancel`` of them closed
-mid-stream after 1-3 chunks. Before the baseline RSS the server is warmed up with the same mix
+mid-stream after 1-3 chunks. Both servers run side by side, and each level runs on one and then
+on the other, so that a drifting load on a shared host hits both modes alike. Before the
+baseline RSS each server is warmed up with the same mix
 at the largest concurrency (its KV cache, batched buffers and allocator pools reach their size
 for that batch). Checks: nothing lost (every request not cancelled ends with a finish reason,
 its usage and, at T = 0, the same text at every level); the cancelled ones free their rows (no
@@ -101,9 +103,11 @@ class ServerProcess:
 
         return psutil.Process(self.proc.pid).memory_info().rss / 2**20
 
-    def log_tail(self, chars: int = 4000) -> str:
+    def log_tail(self, chars: int | None = 4000) -> str:
+        """The server's output: its last ``chars`` characters, or all of it (None)."""
         self.log.flush()
-        return Path(self.log.name).read_text()[-chars:]
+        text = Path(self.log.name).read_text()
+        return text if chars is None else text[-chars:]
 
     def close(self) -> int | None:
         if self.proc.poll() is None:
@@ -114,6 +118,10 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(30)
         self.log.close()
+        if self.proc.returncode == 0:           # a clean drain: its log has served its purpose
+            Path(self.log.name).unlink(missing_ok=True)
+        else:
+            print(f"[treespec serve exited with {self.proc.returncode}; its log: {self.log.name}]", file=sys.stderr)
         return self.proc.returncode
 
 
@@ -256,7 +264,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server and of the generator")
     p.add_argument("--compare-prompts", type=int, default=20, help="greedy prompts of the c = 1 comparison")
     p.add_argument("--minutes", type=float, default=40.0,
-                   help="time bound, shared equally by the two modes: later requests are skipped (reported)")
+                   help="time bound of the levels: later requests are skipped (reported)")
     p.add_argument("--start-timeout", type=float, default=1800.0,
                    help="seconds a server may take to answer /health (auto may calibrate first)")
     p.add_argument("--seed", type=int, default=0)
@@ -278,59 +286,65 @@ def main() -> int:
         spec_flags += ["--depth", str(args.depth), "--top-k-draft", str(args.top_k_draft)]
     modes = {"speculative": spec_flags, "plain": ["--drafter", "none"]}
     result: dict = {"args": vars(args), "modes": {}, "load_average_start": os.getloadavg()}
-    for mode, flags in modes.items():
-        greedy_ref: dict[int, str] = {}   # a greedy request's text at its first level
-        # each mode gets an equal share of what is left of --minutes (its later requests are skipped)
-        left = 60 * args.minutes - (time.monotonic() - started)
-        deadline = time.monotonic() + left / (len(modes) - len(result["modes"]))
-        server = ServerProcess(flags + common, args.threads, args.start_timeout)
-        try:
-            m = max(levels)
-            k = min(n, 2 * m)
+    deadline = started + 60 * args.minutes
+    # Both servers run side by side (an idle one costs nothing) and each level runs on one, then at
+    # once on the other: a load drifting on a shared host hits both modes alike.
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for mode, flags in modes.items():
+            servers[mode] = ServerProcess(flags + common, args.threads, args.start_timeout)
+        state = {mode: {"levels": {}, "lost": [], "rss_by_level_mb": {}, "greedy": {}} for mode in modes}
+        m = max(levels)
+        k = min(n, 2 * m)
+        for mode, server in servers.items():     # warm-up at the largest concurrency, then the baseline
             warm, _ = asyncio.run(level(server.url, prompts[:k], temps[:k], seeds[:k], cancels[:k], m,
                                         args.max_tokens, deadline))
             wait_idle(server)
-            rss_warm = server.rss_mb()
-            rows_by_level, lost, rss_by_level = {}, [], {}
-            for c in levels:
+            state[mode]["rss_warm_mb"] = server.rss_mb()
+            state[mode]["warmup_ok"] = all(r and not r.get("skipped") and not r.get("error") for r in warm)
+        for c in levels:
+            for mode, server in servers.items():
+                st = state[mode]
                 rows, wall = asyncio.run(level(server.url, prompts, temps, seeds, cancels, c, args.max_tokens,
                                                deadline))
                 freed = wait_idle(server)
-                rss_by_level[c] = server.rss_mb()
+                st["rss_by_level_mb"][c] = server.rss_mb()
                 for i, r in enumerate(rows):
                     if r is None or r.get("cancelled") or r.get("skipped"):
                         continue
                     if r.get("error"):
-                        lost.append((mode, c, i, r["error"]))
+                        st["lost"].append((mode, c, i, r["error"]))
                         continue
                     if r["finish"] not in ("stop", "length") or (r["finish"] == "length"
                                                                  and r["tokens"] != args.max_tokens):
-                        lost.append((mode, c, i, "no finish"))
-                    if temps[i] == 0.0:
-                        if i in greedy_ref and greedy_ref[i] != r["text"]:
-                            lost.append((mode, c, i, "greedy text differs between levels"))
-                        greedy_ref.setdefault(i, r["text"])
-                s = summarize(rows, wall)
-                s["rows_freed"] = freed
-                s["load_average"] = os.getloadavg()[0]
-                rows_by_level[c] = s
-                print(f"[{mode} c={c}] {s}", file=sys.stderr, flush=True)
+                        st["lost"].append((mode, c, i, "no finish"))
+                    if temps[i] == 0.0:          # a greedy request's text at its first level
+                        if i in st["greedy"] and st["greedy"][i] != r["text"]:
+                            st["lost"].append((mode, c, i, "greedy text differs between levels"))
+                        st["greedy"].setdefault(i, r["text"])
+                summary = summarize(rows, wall)
+                summary["rows_freed"] = freed
+                summary["load_average"] = os.getloadavg()[0]
+                st["levels"][c] = summary
+                print(f"[{mode} c={c}] {summary}", file=sys.stderr, flush=True)
+        for mode, server in servers.items():
+            st = state[mode]
             metrics = server.get("/metrics")
             result["modes"][mode] = {
-                "levels": rows_by_level, "rss_warm_mb": rss_warm, "rss_after_mb": server.rss_mb(),
-                "rss_by_level_mb": rss_by_level, "lost": lost,
-                "warmup_ok": all(r and not r.get("skipped") and not r.get("error") for r in warm),
-                "server_log": [line for line in server.log_tail(20000).splitlines()
+                "levels": st["levels"], "rss_warm_mb": st["rss_warm_mb"], "rss_after_mb": server.rss_mb(),
+                "rss_by_level_mb": st["rss_by_level_mb"], "lost": st["lost"], "warmup_ok": st["warmup_ok"],
+                "server_log": [line for line in server.log_tail(None).splitlines()
                                if line.startswith(("[auto", "[treespec serve", "[target", "[adding",
                                                    "[no calibration"))],
                 "tau": gauge_of(metrics, "treespec_tau"),
                 "acceptance_by_position": [float(line.split()[-1]) for line in metrics.splitlines()
                                            if line.startswith("treespec_acceptance_rate{")],
             }
-            if mode == "speculative" and 1 in levels:
-                result["c1_goal"] = compare_c1(server, args, prompts[:args.compare_prompts],
-                                               deadline + 600)
-        finally:
+        if 1 in levels:
+            result["c1_goal"] = compare_c1(servers["speculative"], args, prompts[:args.compare_prompts],
+                                           deadline + 600)
+    finally:
+        for mode, server in servers.items():
             result["modes"].setdefault(mode, {})["exit_code"] = server.close()
     result["load_average_end"] = os.getloadavg()
     result["llama_server"] = "built" if shutil.which("llama-server") else "not built"
