@@ -178,7 +178,7 @@ def test_llamacpp_row_reads_its_own_timers_and_is_absent_where_not_built(tmp_pat
 
 
 # ------------------------------------------------------------------ smoke on SmolLM2
-def test_smoke_two_drafters_two_trees_greedy_equal_and_resumable(   # in make test: ~20 s on one coretmp_path, capsys, monkeypatch):
+def test_smoke_two_drafters_two_trees_greedy_equal_and_resumable(tmp_path, capsys, monkeypatch):   # ~20 s, in make test
     """2 MT-bench prompts x 16 tokens, lookup and eagle3 as chain:4 and dynamic:8, T = 0: every
     configuration emits plain decoding's tokens; the second prompt is measured by --resume."""
     import treespec.targets
