@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from harness import machine_info
 from treespec.runtime.llamacpp import LlamaCppTools, gguf_path
 
 
@@ -108,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
     gguf = gguf_path("smollm2-135m")
-    out = {"copy_bandwidth_GBps": bandwidth / 1e9, "gguf": str(gguf), "gguf_tensor_bytes": gguf_tensor_bytes(gguf)}
+    out = {"machine": machine_info(), "copy_bandwidth_GBps": bandwidth / 1e9, "gguf": str(gguf), "gguf_tensor_bytes": gguf_tensor_bytes(gguf)}
     out["llama_cpp_passes_per_s_limit"] = bandwidth / out["gguf_tensor_bytes"]
     if not args.no_llama_bench:
         out["llama_bench"] = llama_bench(LlamaCppTools.locate(args.llamacpp), gguf, args.threads)

@@ -401,8 +401,10 @@ def test_demo_calibrates_once_and_caches_it(tmp_path, monkeypatch) -> None:
     assert "measuring it once" in out.getvalue() and "calibrating" in out.getvalue()
     cal = Calibration.load(path)
     assert "lookup" in cal.acceptance and "lookup@T1" in cal.acceptance and cal.target(16) > 0
-    again = io.StringIO()
-    assert ensure_calibration(target, "lookup", out=again) == path and again.getvalue() == ""
+    again = io.StringIO()   # reused silently (the check of its pass time against a fresh one has its own test:
+    with monkeypatch.context() as quiet:   # on a loaded host the two differ, and saying so is right)
+        quiet.setattr("treespec.calibrate.passes.pass_time_disagrees", lambda *a, **k: None)
+        assert ensure_calibration(target, "lookup", out=again) == path and again.getvalue() == ""
     # an older file without the T = 1 acceptance, asked for batched passes: only those are added
     data = json.loads(path.read_text())
     del data["acceptance"]["lookup@T1"]
