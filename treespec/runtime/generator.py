@@ -40,8 +40,30 @@ StepHook = Callable[[BuiltTree, Acceptance, int], None]
 from treespec.runtime.verifier import TreeVerifier
 
 
+class DepthCounts:
+    """Acceptance by draft position for a stats dataclass with ``depth_attempts`` and
+    ``depth_accepts`` (lists, one entry per depth 1, 2, ...): one generation's or a server's."""
+
+    depth_attempts: list[int]
+    depth_accepts: list[int]
+
+    @property
+    def depth_acceptance(self) -> list[float]:
+        """Acceptance rate of each draft position (1, 2, ...): accepted / attempted."""
+        return [a / t if t else 0.0 for a, t in zip(self.depth_accepts, self.depth_attempts)]
+
+    def _add_depths(self, attempts: Sequence[int], accepts: Sequence[int]) -> None:
+        grow = len(attempts) - len(self.depth_attempts)
+        if grow > 0:
+            self.depth_attempts += [0] * grow
+            self.depth_accepts += [0] * grow
+        for d, (t, a) in enumerate(zip(attempts, accepts)):
+            self.depth_attempts[d] += t
+            self.depth_accepts[d] += a
+
+
 @dataclass
-class GenerationStats:
+class GenerationStats(DepthCounts):
     """Counters and timings of one generation (times in seconds)."""
 
     new_tokens: int = 0
@@ -78,19 +100,6 @@ class GenerationStats:
         """New tokens over the decoding time plus the prompt's prefill."""
         total = self.decode_time + self.prefill_time
         return self.new_tokens / total if total > 0 else 0.0
-
-    @property
-    def depth_acceptance(self) -> list[float]:
-        return [a / t if t else 0.0 for a, t in zip(self.depth_accepts, self.depth_attempts)]
-
-    def _add_depths(self, attempts: Sequence[int], accepts: Sequence[int]) -> None:
-        grow = len(attempts) - len(self.depth_attempts)
-        if grow > 0:
-            self.depth_attempts += [0] * grow
-            self.depth_accepts += [0] * grow
-        for d, (t, a) in enumerate(zip(attempts, accepts)):
-            self.depth_attempts[d] += t
-            self.depth_accepts[d] += a
 
     def table(self) -> str:
         """A small human-readable table."""

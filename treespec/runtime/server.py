@@ -48,7 +48,7 @@ from treespec.drafters import load_drafter
 from treespec.drafters.base import Drafter, TargetFeatures
 from treespec.drafters.batched import BatchDrafter, LoopBatchDrafter, as_batch_drafter
 from treespec.runtime.generator import (
-    auto_builder, check_builder, check_seed, context_window, encode_prompt, target_calibration,
+    DepthCounts, auto_builder, check_builder, check_seed, context_window, encode_prompt, target_calibration,
 )
 from treespec.targets.loader import Target
 from treespec.core.sampling import SamplingConfig
@@ -70,7 +70,7 @@ class RequestResult:
 
 
 @dataclass
-class ServerStats:
+class ServerStats(DepthCounts):
     """Counters and timings since the server started (seconds).
 
     Per-position acceptance: ``depth_attempts[d]`` counts the steps whose acceptance walk stood
@@ -100,20 +100,6 @@ class ServerStats:
     def tau(self) -> float:
         """Mean tokens a request emits per target forward (accepted + 1)."""
         return self.emitted / self.request_steps if self.request_steps else 0.0
-
-    @property
-    def depth_acceptance(self) -> list[float]:
-        """Acceptance rate of each draft position (1, 2, ...): accepted / attempted."""
-        return [a / t if t else 0.0 for a, t in zip(self.depth_accepts, self.depth_attempts)]
-
-    def _add_depths(self, attempts: Sequence[int], accepts: Sequence[int]) -> None:
-        grow = len(attempts) - len(self.depth_attempts)
-        if grow > 0:
-            self.depth_attempts += [0] * grow
-            self.depth_accepts += [0] * grow
-        for d, (t, a) in enumerate(zip(attempts, accepts)):
-            self.depth_attempts[d] += t
-            self.depth_accepts[d] += a
 
 
 @dataclass
