@@ -277,3 +277,56 @@ def test_the_api_sequoia_builder_takes_the_calibrated_vector_and_says_so(tmp_pat
     assert calibrated.budget == 8
     with pytest.raises(TypeError, match="registry_name"):
         sequoia_builder(target, object())
+
+
+def test_shard_spelling_is_checked():
+    from treespec.cli.bench import parse_shard
+
+    assert parse_shard(None) is None and parse_shard("1/1") is None and parse_shard("2/3") == (2, 3)
+    for bad in ("0/2", "3/2", "1", "a/b", "1/0", "-1/2"):
+        with pytest.raises(ValueError, match="--shard takes K/N"):
+            parse_shard(bad)
+
+
+def test_shards_merge_into_the_run_one_process_makes(tmp_path, monkeypatch):   # ~15 s, in make test
+    """3 prompts x 8 tokens, T = 0 and 1, as shards 1/2 and 2/2: the shard that completes last
+    merges them into bench.json in prompt order, equal to the unsharded run in every count
+    (seeds follow the global prompt index), and deletes the shard files."""
+    import treespec.targets
+    from treespec.cli import main as cli
+    from treespec.cli.bench import merge_shards
+
+    load, loaded = treespec.targets.load_target, {}
+    monkeypatch.setattr(treespec.targets, "load_target",
+                        lambda name, **kw: loaded.get(name) or loaded.setdefault(name, load(name, **kw)))
+    monkeypatch.delenv("TREESPEC_LLAMACPP", raising=False)
+    argv = ["bench", "--drafters", "lookup", "--trees", "chain:4", "--temperatures", "0,1", "--prompts", "3",
+            "--max-new-tokens", "8", "--no-hf"]
+    assert cli.main([*argv, "--out", str(tmp_path / "one")]) == 0
+    assert cli.main([*argv, "--shard", "2/2", "--out", str(tmp_path / "two")]) == 0
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["bench-shard2of2.json", "bench-shard2of2.md"]
+    assert merge_shards(tmp_path / "two", "bench", 2) is None           # shard 1 not measured yet
+    assert cli.main([*argv, "--shard", "1/2", "--out", str(tmp_path / "two")]) == 0
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["bench.json", "bench.md"]
+    one = BenchReport.from_json(json.loads((tmp_path / "one" / "bench.json").read_text()))
+    two = BenchReport.from_json(json.loads((tmp_path / "two" / "bench.json").read_text()))
+    assert two.complete and two.prompts == one.prompts and [p["index"] for p in two.prompts] == [0, 1, 2]
+    assert two.settings == {**one.settings, "shards": 2}
+    counts = ("tokens", "steps", "emitted", "nodes", "depth_attempts", "depth_accepts", "same_as_plain")
+    for key, runs in one.runs.items():
+        assert [[getattr(r, c) for c in counts] for r in two.runs[key]] == \
+               [[getattr(r, c) for c in counts] for r in runs], key
+    md = (tmp_path / "two" / "bench.md").read_text()
+    assert "the longest of 2 shards measured in parallel" in md and "--shard K/2" in md
+    # a shard measured with other settings is refused by name, never merged silently
+    other = json.loads((tmp_path / "one" / "bench.json").read_text())
+    other["settings"]["max_new_tokens"] = 9
+    for k in (1, 2):
+        part = dict(other, settings={**other["settings"], "shard": f"{k}/2"})
+        (tmp_path / "two" / f"bench-shard{k}of2.json").write_text(json.dumps(part))
+    other["settings"]["max_new_tokens"] = 8
+    (tmp_path / "two" / "bench-shard1of2.json").write_text(json.dumps(dict(other, settings={**other["settings"],
+                                                                                          "shard": "1/2"})))
+    with pytest.raises(ValueError, match="bench-shard2of2.json was measured with other settings"):
+        merge_shards(tmp_path / "two", "bench", 2)
+    assert cli.main([*argv, "--shard", "1/2"]) == 2                      # no --out: nowhere to merge

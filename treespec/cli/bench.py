@@ -11,6 +11,12 @@ the same model object, llama.cpp where ``--llamacpp`` names a built binary, then
 configuration (:mod:`treespec.runtime.bench` says how rows are compared). With ``--out`` the
 JSON (the runs of every row), the Markdown and the plot are rewritten after every prompt, and
 ``--resume`` continues a cut-short run exactly after the last prompt it saved.
+
+``--shard K/N`` measures every N-th prompt (K-th of N), so N processes of one thread each share
+a many-core machine; each writes ``<name>-shardKofN.json`` (and ``.md``) and resumes alone, and
+the shard that finishes last merges them into ``<name>.json`` in prompt order and deletes them.
+A prompt keeps its global index (its seed), so the merge equals one process's run prompt for
+prompt, timings aside.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ import torch
 from treespec.cli.trees import BUILDERS, check_tree_flags, make_builder
 from treespec.runtime.bench import Run, RowSummary, run_generator, run_hf_generate, sequoia_acceptance, summarize
 
-__all__ = ["BenchReport", "TreeSpec", "bench", "parse_drafters", "parse_temperatures", "parse_trees", "register",
-           "render"]
+__all__ = ["BenchReport", "TreeSpec", "bench", "merge_shards", "parse_drafters", "parse_shard", "parse_temperatures",
+           "parse_trees", "register", "render"]
 
 LLAMACPP_ENV = "TREESPEC_LLAMACPP"     # a built llama.cpp binary (llama-completion) or its bin folder
 PLAIN, HF, LLAMACPP = "plain (treespec loop)", "plain (HF generate)", "plain (llama.cpp)"
@@ -97,6 +103,25 @@ def parse_drafters(text: str) -> list[str]:
         except (ValueError, TypeError, ImportError) as e:
             raise ValueError(f"--drafters: {e}") from None
     return names
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """``"2/4"`` -> (2, 4); None or ``"1/1"`` -> None (no sharding); a ValueError naming --shard."""
+    if text is None:
+        return None
+    k, sep, n = str(text).partition("/")
+    try:
+        k, n = int(k), int(n)
+    except ValueError:
+        k = n = 0
+    if not sep or not 1 <= k <= n:
+        raise ValueError(f"--shard takes K/N with 1 <= K <= N (shard K of N: every N-th prompt), e.g. 1/2; "
+                         f"got {text!r}")
+    return None if n == 1 else (k, n)
+
+
+def _shard_stem(name: str, shard: tuple[int, int]) -> str:
+    return f"{name}-shard{shard[0]}of{shard[1]}"
 
 
 # ------------------------------------------------------------------------------ the run
@@ -213,7 +238,7 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
           depth: int = 5, top_k: int = 4, sampled_mode: str = "without_replacement", seed: int = 0,
           hf_plain: bool = True, llamacpp: str | None = None, out: str | Path | None = None, name: str = "bench",
           plot: bool = False, resume: bool = False, progress: bool = True, note: str = "",
-          command: str = "") -> BenchReport:
+          command: str = "", shard: tuple[int, int] | str | None = None) -> BenchReport:
     """Measure ``drafters`` x ``trees`` x ``temperatures`` on ``prompt_sets`` against plain decoding.
 
     ``trees``: ``"NAME:NODES"`` strings or TreeSpecs (nodes incl. the root). ``target``: a
@@ -223,7 +248,9 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
     uses this machine's calibrated acceptance vector for the drafter where one exists.
     ``out``: a folder for ``<name>.json`` / ``.md`` (and ``.png`` with ``plot``), rewritten
     after every prompt; ``resume`` continues the run saved there. ``command``: the command line
-    written into the result as the way to reproduce it."""
+    written into the result as the way to reproduce it. ``shard``: ``(K, N)`` or ``"K/N"``,
+    measure prompts K-1, K-1+N, ... only, into ``<name>-shardKofN.json``; the shard that
+    completes last merges all N into ``<name>.json`` (:func:`merge_shards`) and returns it."""
     from treespec.data import chat_prompt
 
     specs = [t if isinstance(t, TreeSpec) else parse_trees(t)[0] for t in trees]
@@ -235,7 +262,14 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
         raise ValueError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
     if plot and out is None:
         raise ValueError("--plot writes <out>/<name>.png: give --out DIR too")
+    if isinstance(shard, str) or shard is None:
+        shard = parse_shard(shard)
+    else:
+        shard = parse_shard(f"{shard[0]}/{shard[1]}")
+    if shard is not None and out is None:
+        raise ValueError("--shard writes <out>/<name>-shardKofN.json for the merge: give --out DIR too")
     items = select_prompts(prompt_sets, prompts)
+    order = [i for i in range(len(items)) if shard is None or i % shard[1] == shard[0] - 1]
     binary, llamacpp_note = find_llamacpp(llamacpp)
     t_start = time.perf_counter()
     tgt = _target(target)
@@ -244,7 +278,11 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
                     temperatures=temperatures, prompt_sets=list(prompt_sets), prompts_per_set=prompts,
                     max_new_tokens=max_new_tokens, depth=depth, top_k=top_k, sampled_mode=sampled_mode, seed=seed,
                     hf_plain=hf_plain, threads=torch.get_num_threads())
+    if shard is not None:
+        settings["shard"] = f"{shard[0]}/{shard[1]}"
     paths = _out_paths(out, name)
+    if shard is not None:
+        paths = paths.with_name(_shard_stem(name, shard))
     report = _resumed(paths, settings) if resume else None
     if binary is not None:
         gguf = _gguf_of(target_name)
@@ -265,9 +303,9 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
     _warm_up(tgt, gens, hf_plain)
     done = len(report.prompts)
     wall_before = report.wall_s
-    bar = _progress(len(items) - done, len(rows), progress)
+    bar = _progress(len(order) - done, len(rows), progress)
     try:
-        for index in range(done, len(items)):
+        for index in order[done:]:
             set_name, q = items[index]
             ids = torch.tensor(chat_prompt(tgt.tokenizer, q.turns[0]))
             text = tgt.tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}],
@@ -292,15 +330,20 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
                 bar.update(1)
             for key, run in fresh.items():   # a prompt counts once all its rows ran
                 report.runs[key].append(run)
-            report.prompts.append({"set": set_name, "question_id": q.question_id, "category": q.category})
+            report.prompts.append({"set": set_name, "question_id": q.question_id, "category": q.category,
+                                   "index": index})
             report.wall_s = wall_before + time.perf_counter() - t_start
-            report.complete = len(report.prompts) == len(items)
+            report.complete = len(report.prompts) == len(order)
             if paths is not None:
                 save(report, paths, plot)
     finally:
         bar.close()
-    if paths is not None and not items[done:]:
+    if paths is not None and not order[done:]:
         save(report, paths, plot)
+    if shard is not None and report.complete:
+        merged = merge_shards(out, name, shard[1], plot)
+        if merged is not None:
+            return merged
     return report
 
 
@@ -437,6 +480,56 @@ def render(out: str | Path, name: str = "bench", plot: bool = False) -> BenchRep
     return report
 
 
+def merge_shards(out: str | Path, name: str, shards: int, plot: bool = False) -> BenchReport | None:
+    """Merge the complete ``<name>-shardKofN.json`` (K = 1..N) under ``out`` into
+    ``<name>.json`` / ``.md`` (and the plot), prompts in their global order, then delete the shard
+    files. None while a shard is missing or unfinished; a ValueError where the shards were measured
+    with other settings, rows or CPUs. The wall time is the longest shard's (they run in parallel)."""
+    paths = _out_paths(out, name)
+    files = [paths.with_name(_shard_stem(name, (k, shards)) + ".json") for k in range(1, shards + 1)]
+    if not all(f.exists() for f in files):
+        return None
+    parts = []
+    for f in files:
+        try:
+            parts.append(BenchReport.from_json(json.loads(f.read_text())))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"--shard: {f} is not a bench result ({e}); delete it and measure that shard again") from None
+    if not all(p.complete for p in parts):
+        return None
+    first = parts[0]
+
+    def common(report: BenchReport) -> tuple:
+        settings = {k: v for k, v in report.settings.items() if k not in ("shard", "note")}
+        return (settings, [r.key for r in report.rows], report.machine.get("cpu_model"),
+                report.machine.get("cpu_flags"), report.sequoia, report.speed_path)
+
+    for f, part in zip(files[1:], parts[1:]):
+        if common(part) != common(first):
+            raise ValueError(f"--shard: {f} was measured with other settings, rows, CPU or Sequoia vectors than "
+                             f"{files[0]}; measure every shard with the same options on one machine")
+    entries = sorted((p["index"], k, j) for k, part in enumerate(parts) for j, p in enumerate(part.prompts))
+    if [e[0] for e in entries] != list(range(len(entries))):
+        raise ValueError(f"--shard: the shards of {name} do not hold each prompt once (indices "
+                         f"{[e[0] for e in entries]}); measure them again with the same --shard K/{shards}")
+    settings = {k: v for k, v in first.settings.items() if k != "shard"}
+    settings["shards"] = shards
+    notes = list(dict.fromkeys(p.settings.get("note", "") for p in parts if p.settings.get("note")))
+    if notes:
+        settings["note"] = "; ".join(notes)
+    command = first.command.replace(f"--shard 1/{shards}", f"--shard K/{shards}")
+    merged = BenchReport(settings=settings, machine=first.machine, speed_path=first.speed_path,
+                         prompts=[parts[k].prompts[j] for _, k, j in entries], rows=first.rows,
+                         runs={r.key: [parts[k].runs[r.key][j] for _, k, j in entries] for r in first.rows},
+                         sequoia=first.sequoia, llamacpp=first.llamacpp, wall_s=max(p.wall_s for p in parts),
+                         complete=True, command=command)
+    save(merged, paths, plot)
+    for f in files:
+        for leftover in (f, f.with_suffix(".md"), f.with_suffix(".png")):
+            leftover.unlink(missing_ok=True)
+    return merged
+
+
 def _x(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}x"
 
@@ -486,7 +579,10 @@ def markdown(report: BenchReport) -> str:
              f"(categories round-robin) x up to {st['max_new_tokens']} new tokens; T = "
              f"{', '.join(f'{t:g}' for t in st['temperatures'])} (at T > 0 trees draw children "
              f"{st['sampled_mode']}; greedy trees rank them); depth {st['depth']}, top-k {st['top_k']}; seed "
-             f"{st['seed']} + prompt index. Wall time {report.wall_s / 60:.1f} min.", "",
+             f"{st['seed']} + prompt index. Wall time {report.wall_s / 60:.1f} min"
+             + (f" (the longest of {st['shards']} shards measured in parallel, one process each)" if st.get("shards")
+                else f" (shard {st['shard']}: every {st['shard'].split('/')[1]}-th prompt)" if st.get("shard")
+                else "") + ".", "",
              machine_line(report.machine) + f" Load average at the start {report.machine.get('load_avg_1m')}.", ""]
     if st.get("note"):
         lines += [f"Conditions: {st['note']}", ""]
@@ -606,6 +702,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--render", action="store_true",
                    help="only rewrite the Markdown (and with --plot the plot) from the JSON saved under --out")
     b.add_argument("--note", default="", help="how the machine was used during the run (written into the result)")
+    b.add_argument("--shard", default=None, metavar="K/N",
+                   help="measure every N-th prompt (shard K of N) into <name>-shardKofN.json, e.g. one process per "
+                        "core; the shard that completes last merges all N into <name>.json (default: all prompts)")
     b.set_defaults(func=cmd_bench)
 
 
@@ -626,6 +725,8 @@ def command_line(args: argparse.Namespace) -> str:
         words += ["--llamacpp", args.llamacpp]
     if args.out:
         words += ["--out", args.out, "--name", args.name, "--resume"]
+    if args.shard and parse_shard(args.shard):
+        words += ["--shard", args.shard]
     return shlex.join(words)
 
 
@@ -644,6 +745,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for spec in trees:                                # --top-k-draft / --depth in the flags' words
         check_tree_flags(spec.name, args.depth, args.top_k_draft)
     temperatures = parse_temperatures(args.temperatures)
+    shard = parse_shard(args.shard)
+    if shard is not None and not args.out:
+        raise ValueError("--shard writes <out>/<name>-shardKofN.json for the merge: give --out DIR too")
     if args.prompts == "all":
         prompts = None
     else:
@@ -664,7 +768,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = bench(drafters, trees, temperatures, sets, prompts, args.max_new_tokens, target=target, depth=args.depth,
                    top_k=args.top_k_draft, sampled_mode=args.sampled_mode, seed=args.seed, hf_plain=not args.no_hf,
                    llamacpp=args.llamacpp, out=args.out, name=args.name, plot=args.plot, resume=args.resume,
-                   note=args.note, command=command_line(args))
+                   note=args.note, command=command_line(args), shard=shard)
     print(text_table(report))
     if args.out:
         written = ", ".join(f"{args.name}{s}" for s in (".json", ".md") + ((".png",) if args.plot else ()))
