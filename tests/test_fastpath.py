@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,6 +173,11 @@ def test_auto_dtype_runs_exact_block_checkpoints_in_fp32_on_every_cpu_with_nativ
 
 
 @needs_packing
+HOST_FLAGS = _read_cpuinfo(Path("/proc/cpuinfo").read_text())[1] if Path("/proc/cpuinfo").exists() else set()
+
+
+@pytest.mark.skipif(not ({"avx512bw", "avx512vl", "avx512dq"} <= HOST_FLAGS or "avx_ne_convert" in HOST_FLAGS),
+                    reason="oneDNN packs bf16 weights only on a CPU with AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
 def test_bf16_pads_few_rows_of_large_weights_only_where_bf16_units_are_not_amx() -> None:
     """On AVX-512 BF16 without AMX, oneDNN multiplies 1-3 rows by a large bf16 weight slower than
     4 (linear_rows_bf16_epyc.md); those products are padded to BF16_PAD_ROWS zero rows, whose
