@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespec.fastpath.cpu import BF16_FLAGS, RELEVANT_FLAGS, CpuInfo, _read_cpuinfo, cpu_info  # noqa: F401 (re-exported)
-from treespec.fastpath.kernels import (ISAS, BlockPanels, amx_linear, amx_status, block_linear, kernel_isa,
+from treespec.fastpath.kernels import (ISAS, _isa_index, BlockPanels, amx_linear, amx_status, block_linear, kernel_isa,
                                       pack_blocks, pack_panels, panel_linear, panel_status)
 
 __all__ = [
@@ -307,6 +307,20 @@ class PackedLinear(nn.Module):
         self.isa = isa
         self._pack()
 
+    @property
+    def isa(self) -> str | None:
+        return self._isa
+
+    @isa.setter
+    def isa(self, isa: str | None) -> None:
+        # the kernel module's ISA number, read here: a compiled graph must not open /proc/cpuinfo
+        # (None: an ISA this CPU lacks; the eager kernels refuse it with the reason)
+        try:
+            self._isa_code = _isa_index(isa) if self.kernel in PANEL_KERNELS else 0
+        except ValueError:
+            self._isa_code = None
+        self._isa = isa
+
     def _pack(self) -> None:
         packed = None
         if self.kernel in BLOCK_KERNELS:
@@ -338,6 +352,8 @@ class PackedLinear(nn.Module):
         # is a plain attribute, not in the dict).
         params = self._parameters
         weight, bias = params["weight"], params.get("bias")
+        if torch.compiler.is_compiling():
+            return self._compiled_forward(x, weight, bias)
         if weight._version != self._version:
             self._pack()
         if self.kernel == "onednn":
@@ -352,6 +368,32 @@ class PackedLinear(nn.Module):
                 return block_linear(x, packed, bias, self.isa)
             return panel_linear(x, packed, self.out_features, bias, self.isa)
         return F.linear(x, weight, bias)
+
+    def _compiled_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The same kernels as :meth:`forward`, through their custom operators
+        (:mod:`treespec.fastpath.ops`) so a compiled graph calls them in place. The packed copy is
+        the one made when the graph was traced: a compiled target does not follow in-place weight
+        changes (recompile, or repack with ``_pack``, after changing weights)."""
+        from treespec.fastpath import ops
+
+        if self._isa_code is None:
+            raise ValueError(f"isa={self.isa!r} cannot run on this CPU; set isa=None (the CPU's best)")
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        packed = self._packed
+        if self.kernel == "onednn" or not _fast_path_ok(x, weight, torch.float32, rows, self.min_rows, self.max_rows):
+            if self.kernel == "onednn":
+                return packed_linear(x, weight, packed, self.min_rows, bias, self.pad_rows)
+            return F.linear(x, weight, bias)
+        if isinstance(packed, BlockPanels):
+            if self.kernel == "amx":
+                y = ops.amx_linear(x, packed.blob, packed.bits, packed.half_scales, packed.out_features)
+            else:
+                y = ops.block_linear(x, packed.blob, packed.bits, self._isa_code, packed.half_scales,
+                                     packed.out_features)
+        else:
+            y = ops.panel_linear(x, packed, self._isa_code, self.out_features)
+        return y if bias is None else y + bias
 
     def blocks(self) -> BlockPanels | None:
         """The integer blocks the vector block kernel reads for this layer (repacked first if the

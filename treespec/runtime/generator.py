@@ -487,7 +487,7 @@ class SpeculativeGenerator:
         # (no target features captured, no commits) and each step is a plain decoding step.
         plain = builder.budget == 1
         layers = drafter.target_layers if drafter.needs_target_hidden and not plain else ()
-        verifier = TreeVerifier(self.target.model, sampling, layers)
+        verifier = TreeVerifier(self.target.model, sampling, layers, self.target.passes)
         eos = set(self.target.eos_token_ids)
         device = self.target.device
 

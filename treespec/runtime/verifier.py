@@ -40,8 +40,13 @@ class TreeVerifier:
     root of the next tree), i.e. ``prefix_len`` positions.
     """
 
-    def __init__(self, model: torch.nn.Module, sampling: SamplingConfig, target_layers: tuple[int, ...] = ()):
+    def __init__(self, model: torch.nn.Module, sampling: SamplingConfig, target_layers: tuple[int, ...] = (),
+                 passes=None):
+        """``passes``: a :class:`treespec.runtime.compiled.CompiledPasses` of ``model`` to run the
+        tree passes as compiled graphs over its static cache (one request at a time), or None
+        (eager passes over a growing cache)."""
         self.model = model
+        self.passes = passes
         self.sampling = sampling
         self.target_layers = tuple(target_layers)
         self.attn_impl = attn_implementation_of(model)
@@ -69,9 +74,17 @@ class TreeVerifier:
     @torch.inference_mode()
     def prefill(self, prompt_ids: torch.Tensor) -> TargetFeatures:
         """Cache prompt_ids[:-1] (LongTensor[P]); returns their features. The last token is the root."""
-        self.cache = growing_cache(self.model.config)   # appends in place (treespec.fastpath.kvcache)
         self.prefix_len = 0
         body = prompt_ids[:-1]
+        if self.passes is not None:
+            hidden = self.passes.prefill(body, self.target_layers)
+            self.cache = self.passes.cache
+            self.prefix_len = body.numel()
+            if body.numel() == 0:
+                size = self.model.config.hidden_size
+                hidden = {i: torch.zeros(0, size, device=self.device, dtype=self.dtype) for i in self.target_layers}
+            return TargetFeatures(hidden) if self.target_layers else TargetFeatures.empty()
+        self.cache = growing_cache(self.model.config)   # appends in place (treespec.fastpath.kvcache)
         if body.numel() == 0:
             hidden = self.model.config.hidden_size
             return TargetFeatures({i: torch.zeros(0, hidden, device=self.device, dtype=self.dtype)
@@ -89,6 +102,14 @@ class TreeVerifier:
         if self.cache is None:
             raise RuntimeError("call prefill() before score()")
         p = self.prefix_len
+        if self.passes is not None:
+            if self.passes.cache is not self.cache:
+                raise RuntimeError("another request used the compiled passes' cache since this one's prefill; "
+                                   "compiled passes serve one request at a time")
+            logits, hidden = self.passes.score(tree, p, self.target_layers)
+            self.cache = self.passes.cache          # a pass past the cache's size grows it
+            feats = TargetFeatures(hidden) if self.target_layers else TargetFeatures.empty()
+            return VerifyOutput(process(logits.float(), self.sampling), feats)
         ids = tree.tokens.to(self.device)[None]
         # a root alone takes the model's own one-token path (no mask, no positions)
         pos, mask = tree_forward_args(tree, p, self.attn_impl, self.dtype, self.device)
@@ -109,5 +130,8 @@ class TreeVerifier:
         if not nodes or nodes[0] != 0 or any(b <= a for a, b in zip(nodes, nodes[1:])):
             raise ValueError(f"keep must be a path from the root, increasing from node 0, got {nodes}")
         p = self.prefix_len
-        keep_rows(self.cache, p, [p + node for node in nodes])   # a path's nodes increase: moves only
+        if self.passes is not None:
+            self.passes.keep(p, [p + node for node in nodes])
+        else:
+            keep_rows(self.cache, p, [p + node for node in nodes])   # a path's nodes increase: moves only
         self.prefix_len = p + len(nodes)

@@ -1,0 +1,124 @@
+"""Compiled verify passes (treespec.runtime.compiled): the packed kernels as custom operators,
+one compiled pass against the eager one, dummy rows that change nothing, compaction in the
+static cache, and greedy decoding on the compiled path token for token against plain decoding.
+
+Compiling costs ~10-30 s a graph on 2 cores, so the model tests share one compiled tiny target
+(buckets 1 and 4; a 6-node tree runs eagerly on the same cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator
+from treespec.core.sampling import SamplingConfig
+from treespec.core.tree import DraftTree
+from treespec.drafters import ModelDrafter
+from treespec.fastpath import ops
+from treespec.fastpath.kernels import block_linear, pack_blocks, pack_panels, panel_linear, panel_status
+from treespec.runtime.compiled import CompiledPasses
+from treespec.runtime.verifier import TreeVerifier
+
+from _engine_helpers import NGramDrafter, one_thread, peaky_target  # noqa: F401
+from test_blocks import gguf_q4_1, gguf_q8_0
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+needs_panel = pytest.mark.skipif(not panel_status(build=False)[0], reason=panel_status(build=False)[1])
+V = 16
+
+
+@needs_panel
+@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0])
+def test_custom_ops_give_the_kernels_bits_and_pass_opcheck(fmt):
+    torch.manual_seed(0)
+    weight = fmt(torch.randn(40, 96) * 0.05)           # 40 outputs: a zero-padded last panel
+    blocks, panels = pack_blocks(weight), pack_panels(weight)
+    for shape in ((1, 96), (3, 96), (1, 5, 96)):
+        x = torch.randn(*shape)
+        got = ops.block_linear(x, blocks.blob, blocks.bits, 0, blocks.half_scales, 40)
+        assert got.shape == (*shape[:-1], 40) and torch.equal(got, block_linear(x, blocks, isa="avx2"))
+        assert torch.equal(ops.panel_linear(x, panels, 0, 40), panel_linear(x, panels, 40, isa="avx2"))
+    x = torch.randn(2, 3, 96)
+    torch.library.opcheck(ops.block_linear, (x, blocks.blob, blocks.bits, 0, blocks.half_scales, 40),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.panel_linear, (x, panels, 0, 40), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_bad_buckets_and_lengths_are_refused():
+    model = peaky_target(V).model
+    with pytest.raises(ValueError, match="buckets must be node counts >= 1"):
+        CompiledPasses(model, buckets=(0, 4))
+    with pytest.raises(ValueError, match="max_len must be an int > the largest bucket"):
+        CompiledPasses(model, buckets=(1, 64), max_len=64)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """(eager target, compiled target): one peaky tiny Llama, its passes compiled for 1 and 4
+    nodes; the cache starts at 256 positions."""
+    torch.set_num_threads(1)
+    target = peaky_target(V, seed=3, hidden_size=32, num_layers=2, max_position_embeddings=1024)
+    return target, target.compiled(buckets=(1, 4), max_len=256)
+
+
+def tree_of(tokens, parents) -> DraftTree:
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents))
+
+
+def test_a_compiled_pass_agrees_with_the_eager_one_and_dummy_rows_change_nothing(compiled):
+    target, fast = compiled
+    prompt = torch.tensor([1, 5, 7, 2, 9, 3, 11])
+    tree = tree_of([3, 4, 6, 8], [-1, 0, 0, 1])         # 4 nodes: the 4-node graph, no dummy row
+    small = tree_of([3, 4, 6], [-1, 0, 0])               # 3 nodes: the 4-node graph with one dummy row
+    for t in (tree, small):
+        eager = TreeVerifier(target.model, SamplingConfig(0.0))
+        eager.prefill(prompt)
+        want = eager.score(t).probs
+        comp = TreeVerifier(fast.model, SamplingConfig(0.0), passes=fast.passes)
+        comp.prefill(prompt)
+        got = comp.score(t).probs
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)     # fp32 rounding, nothing more
+    # the same graph, the dummy row's token and slot content changed: the real rows' bits stay
+    passes = fast.passes
+    passes.prefill(prompt[:-1], ())
+    ids, pos, cache_pos, mask = passes.inputs(small, prompt.numel() - 1, 4)
+    with torch.inference_mode():
+        passes._set_length(prompt.numel() - 1)
+        first, _ = passes._graph(ids, pos, cache_pos, mask, ())
+        ids[0, 3] = 13
+        for layer in passes.cache.layers:                 # stale junk where the dummy row writes
+            layer.keys[..., prompt.numel() + 2:, :] = 1e3
+        passes._set_length(prompt.numel() - 1)
+        second, _ = passes._graph(ids, pos, cache_pos, mask, ())
+    assert torch.equal(first[0, :3], second[0, :3])
+
+
+def test_keep_moves_accepted_rows_like_the_growing_cache(compiled):
+    _, fast = compiled
+    passes = fast.passes
+    passes.prefill(torch.tensor([1, 2, 3]), ())
+    layer = passes.cache.layers[0]
+    with torch.inference_mode():
+        layer.keys[..., 3:8, :] = torch.arange(5.0).view(1, 1, 5, 1)
+    passes.keep(3, [3, 5, 7])
+    assert layer.keys[0, 0, 3:6, 0].tolist() == [0.0, 2.0, 4.0]
+    with pytest.raises(ValueError, match="rows must increase"):
+        passes.keep(3, [5, 4])
+
+
+@pytest.mark.parametrize("builder", [ChainBuilder(budget=4), DynamicTreeBuilder(budget=4, depth=3, top_k=2),
+                                     DynamicTreeBuilder(budget=6, depth=3, top_k=2)],
+                         ids=["chain4", "dynamic4", "dynamic6-eager"])
+def test_greedy_on_the_compiled_path_equals_plain_decoding(compiled, builder):
+    """Every drafter and tree on the compiled path emits plain decoding's tokens (compiled and
+    eager), over a prompt that crosses the first cache size (the cache grows and copies)."""
+    target, fast = compiled
+    prompt = torch.tensor([(7 * i + 3) % V for i in range(240)])
+    plain = SpeculativeGenerator(fast, NGramDrafter(V), DynamicTreeBuilder(budget=1, depth=1, top_k=1))
+    want = plain.generate(prompt, 40, temperature=0.0).token_ids.tolist()
+    eager = SpeculativeGenerator(target, NGramDrafter(V), DynamicTreeBuilder(budget=1, depth=1, top_k=1))
+    assert eager.generate(prompt, 40, temperature=0.0).token_ids.tolist() == want
+    for drafter in (NGramDrafter(V, seed=1), ModelDrafter(fast.model, V)):   # ~nothing / everything accepted
+        gen = SpeculativeGenerator(fast, drafter, builder)
+        assert gen.generate(prompt, 40, temperature=0.0).token_ids.tolist() == want

@@ -1,0 +1,183 @@
+"""The target's verify passes as compiled, fixed-shape graphs over a preallocated KV cache.
+
+Eager PyTorch runs a SmolLM2 pass as ~2,000 Python-dispatched ops (30 layers of norms, rotary
+embeddings, attention, residual adds around the packed linear layers); on a CPU that costs as
+much as the linear layers' own arithmetic. :class:`CompiledPasses` hands the *stock* HF model's
+``forward`` to ``torch.compile`` (nothing of the model forked or patched) with:
+
+- **a static cache**: HF's own ``StaticCache``, ``max_len`` positions preallocated, written at
+  ``cache_position``; compaction after a tree pass moves the accepted rows in place;
+- **node buckets**: a tree of n nodes runs in the graph of the smallest bucket >= n (default
+  1, 2, 4, 8, 16, 32, 64); the ``b - n`` dummy rows carry token 0, attend to their own slot only
+  and write cache slots beyond the tree, which no later mask lets anyone read, so they change
+  no real row's output;
+- **custom operators**: the packed kernels run inside the graph as ``torch.ops.treespec.*``
+  (:mod:`treespec.fastpath.ops`), not as graph breaks.
+
+One graph per (bucket, feature layers) is compiled on first use; Inductor caches its code on
+disk, so a later process compiles in seconds. A prompt's prefill stays eager (one long pass).
+Every real row's logits equal the eager pass's to fp32 rounding (fused norms may round
+differently), and the block kernels are batch-invariant, so greedy decoding on the compiled
+path equals plain decoding on the compiled path token for token (``tests/test_compiled.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from treespec.core.tree import DraftTree
+
+__all__ = ["DEFAULT_BUCKETS", "CompiledPasses"]
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+_LEN_STEP = 256          # the cache grows in whole steps of this many positions (each size recompiles)
+
+
+class CompiledPasses:
+    """Compiled verify passes of one HF causal LM; one request at a time owns the cache.
+
+    ``buckets``: the node counts graphs are compiled for (a larger tree runs eagerly on the same
+    cache). ``max_len``: positions preallocated; a request that needs more grows the cache to the
+    next multiple of 256 (copying its rows) and compiles again for that size.
+    """
+
+    def __init__(self, model: torch.nn.Module, buckets: Sequence[int] = DEFAULT_BUCKETS, max_len: int = 512,
+                 announce: bool = True):
+        buckets = tuple(sorted(set(int(b) for b in buckets)))
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"buckets must be node counts >= 1, e.g. {DEFAULT_BUCKETS}; got {buckets}")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < buckets[-1] + 1:
+            raise ValueError(f"max_len must be an int > the largest bucket ({buckets[-1]}), got {max_len!r}")
+        self.model = model
+        self.buckets = buckets
+        self.max_len = -(-max_len // _LEN_STEP) * _LEN_STEP
+        self.announce = announce
+        self.cache = None
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._seen: set[tuple] = set()          # (bucket, layers, max_len) graphs compiled in this process
+        import torch._dynamo
+
+        # one graph per bucket x feature-layer set x cache size; never fall back to eager silently
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self._graph = torch.compile(self._forward, fullgraph=True, dynamic=False)
+
+    # -------------------------------------------------------------- the cache
+    def _allocate(self, length: int) -> None:
+        from transformers import StaticCache
+
+        old, self.max_len = self.cache, max(self.max_len, -(-length // _LEN_STEP) * _LEN_STEP)
+        self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
+        if old is not None and old.layers and old.layers[0].is_initialized:
+            self._materialize()
+            for new, prev in zip(self.cache.layers, old.layers):
+                n = prev.keys.shape[-2]
+                new.keys[..., :n, :].copy_(prev.keys)
+                new.values[..., :n, :].copy_(prev.values)
+
+    def _materialize(self) -> None:
+        """Allocate every layer's tensors now (HF does it on the first write), so the compiled
+        graphs always see the same tensors."""
+        cfg = self.model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        like = torch.zeros(1, heads, 1, dim, dtype=self.dtype, device=self.device)
+        for layer in self.cache.layers:
+            if not layer.is_initialized:
+                layer.lazy_initialization(like, like)
+
+    @torch.inference_mode()
+    def _set_length(self, length: int) -> None:
+        """HF's static layers write at their own counter (``cumulative_length``), not at
+        ``cache_position``: point it at ``length`` before a pass."""
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(length)
+
+    @torch.inference_mode()
+    def prefill(self, body: torch.Tensor, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
+        """Cache the prompt ``body`` (LongTensor[P], eagerly: one long pass); returns the hidden
+        states of ``layers`` [P, H]."""
+        need = body.numel() + self.buckets[-1] + 1
+        if self.cache is None or need > self.max_len:
+            self.cache = None
+            self._allocate(need)
+            self._materialize()
+        self._set_length(0)
+        if body.numel() == 0:
+            return {}
+        out = self.model(input_ids=body.to(self.device)[None], cache=self.cache,
+                         cache_position=torch.arange(body.numel(), device=self.device), use_cache=True,
+                         output_hidden_states=bool(layers), logits_to_keep=1)
+        return {i: out.hidden_states[i][0] for i in layers}
+
+    # -------------------------------------------------------------- passes
+    def _forward(self, ids, pos, cache_pos, mask, layers: tuple[int, ...]):
+        out = self.model(input_ids=ids, position_ids=pos, cache_position=cache_pos, attention_mask=mask,
+                         cache=self.cache, use_cache=True, output_hidden_states=bool(layers))
+        return out.logits, tuple(out.hidden_states[i] for i in layers)
+
+    def bucket(self, nodes: int) -> int | None:
+        """The smallest bucket holding ``nodes`` nodes, or None (the pass runs eagerly)."""
+        return next((b for b in self.buckets if b >= nodes), None)
+
+    def inputs(self, tree: DraftTree, prefix_len: int, rows: int):
+        """(ids, positions, cache positions, bool mask [1, 1, rows, max_len]) of ``tree`` after
+        ``prefix_len`` cached positions, padded with dummy rows to ``rows``."""
+        n, p, dev = tree.num_nodes, prefix_len, self.device
+        ids = torch.zeros(1, rows, dtype=torch.long, device=dev)
+        ids[0, :n] = tree.tokens.to(dev)
+        pos = torch.full((1, rows), p, dtype=torch.long, device=dev)
+        pos[0, :n] += tree.depth.to(dev)
+        cache_pos = torch.arange(p, p + rows, device=dev)
+        mask = torch.zeros(1, 1, rows, self.max_len, dtype=torch.bool, device=dev)
+        mask[0, 0, :, :p] = True
+        mask[0, 0, :n, p:p + n] = tree.ancestor_mask.to(dev)
+        dummy = torch.arange(n, rows, device=dev)
+        mask[0, 0, dummy, p + dummy] = True                 # a dummy row sees its own slot only
+        mask[0, 0, dummy, :p] = False
+        return ids, pos, cache_pos, mask
+
+    @torch.inference_mode()
+    def score(self, tree: DraftTree, prefix_len: int, layers: tuple[int, ...]):
+        """Logits [N, V] of every node and the hidden states of ``layers`` ([N, H] each); writes
+        the tree's rows at cache slots P, P + 1, ... (and the dummy rows' after them)."""
+        n = tree.num_nodes
+        rows = self.bucket(n) or n
+        if prefix_len + rows > self.max_len:
+            self._allocate(prefix_len + rows + self.buckets[-1] + 1)
+            self._materialize()
+        ids, pos, cache_pos, mask = self.inputs(tree, prefix_len, rows)
+        self._set_length(prefix_len)
+        if self.bucket(n) is None:                            # larger than every bucket: eager
+            logits, hidden = self._forward(ids, pos, cache_pos, mask, layers)
+        else:
+            key = (rows, layers, self.max_len)
+            fresh = key not in self._seen
+            if fresh and self.announce:
+                print(f"treespec: compiling the target's {rows}-node pass (cache {self.max_len} positions; "
+                      "Inductor caches it on disk)...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            logits, hidden = self._graph(ids, pos, cache_pos, mask, layers)
+            if fresh:
+                self._seen.add(key)
+                if self.announce:
+                    print(f"treespec: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        return logits[0, :n], {i: h[0, :n] for i, h in zip(layers, hidden)}
+
+    @torch.inference_mode()
+    def keep(self, start: int, rows: Sequence[int]) -> None:
+        """Move cache slots ``rows`` (increasing, from ``start``) to ``start``, ``start + 1``, ...;
+        the slots after them are left as they are (no mask reads them again)."""
+        rows = list(rows)
+        if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and rows[0] < start):
+            raise ValueError(f"rows must increase from position {start} or later, got {rows}")
+        if rows == list(range(start, start + len(rows))):
+            return
+        src = torch.tensor(rows, device=self.device)
+        for layer in self.cache.layers:
+            layer.keys[..., start:start + len(rows), :] = layer.keys.index_select(-2, src)
+            layer.values[..., start:start + len(rows), :] = layer.values.index_select(-2, src)
