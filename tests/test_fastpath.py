@@ -172,10 +172,10 @@ def test_auto_dtype_runs_exact_block_checkpoints_in_fp32_on_every_cpu_with_nativ
     assert resolve_dtype("auto", "cpu", AVX2_ONLY, weight_types=blocks)[0] == torch.float32
 
 
-@needs_packing
 HOST_FLAGS = _read_cpuinfo(Path("/proc/cpuinfo").read_text())[1] if Path("/proc/cpuinfo").exists() else set()
 
 
+@needs_packing
 @pytest.mark.skipif(not ({"avx512bw", "avx512vl", "avx512dq"} <= HOST_FLAGS or "avx_ne_convert" in HOST_FLAGS),
                     reason="oneDNN packs bf16 weights only on a CPU with AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
 def test_bf16_pads_few_rows_of_large_weights_only_where_bf16_units_are_not_amx() -> None:
