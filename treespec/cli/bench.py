@@ -278,6 +278,8 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
                     temperatures=temperatures, prompt_sets=list(prompt_sets), prompts_per_set=prompts,
                     max_new_tokens=max_new_tokens, depth=depth, top_k=top_k, sampled_mode=sampled_mode, seed=seed,
                     hf_plain=hf_plain, threads=torch.get_num_threads())
+    if getattr(tgt, "passes", None) is not None:     # compiled passes: never resumed into an eager run
+        settings["compiled"] = True
     if shard is not None:
         settings["shard"] = f"{shard[0]}/{shard[1]}"
     paths = _out_paths(out, name)
@@ -667,11 +669,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``bench`` subcommand."""
     b = sub.add_parser("bench", help="compare drafters x trees x temperatures against plain decoding",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from treespec.cli.plan import add_target_args
+    from treespec.cli.plan import add_compile_arg, add_target_args
     from treespec.targets.loader import TARGET_LOADERS
 
     b.add_argument("--model", default="smollm2-135m", choices=sorted(TARGET_LOADERS), help="target (default %(default)s)")
     add_target_args(b)
+    add_compile_arg(b)
     b.add_argument("--drafters", default="eagle3", help="comma-separated drafter names (default %(default)s)")
     b.add_argument("--trees", default="chain:4,dynamic:16",
                    help=f"comma-separated NAME:NODES, NODES incl. the root, NAME in {', '.join(BUILDERS)} "
@@ -717,7 +720,8 @@ def command_line(args: argparse.Namespace) -> str:
              "--max-new-tokens", str(args.max_new_tokens), "--depth", str(args.depth), "--top-k-draft",
              str(args.top_k_draft), "--sampled-mode", args.sampled_mode, "--seed", str(args.seed), "--threads",
              str(args.threads)]
-    words += [w for flag, on in (("--no-hf", args.no_hf), ("--no-pack", args.no_pack), ("--plot", args.plot)) if on
+    words += [w for flag, on in (("--no-hf", args.no_hf), ("--no-pack", args.no_pack), ("--compile", args.compile),
+                                 ("--plot", args.plot)) if on
               for w in (flag,)]
     words += [w for flag, value in (("--dtype", args.dtype), ("--kernel", args.kernel), ("--device", args.device))
               if value not in ("auto", "cpu") for w in (flag, value)]
@@ -764,6 +768,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     find_llamacpp(args.llamacpp)
     target = load_target(args.model, dtype=args.dtype, device=resolve_device(args.device), pack=target_pack(args))
+    if args.compile:
+        target = target.compiled()
     print(f"[target: {target.speed_path}]", file=sys.stderr, flush=True)
     report = bench(drafters, trees, temperatures, sets, prompts, args.max_new_tokens, target=target, depth=args.depth,
                    top_k=args.top_k_draft, sampled_mode=args.sampled_mode, seed=args.seed, hf_plain=not args.no_hf,

@@ -27,9 +27,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", choices=sorted(TARGET_LOADERS),
                    help="target (default smollm2-135m; the Qwen2.5-Coder pair needs `make models-qwen`, "
                         "docs/qwen.md)")
-    from treespec.cli.plan import add_target_args
+    from treespec.cli.plan import add_compile_arg, add_target_args
 
     add_target_args(p)
+    add_compile_arg(p)
     p.add_argument("--drafter", default="eagle3",
                    help="a registered drafter (treespec.registered_drafters()), a drafter of your own as "
                         "package.module:factory, or an entry point of the treespec.drafters group "
@@ -79,6 +80,8 @@ def _load_target(args):
         torch.set_num_threads(args.threads)
     target = load_target(args.model, dtype=args.dtype, device=resolve_device(args.device),
                          pack=target_pack(args))
+    if getattr(args, "compile", False):
+        target = target.compiled()
     print(f"[target: {target.speed_path}]", file=sys.stderr, flush=True)
     return target
 

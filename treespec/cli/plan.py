@@ -134,6 +134,14 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="where the target (and drafter) run: cpu, cuda, cuda:N")
 
 
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
+    """--compile: the target's verify passes as compiled graphs (``Target.compiled``)."""
+    p.add_argument("--compile", action="store_true",
+                   help="run the target's passes as torch.compile'd fixed-shape graphs over a preallocated cache "
+                        "(node counts padded to 1, 2, 4, ..., 64; each graph compiles once, about a minute, then "
+                        "comes from Inductor's disk cache)")
+
+
 def target_pack(args: argparse.Namespace) -> bool | str:
     """``load_target``'s ``pack`` from --no-pack and --kernel."""
     if args.no_pack and args.kernel != "auto":

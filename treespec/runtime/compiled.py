@@ -169,6 +169,22 @@ class CompiledPasses:
         return logits[0, :n], {i: h[0, :n] for i, h in zip(layers, hidden)}
 
     @torch.inference_mode()
+    def warm(self, nodes: int, layers: tuple[int, ...] = ()) -> None:
+        """Compile now (before any clock starts) every bucket a tree of up to ``nodes`` nodes
+        may use, with the feature ``layers`` the drafter reads: a dummy chain per bucket at an
+        empty prefix. The cache's content is left undefined: call before a request's prefill."""
+        top = self.bucket(nodes) or self.buckets[-1]
+        todo = [b for b in self.buckets if b <= top and (b, tuple(layers), self.max_len) not in self._seen]
+        if not todo:
+            return
+        # one eager pass first: transformers installs its hidden-state hooks on the first call
+        # that asks for them, under a lock a compiled graph cannot trace
+        self.prefill(torch.zeros(1, dtype=torch.long, device=self.device), tuple(layers))
+        for b in todo:
+            chain = DraftTree(torch.zeros(b, dtype=torch.long), torch.arange(-1, b - 1))
+            self.score(chain, 0, tuple(layers))
+
+    @torch.inference_mode()
     def keep(self, start: int, rows: Sequence[int]) -> None:
         """Move cache slots ``rows`` (increasing, from ``start``) to ``start``, ``start + 1``, ...;
         the slots after them are left as they are (no mask reads them again)."""

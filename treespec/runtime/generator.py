@@ -490,6 +490,8 @@ class SpeculativeGenerator:
         verifier = TreeVerifier(self.target.model, sampling, layers, self.target.passes)
         eos = set(self.target.eos_token_ids)
         device = self.target.device
+        if self.target.passes is not None:   # compile what this request's trees may need, off the clock
+            self.target.passes.warm(getattr(builder, "budget", 1), layers)
 
         def clock() -> float:  # an accelerator's queued work is booked to the phase that ran it
             synchronize(device)
