@@ -122,3 +122,16 @@ def test_greedy_on_the_compiled_path_equals_plain_decoding(compiled, builder):
     for drafter in (NGramDrafter(V, seed=1), ModelDrafter(fast.model, V)):   # ~nothing / everything accepted
         gen = SpeculativeGenerator(fast, drafter, builder)
         assert gen.generate(prompt, 40, temperature=0.0).token_ids.tolist() == want
+
+
+def test_two_requests_cannot_interleave_on_one_compiled_cache(compiled):
+    """The static cache holds one request: a second request's prefill takes it, and the first
+    request's next pass is refused by name instead of reading the other's rows."""
+    _, fast = compiled
+    first = TreeVerifier(fast.model, SamplingConfig(0.0), passes=fast.passes)
+    first.prefill(torch.tensor([1, 2, 3]))
+    second = TreeVerifier(fast.model, SamplingConfig(0.0), passes=fast.passes)
+    second.prefill(torch.tensor([4, 5]))
+    with pytest.raises(RuntimeError, match="one request at a time"):
+        first.score(tree_of([3], [-1]))
+    second.score(tree_of([5], [-1]))

@@ -57,6 +57,7 @@ class CompiledPasses:
         self.max_len = -(-max_len // _LEN_STEP) * _LEN_STEP
         self.announce = announce
         self.cache = None
+        self.owner = None                       # the TreeVerifier whose request the cache holds
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._seen: set[tuple] = set()          # (bucket, layers, max_len) graphs compiled in this process
@@ -179,6 +180,7 @@ class CompiledPasses:
             return
         # one eager pass first: transformers installs its hidden-state hooks on the first call
         # that asks for them, under a lock a compiled graph cannot trace
+        self.owner = None
         self.prefill(torch.zeros(1, dtype=torch.long, device=self.device), tuple(layers))
         for b in todo:
             chain = DraftTree(torch.zeros(b, dtype=torch.long), torch.arange(-1, b - 1))

@@ -71,12 +71,19 @@ class TreeVerifier:
             if self.target_layers else TargetFeatures.empty()
         return out.logits[0], feats
 
+    def _check_owner(self) -> None:
+        if self.passes.owner is not self:
+            raise RuntimeError("another request prefilled the compiled passes' cache since this one's prefill: "
+                               "a compiled target serves one request at a time (finish one stream before "
+                               "starting the next, or give concurrent requests an eager target)")
+
     @torch.inference_mode()
     def prefill(self, prompt_ids: torch.Tensor) -> TargetFeatures:
         """Cache prompt_ids[:-1] (LongTensor[P]); returns their features. The last token is the root."""
         self.prefix_len = 0
         body = prompt_ids[:-1]
         if self.passes is not None:
+            self.passes.owner = self                # the static cache is this request's until another's prefill
             hidden = self.passes.prefill(body, self.target_layers)
             self.cache = self.passes.cache
             self.prefix_len = body.numel()
@@ -103,9 +110,7 @@ class TreeVerifier:
             raise RuntimeError("call prefill() before score()")
         p = self.prefix_len
         if self.passes is not None:
-            if self.passes.cache is not self.cache:
-                raise RuntimeError("another request used the compiled passes' cache since this one's prefill; "
-                                   "compiled passes serve one request at a time")
+            self._check_owner()
             logits, hidden = self.passes.score(tree, p, self.target_layers)
             self.cache = self.passes.cache          # a pass past the cache's size grows it
             feats = TargetFeatures(hidden) if self.target_layers else TargetFeatures.empty()
@@ -131,6 +136,7 @@ class TreeVerifier:
             raise ValueError(f"keep must be a path from the root, increasing from node 0, got {nodes}")
         p = self.prefix_len
         if self.passes is not None:
+            self._check_owner()
             self.passes.keep(p, [p + node for node in nodes])
         else:
             keep_rows(self.cache, p, [p + node for node in nodes])   # a path's nodes increase: moves only
