@@ -83,9 +83,10 @@ def build(args):
     dtypes = ["fp32"] + (["bf16"] if cpu_info().native_bf16 else []) + (["amx"] if amx_status()[0] else [])
     if args.dtypes:
         asked = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-        if not asked or set(asked) - set(dtypes):
-            raise SystemExit(f"--dtypes takes a comma-separated subset of {dtypes} on this CPU, got {args.dtypes!r}")
-        dtypes = [d for d in dtypes if d in asked]
+        valid = dtypes + ["compiled"]          # compiled: the fp32 target's passes compiled (Target.compiled)
+        if not asked or set(asked) - set(valid):
+            raise SystemExit(f"--dtypes takes a comma-separated subset of {valid} on this CPU, got {args.dtypes!r}")
+        dtypes = [d for d in valid if d in asked]
     runners, paths, stocks = {}, {}, {}
     scorer = None
     for d in dtypes:
@@ -93,9 +94,12 @@ def build(args):
         if dtype not in stocks:
             stocks[dtype] = treespec.load_target("smollm2-135m", dtype=dtype, pack=False)
         stock = stocks[dtype]
-        pack = "amx" if d == "amx" else args.fp32_kernel if d == "fp32" and args.fp32_kernel != "auto" else True
+        pack = "amx" if d == "amx" else args.fp32_kernel if d in ("fp32", "compiled") and args.fp32_kernel != "auto" \
+            else True
         packed = treespec.load_target("smollm2-135m", dtype=dtype, pack=pack)
-        paths[d] = {"packed": packed.speed_path} if d == "amx" else {"stock": stock.speed_path,
+        if d == "compiled":
+            packed = packed.compiled()
+        paths[d] = {"packed": packed.speed_path} if d in ("amx", "compiled") else {"stock": stock.speed_path,
                                                                       "packed": packed.speed_path}
         if d == "fp32":
             scorer = stock.model
@@ -129,13 +133,14 @@ def build(args):
             paths[d]["hybrid auto"] = auto_path(gens["treespec hybrid auto"], hybrid_cal, "hybrid")
         paths[d]["lookup adaptive"] = f"{lookup.config}, {gens['treespec lookup adaptive'].builder}"
         rows = {}
-        if d != "amx":   # amx's stock model is fp32's: its row would be fp32's HF generate again
+        peers = d != "compiled"   # the compiled group's stock model is fp32's: its HF rows would be fp32's again
+        if d != "amx" and peers:   # amx's stock model is fp32's: its row would be fp32's HF generate again
             rows["HF generate"] = lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s)
-        if (d == "fp32" or args.all_peers) and "HF assisted (small)" not in skipped:   # as a user runs them
+        if (d == "fp32" or args.all_peers and peers) and "HF assisted (small)" not in skipped:   # as a user runs them
             small = treespec.load_drafter("small", stock).model
             rows["HF assisted (small)"] = lambda ids, t, s, m=stock.model, e=eos, a=small: hf_generate(
                 m, ids, args.max_new_tokens, e, t, s, assistant=a)
-        if d == "fp32" or args.all_peers:
+        if d == "fp32" or args.all_peers and peers:
             rows["HF prompt lookup"] = lambda ids, t, s, m=stock.model, e=eos: hf_generate(
                 m, ids, args.max_new_tokens, e, t, s, lookup=args.chain_k)
         # plain decoding on the fast path: the honest baseline wherever it is faster (bf16 packed,
@@ -145,7 +150,9 @@ def build(args):
         hf_packed = lambda ids, t, s, m=packed.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s)
         # a dtype's first row is its greedy reference: for amx, treespec's plain loop, whose prompt
         # pass the trees share (HF generate scores the prompt's last token inside that pass)
-        if d == "amx":
+        if d == "compiled":
+            rows["treespec plain"] = plain
+        elif d == "amx":
             rows.update({"treespec plain": plain, "HF generate (packed)": hf_packed})
         else:
             rows.update({"HF generate (packed)": hf_packed, "treespec plain": plain})
@@ -450,8 +457,9 @@ def main() -> None:
     ap.add_argument("--all-peers", action="store_true",
                     help="also run HF assisted / prompt lookup in bf16 (default: fp32 only, as users run them)")
     ap.add_argument("--dtypes", default="",
-                    help="comma-separated subset of fp32,bf16,amx (default: fp32, bf16 where the CPU has it "
-                         "natively, amx where it has AMX-BF16)")
+                    help="comma-separated subset of fp32,bf16,amx,compiled (default: fp32, bf16 where the CPU has "
+                         "it natively, amx where it has AMX-BF16; compiled: the fp32 target with its passes "
+                         "compiled, treespec's rows only)")
     ap.add_argument("--llamacpp", default=None, metavar="BIN_DIR",
                     help="add llama.cpp's rows (T = 0): the bin folder of `make bench-llamacpp` "
                          "(.cache/llama.cpp/build/bin) or a binary in it")
