@@ -112,7 +112,7 @@ def test_keep_moves_accepted_rows_like_the_growing_cache(compiled):
                          ids=["chain4", "dynamic4", "dynamic6-eager"])
 def test_greedy_on_the_compiled_path_equals_plain_decoding(compiled, builder):
     """Every drafter and tree on the compiled path emits plain decoding's tokens (compiled and
-    eager), over a prompt that crosses the first cache size (the cache grows and copies)."""
+    eager), over a prompt that does not fit the first cache size (the request sizes it first)."""
     target, fast = compiled
     prompt = torch.tensor([(7 * i + 3) % V for i in range(240)])
     plain = SpeculativeGenerator(fast, NGramDrafter(V), DynamicTreeBuilder(budget=1, depth=1, top_k=1))
@@ -135,3 +135,23 @@ def test_two_requests_cannot_interleave_on_one_compiled_cache(compiled):
     with pytest.raises(RuntimeError, match="one request at a time"):
         first.score(tree_of([3], [-1]))
     second.score(tree_of([5], [-1]))
+
+
+def test_a_pass_past_the_cache_grows_it_and_keeps_the_rows(compiled):
+    """A verifier whose prompt nearly fills the cache: the next pass grows it (copying every
+    row) and still agrees with the eager pass."""
+    target, _ = compiled
+    passes = CompiledPasses(target.model, buckets=(4,), max_len=256, announce=False)
+    prompt = torch.tensor([(5 * i + 1) % V for i in range(254)])
+    tree = tree_of([3, 4, 6, 8], [-1, 0, 0, 1])
+    eager = TreeVerifier(target.model, SamplingConfig(0.0))
+    eager.prefill(prompt)
+    comp = TreeVerifier(target.model, SamplingConfig(0.0), passes=passes)
+    comp.prefill(prompt)
+    assert passes.max_len == 512                          # sized for the prompt and one 4-node tree
+    for _ in range(90):                                   # past 512 - 4: the cache grows to 768
+        want, got = eager.score(tree).probs, comp.score(tree).probs
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        eager.compact(torch.tensor([0, 2, 3]))
+        comp.compact(torch.tensor([0, 2, 3]))
+    assert passes.max_len == 768 and comp.cache is passes.cache

@@ -170,10 +170,16 @@ class CompiledPasses:
         return logits[0, :n], {i: h[0, :n] for i, h in zip(layers, hidden)}
 
     @torch.inference_mode()
-    def warm(self, nodes: int, layers: tuple[int, ...] = ()) -> None:
+    def warm(self, nodes: int, layers: tuple[int, ...] = (), length: int = 0) -> None:
         """Compile now (before any clock starts) every bucket a tree of up to ``nodes`` nodes
-        may use, with the feature ``layers`` the drafter reads: a dummy chain per bucket at an
-        empty prefix. The cache's content is left undefined: call before a request's prefill."""
+        may use, with the feature ``layers`` the drafter reads, for a cache of at least
+        ``length`` positions (a request's prompt + new tokens + a tree: the cache then never
+        grows, and nothing compiles, while the request is timed): a dummy chain per bucket at
+        an empty prefix. The cache's content is left undefined: call before a request's prefill."""
+        if length + self.buckets[-1] + 1 > self.max_len:
+            self.cache = None
+            self._allocate(length + self.buckets[-1] + 1)
+            self._materialize()
         top = self.bucket(nodes) or self.buckets[-1]
         todo = [b for b in self.buckets if b <= top and (b, tuple(layers), self.max_len) not in self._seen]
         if not todo:

@@ -491,7 +491,7 @@ class SpeculativeGenerator:
         eos = set(self.target.eos_token_ids)
         device = self.target.device
         if self.target.passes is not None:   # compile what this request's trees may need, off the clock
-            self.target.passes.warm(getattr(builder, "budget", 1), layers)
+            self.target.passes.warm(getattr(builder, "budget", 1), layers, ids.numel() + max_new)
 
         def clock() -> float:  # an accelerator's queued work is booked to the phase that ran it
             synchronize(device)
