@@ -135,15 +135,31 @@ def test_bad_input_is_one_error_line_not_a_traceback(capsys, monkeypatch):
     assert err.strip() == "error: builder='auto' needs a calibration; run `treespec calibrate` first"
 
 
-def test_demo_drafts_with_the_hybrid_and_generate_with_eagle3():
-    """The demo's default drafter is the hybrid (its best T = 0 rows in engine_fp32_hybrid and
-    engine_amx_hybrid); ``generate`` keeps eagle3; --drafter overrides either."""
+def test_demo_and_generate_default_to_the_fastest_measured_configuration():
+    """With no --drafter / --tree / --budget, ``generate`` runs the target's preset for this CPU
+    kind (SmolLM2: the hybrid with builder="auto", its fastest row on every kind measured; Qwen:
+    the 0.5B chain of 4); a flag given always wins, and a tree without a budget keeps budget 16."""
     from treespec.cli.main import build_parser
+    from treespec.cli.presets import PRESETS, apply_preset
+    from treespec.fastpath.cpu import CpuInfo
 
     parser = build_parser()
     assert parser.parse_args(["demo"]).drafter == "hybrid"
     assert parser.parse_args(["demo", "--drafter", "eagle3"]).drafter == "eagle3"
-    assert parser.parse_args(["generate", "--prompt", "Hi"]).drafter == "eagle3"
+    for flags in (("avx2", "fma"), ("avx2", "avx512f", "avx512_bf16"), ("avx2", "avx512_bf16", "amx_bf16")):
+        cpu = CpuInfo("test", flags, "AVX2")
+        args = parser.parse_args(["generate", "--prompt", "Hi"])
+        assert apply_preset(args, cpu) is PRESETS["smollm2-135m"][cpu.kind]
+        assert (args.drafter, args.tree, args.budget) == ("hybrid", "dynamic", "auto")
+    cpu = CpuInfo("test", ("avx2", "fma"), "AVX2")
+    args = parser.parse_args(["generate", "--prompt", "Hi", "--model", "qwen2.5-coder-1.5b"])
+    apply_preset(args, cpu)
+    assert (args.drafter, args.tree, args.budget) == ("qwen2.5-coder-0.5b", "chain", "5")
+    args = parser.parse_args(["generate", "--prompt", "Hi", "--drafter", "eagle3", "--tree", "chain"])
+    apply_preset(args, cpu)
+    assert (args.drafter, args.tree, args.budget) == ("eagle3", "chain", "16")
+    args = parser.parse_args(["generate", "--prompt", "Hi", "--budget", "8"])
+    assert apply_preset(args, cpu) is not None and (args.drafter, args.tree, args.budget) == ("hybrid", "dynamic", "8")
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "Hi", "--budget", "auto"], ["demo"]])

@@ -189,7 +189,7 @@ def test_a_dtype_that_cannot_hold_weights_is_refused_before_loading(monkeypatch,
     (["--top-k-draft", "0"], "error: --top-k-draft must be >= 1 (children per expanded node of the dynamic "
                              "tree), got 0"),
     (["--tree", "best-first", "--depth", "0"], "error: --depth must be >= 1"),
-    (["--verify", "block"], "error: --verify block verifies a chain (--tree chain with a --budget number), but "
+    (["--verify", "block", "--tree", "dynamic"], "error: --verify block verifies a chain (--tree chain with a --budget number), but "
                             "--tree dynamic branches; use --verify traversal for trees, or --verify token"),
     (["--verify", "block", "--tree", "chain", "--budget", "auto"], "but --budget auto may build trees; use "
                                                                    "--verify traversal"),

@@ -31,14 +31,18 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 
     add_target_args(p)
     add_compile_arg(p)
-    p.add_argument("--drafter", default="eagle3",
+    p.add_argument("--drafter", default=None,
                    help="a registered drafter (treespec.registered_drafters()), a drafter of your own as "
                         "package.module:factory, or an entry point of the treespec.drafters group "
-                        "(docs/drafters.md)")
+                        "(docs/drafters.md); default: the target's fastest measured configuration on this kind "
+                        "of CPU (treespec.cli.presets: smollm2-135m hybrid with --budget auto), else eagle3")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the drafter's factory, repeatable (e.g. lookup: min_ngram=3)")
-    p.add_argument("--tree", default="dynamic", choices=BUILDERS, help="tree builder")
-    p.add_argument("--budget", default="16", help="tree nodes incl. root, or 'auto' (cost model)")
+    p.add_argument("--tree", default=None, choices=BUILDERS,
+                   help="tree builder (default: the target's preset with neither --tree nor --budget, else dynamic)")
+    p.add_argument("--budget", default=None,
+                   help="tree nodes incl. root, or 'auto' (cost model); default: the target's preset with neither "
+                        "--tree nor --budget, else 16")
     p.add_argument("--depth", type=int, default=5, help="max draft depth (dynamic/sequoia)")
     p.add_argument("--top-k-draft", type=int, default=4, help="children per expanded node")
     p.add_argument("--acceptance", default=None,
@@ -97,6 +101,9 @@ def _build_generator(args):
     from treespec import SpeculativeGenerator, load_drafter
     from treespec.cli.trees import check_tree_flags, parse_budget
 
+    from treespec.cli.presets import apply_preset
+
+    preset = apply_preset(args)                         # the flags left out: the target's fastest measured
     options = drafter_options(args.drafter_option)     # malformed flags fail before the model loads
     budget = parse_budget(args.budget)
     check_tree_flags(args.tree, args.depth, args.top_k_draft, args.verify, numeric_budget=budget != "auto")
@@ -112,6 +119,8 @@ def _build_generator(args):
             raise ValueError(f"--drafter-option: {args.drafter_option} cannot name a calibration (a value with "
                              f"one of [],=); give --budget a number instead of auto")
     target = _load_target(args)
+    if preset is not None:
+        print(f"[no --drafter / --tree / --budget given: {preset.describe()}]", file=sys.stderr)
     drafter = load_drafter(args.drafter, target, **options)
     if args.budget == "auto":
         ensure_calibration(target, key)   # measures the drafter once where the cached file lacks it
