@@ -30,29 +30,34 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.reshape(rows, k).contiguous()
 
 
+def _shaped(y: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The kernel's [rows, 16 P] output as x's leading dims x ``out_features`` (a zero-padded last
+    panel's columns dropped: a copy, since an operator must not return a view of a slice)."""
+    if y.shape[1] != out_features:
+        return y[:, :out_features].reshape(*x.shape[:-1], out_features).clone()
+    return y.view(*x.shape[:-1], out_features)
+
+
 @torch.library.custom_op("treespec::block_linear", mutates_args=())
 def block_linear(x: torch.Tensor, blob: torch.Tensor, bits: int, isa: int, half_scales: bool,
                  out_features: int) -> torch.Tensor:
     k = x.shape[-1]
     y = kernels._kernel().panel_linear_blocks(_rows(x, k), blob, bits, isa, half_scales)
-    return y[:, :out_features].reshape(*x.shape[:-1], out_features).clone() if y.shape[1] != out_features \
-        else y.view(*x.shape[:-1], out_features)
+    return _shaped(y, x, out_features)
 
 
 @torch.library.custom_op("treespec::panel_linear", mutates_args=())
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, isa: int, out_features: int) -> torch.Tensor:
     k = x.shape[-1]
     y = kernels._kernel().panel_linear(_rows(x, k), panels, isa)
-    return y[:, :out_features].reshape(*x.shape[:-1], out_features).clone() if y.shape[1] != out_features \
-        else y.view(*x.shape[:-1], out_features)
+    return _shaped(y, x, out_features)
 
 
 @torch.library.custom_op("treespec::amx_linear", mutates_args=())
 def amx_linear(x: torch.Tensor, blob: torch.Tensor, bits: int, half_scales: bool, out_features: int) -> torch.Tensor:
     k = x.shape[-1]
     y = kernels._kernel().amx_linear_blocks(_rows(x, k), blob, bits, half_scales)
-    return y[:, :out_features].reshape(*x.shape[:-1], out_features).clone() if y.shape[1] != out_features \
-        else y.view(*x.shape[:-1], out_features)
+    return _shaped(y, x, out_features)
 
 
 def _fake(x: torch.Tensor, *args) -> torch.Tensor:
