@@ -24,7 +24,7 @@ T = 1 tokens come from its own sampler (top_k / min_p off, top_p 1, prompt cache
 text is not compared with treespec's.
 
     python benchmarks/serve_load.py --requests 200 --max-tokens 32 --budget auto \\
-        --out benchmarks/results/serve_load_avx512bf16
+        --out benchmarks/results/serve_load_avx2
 """
 
 from __future__ import annotations
