@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 TRACKED_BUDGET = 32 * 2 ** 20     # bytes: a GPU call carries the tree and what it needs, 64 MiB in all
-RESULT_FILES_BUDGET = 44          # files under benchmarks/results/, RESULTS.md included (3 machine kinds)
+RESULT_FILES_BUDGET = 40          # files under benchmarks/results/, RESULTS.md included
 # run history that belongs in git, not in the product's text
 HISTORY = re.compile(r"\bstop \d+|\bsessions?\b", re.IGNORECASE)
 
