@@ -58,6 +58,7 @@ from treespec.data import chat_prompt, mtbench_questions
 from treespec.fastpath.kernels import amx_status
 from treespec.fastpath.packing import cpu_info
 from treespec.builders import BestFirstBuilder
+from treespec.runtime.compiled import compile_target
 from treespec.runtime.llamacpp import LlamaCppMode, LlamaCppTools, gguf_path, run_llamacpp_mode, same_greedy_text
 
 # plain decoding rows: HF generate (stock, and on the packed path) and treespec's own loop with a
@@ -98,7 +99,7 @@ def build(args):
             else True
         packed = treespec.load_target("smollm2-135m", dtype=dtype, pack=pack)
         if d == "compiled":
-            packed = packed.compiled()
+            packed = compile_target(packed)
         paths[d] = {"packed": packed.speed_path} if d in ("amx", "compiled") else {"stock": stock.speed_path,
                                                                       "packed": packed.speed_path}
         if d == "fp32":

@@ -16,7 +16,7 @@ from treespec.core.tree import DraftTree
 from treespec.drafters import ModelDrafter
 from treespec.fastpath import ops
 from treespec.fastpath.kernels import block_linear, pack_blocks, pack_panels, panel_linear, panel_status
-from treespec.runtime.compiled import CompiledPasses
+from treespec.runtime.compiled import CompiledPasses, compile_target
 from treespec.runtime.verifier import TreeVerifier
 
 from _engine_helpers import NGramDrafter, one_thread, peaky_target  # noqa: F401
@@ -58,7 +58,7 @@ def compiled():
     nodes; the cache starts at 256 positions."""
     torch.set_num_threads(1)
     target = peaky_target(V, seed=3, hidden_size=32, num_layers=2, max_position_embeddings=1024)
-    return target, target.compiled(buckets=(1, 4), max_len=256)
+    return target, compile_target(target, buckets=(1, 4), max_len=256)
 
 
 def tree_of(tokens, parents) -> DraftTree:

@@ -769,7 +769,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     find_llamacpp(args.llamacpp)
     target = load_target(args.model, dtype=args.dtype, device=resolve_device(args.device), pack=target_pack(args))
     if args.compile:
-        target = target.compiled()
+        from treespec.runtime.compiled import compile_target
+
+        target = compile_target(target)
     print(f"[target: {target.speed_path}]", file=sys.stderr, flush=True)
     report = bench(drafters, trees, temperatures, sets, prompts, args.max_new_tokens, target=target, depth=args.depth,
                    top_k=args.top_k_draft, sampled_mode=args.sampled_mode, seed=args.seed, hf_plain=not args.no_hf,

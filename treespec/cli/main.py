@@ -85,7 +85,9 @@ def _load_target(args):
     target = load_target(args.model, dtype=args.dtype, device=resolve_device(args.device),
                          pack=target_pack(args))
     if getattr(args, "compile", False):
-        target = target.compiled()
+        from treespec.runtime.compiled import compile_target
+
+        target = compile_target(target)
     print(f"[target: {target.speed_path}]", file=sys.stderr, flush=True)
     return target
 

@@ -31,10 +31,22 @@ import torch
 
 from treespec.core.tree import DraftTree
 
-__all__ = ["DEFAULT_BUCKETS", "CompiledPasses"]
+__all__ = ["DEFAULT_BUCKETS", "CompiledPasses", "compile_target"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _LEN_STEP = 256          # the cache grows in whole steps of this many positions (each size recompiles)
+
+
+def compile_target(target, buckets: Sequence[int] = DEFAULT_BUCKETS, max_len: int = 512):
+    """``target`` (the same model object) with its tree passes run as compiled, fixed-shape graphs
+    over a preallocated cache (:class:`CompiledPasses`: ``buckets`` node counts, ``max_len``
+    positions to start with): a new :class:`treespec.Target` whose generators verify through
+    them, one request at a time."""
+    from dataclasses import replace
+
+    passes = CompiledPasses(target.model, buckets, max_len)
+    return replace(target, passes=passes, speed_path=f"{target.speed_path}; passes: compiled (torch.compile, "
+                                                     f"buckets {', '.join(map(str, passes.buckets))} nodes)")
 
 
 class CompiledPasses:

@@ -71,6 +71,12 @@ class TreeVerifier:
             if self.target_layers else TargetFeatures.empty()
         return out.logits[0], feats
 
+    def _no_features(self) -> TargetFeatures:
+        """The features of an empty prompt body: zero rows per requested layer."""
+        size = self.model.config.hidden_size
+        return TargetFeatures({i: torch.zeros(0, size, device=self.device, dtype=self.dtype)
+                               for i in self.target_layers})
+
     def _check_owner(self) -> None:
         if self.passes.owner is not self:
             raise RuntimeError("another request prefilled the compiled passes' cache since this one's prefill: "
@@ -82,20 +88,18 @@ class TreeVerifier:
         """Cache prompt_ids[:-1] (LongTensor[P]); returns their features. The last token is the root."""
         self.prefix_len = 0
         body = prompt_ids[:-1]
+        empty = body.numel() == 0
         if self.passes is not None:
             self.passes.owner = self                # the static cache is this request's until another's prefill
             hidden = self.passes.prefill(body, self.target_layers)
             self.cache = self.passes.cache
             self.prefix_len = body.numel()
-            if body.numel() == 0:
-                size = self.model.config.hidden_size
-                hidden = {i: torch.zeros(0, size, device=self.device, dtype=self.dtype) for i in self.target_layers}
+            if empty:
+                return self._no_features()
             return TargetFeatures(hidden) if self.target_layers else TargetFeatures.empty()
         self.cache = growing_cache(self.model.config)   # appends in place (treespec.fastpath.kvcache)
-        if body.numel() == 0:
-            hidden = self.model.config.hidden_size
-            return TargetFeatures({i: torch.zeros(0, hidden, device=self.device, dtype=self.dtype)
-                                   for i in self.target_layers})
+        if empty:
+            return self._no_features()
         ids = body.to(self.device)[None]
         # No prefix row's logits are used (the root's come with the first tree): skip the LM head
         # over the prompt but one row (P x V multiply-adds, ~0.15 s for 300 fp32 tokens here).

@@ -37,7 +37,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
@@ -91,19 +91,8 @@ class Target:
     # How the target's passes run, in words: dtype (and why it was chosen) and the linear-layer
     # path (``treespec.fastpath.packing``); printed by the CLI and recorded by the benchmarks.
     speed_path: str = "stock"
-    # Compiled verify passes (``Target.compiled``): a treespec.runtime.compiled.CompiledPasses, or None.
+    # Compiled verify passes (treespec.runtime.compiled.compile_target): its CompiledPasses, or None.
     passes: object = field(default=None, compare=False, repr=False)
-
-    def compiled(self, buckets: Sequence[int] | None = None, max_len: int = 512) -> Target:
-        """This target (the same model object) with its tree passes run as compiled, fixed-shape
-        graphs over a preallocated cache (:class:`treespec.runtime.compiled.CompiledPasses`:
-        ``buckets`` node counts, default 1, 2, 4, ..., 64; ``max_len`` positions to start with).
-        Generators of the returned target verify through them; one request at a time."""
-        from treespec.runtime.compiled import DEFAULT_BUCKETS, CompiledPasses
-
-        passes = CompiledPasses(self.model, DEFAULT_BUCKETS if buckets is None else buckets, max_len)
-        return replace(self, passes=passes, speed_path=f"{self.speed_path}; passes: compiled (torch.compile, "
-                                                       f"buckets {', '.join(map(str, passes.buckets))} nodes)")
 
     @classmethod
     def from_hf(
