@@ -80,13 +80,17 @@ class CompiledPasses:
         self._graph = torch.compile(self._forward, fullgraph=True, dynamic=False)
 
     # -------------------------------------------------------------- the cache
-    def _allocate(self, length: int) -> None:
+    def _ensure(self, length: int, keep: bool) -> None:
+        """A cache of at least ``length`` positions, every layer allocated; a new one where there
+        is none or it is too short, holding the old one's rows where ``keep``."""
         from transformers import StaticCache
 
+        if self.cache is not None and length <= self.max_len:
+            return
         old, self.max_len = self.cache, max(self.max_len, -(-length // _LEN_STEP) * _LEN_STEP)
         self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
-        if old is not None and old.layers and old.layers[0].is_initialized:
-            self._materialize()
+        self._materialize()
+        if keep and old is not None:
             for new, prev in zip(self.cache.layers, old.layers):
                 n = prev.keys.shape[-2]
                 new.keys[..., :n, :].copy_(prev.keys)
@@ -114,11 +118,7 @@ class CompiledPasses:
     def prefill(self, body: torch.Tensor, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
         """Cache the prompt ``body`` (LongTensor[P], eagerly: one long pass); returns the hidden
         states of ``layers`` [P, H]."""
-        need = body.numel() + self.buckets[-1] + 1
-        if self.cache is None or need > self.max_len:
-            self.cache = None
-            self._allocate(need)
-            self._materialize()
+        self._ensure(body.numel() + self.buckets[-1] + 1, keep=False)
         self._set_length(0)
         if body.numel() == 0:
             return {}
@@ -159,13 +159,13 @@ class CompiledPasses:
         """Logits [N, V] of every node and the hidden states of ``layers`` ([N, H] each); writes
         the tree's rows at cache slots P, P + 1, ... (and the dummy rows' after them)."""
         n = tree.num_nodes
-        rows = self.bucket(n) or n
+        bucket = self.bucket(n)
+        rows = bucket or n
         if prefix_len + rows > self.max_len:
-            self._allocate(prefix_len + rows + self.buckets[-1] + 1)
-            self._materialize()
+            self._ensure(prefix_len + rows + self.buckets[-1] + 1, keep=True)
         ids, pos, cache_pos, mask = self.inputs(tree, prefix_len, rows)
         self._set_length(prefix_len)
-        if self.bucket(n) is None:                            # larger than every bucket: eager
+        if bucket is None:                                    # larger than every bucket: eager
             logits, hidden = self._forward(ids, pos, cache_pos, mask, layers)
         else:
             key = (rows, layers, self.max_len)
@@ -188,10 +188,7 @@ class CompiledPasses:
         ``length`` positions (a request's prompt + new tokens + a tree: the cache then never
         grows, and nothing compiles, while the request is timed): a dummy chain per bucket at
         an empty prefix. The cache's content is left undefined: call before a request's prefill."""
-        if length + self.buckets[-1] + 1 > self.max_len:
-            self.cache = None
-            self._allocate(length + self.buckets[-1] + 1)
-            self._materialize()
+        self._ensure(length + self.buckets[-1] + 1, keep=False)
         top = self.bucket(nodes) or self.buckets[-1]
         todo = [b for b in self.buckets if b <= top and (b, tuple(layers), self.max_len) not in self._seen]
         if not todo:
