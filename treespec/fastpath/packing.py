@@ -376,15 +376,15 @@ class PackedLinear(nn.Module):
         changes (recompile, or repack with ``_pack``, after changing weights)."""
         from treespec.fastpath import ops
 
-        if self._isa_code is None:
-            raise ValueError(f"isa={self.isa!r} cannot run on this CPU; set isa=None (the CPU's best)")
+        packed = self._packed
+        if self.kernel == "onednn":
+            return packed_linear(x, weight, packed, self.min_rows, bias, self.pad_rows)
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
-        packed = self._packed
-        if self.kernel == "onednn" or not _fast_path_ok(x, weight, torch.float32, rows, self.min_rows, self.max_rows):
-            if self.kernel == "onednn":
-                return packed_linear(x, weight, packed, self.min_rows, bias, self.pad_rows)
+        if not _fast_path_ok(x, weight, torch.float32, rows, self.min_rows, self.max_rows):
             return F.linear(x, weight, bias)
+        if self._isa_code is None:
+            raise ValueError(f"isa={self.isa!r} cannot run on this CPU; set isa=None (the CPU's best)")
         if isinstance(packed, BlockPanels):
             if self.kernel == "amx":
                 y = ops.amx_linear(x, packed.blob, packed.bits, packed.half_scales, packed.out_features)
