@@ -181,3 +181,29 @@ def test_auto_measures_the_drafter_under_its_key_before_planning(command, monkey
     argv = command + ["--drafter", "lookup", "--drafter-option", "min_ngram=3"]
     assert cli.main(argv) == 2
     assert seen == [(target, "lookup[min_ngram=3]")]
+
+
+def test_serve_defaults_to_the_targets_serving_drafter_with_budget_auto():
+    """With no --drafter, ``serve`` takes the drafter of the target's serving preset (SmolLM2:
+    eagle3, the load-tested row; Qwen: its 0.5B) and keeps --budget auto; a target without a
+    preset gets eagle3, and a --drafter given always wins (none included)."""
+    from treespec.cli.main import build_parser
+    from treespec.cli.presets import SERVE_PRESETS, apply_serve_preset
+    from treespec.fastpath.cpu import CpuInfo
+
+    parser = build_parser()
+    for flags in (("avx2", "fma"), ("avx2", "avx512f", "avx512_bf16"), ("avx2", "avx512_bf16", "amx_bf16")):
+        cpu = CpuInfo("test", flags, "AVX2")
+        args = parser.parse_args(["serve"])
+        assert apply_serve_preset(args, cpu) is SERVE_PRESETS["smollm2-135m"][cpu.kind]
+        assert (args.drafter, args.budget) == ("eagle3", "auto")
+        args = parser.parse_args(["serve", "--model", "qwen2.5-coder-1.5b"])
+        assert apply_serve_preset(args, cpu) is not None
+        assert (args.drafter, args.budget) == ("qwen2.5-coder-0.5b", "auto")
+    cpu = CpuInfo("test", ("avx2", "fma"), "AVX2")
+    for given in ("none", "hybrid"):
+        args = parser.parse_args(["serve", "--drafter", given, "--budget", "8"])
+        assert apply_serve_preset(args, cpu) is None and (args.drafter, args.budget) == (given, "8")
+    args = parser.parse_args(["serve"])
+    args.model = "no-such-preset"            # a target no measurement covers
+    assert apply_serve_preset(args, cpu) is None and args.drafter == "eagle3"

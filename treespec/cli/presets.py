@@ -3,6 +3,10 @@ tree: per target, the fastest treespec configuration measured on this kind of CP
 result file that measured it. A flag the user gives always wins; only the missing ones come from
 here.
 
+``serve`` takes only the drafter from here (``SERVE_PRESETS``): its tree is always ``--budget
+auto`` unless given, the one tree choice that follows a batch size changing from step to step
+(a fixed tree that pays at batch 1 loses at batch 8).
+
 Only configurations a user can name on the command line are listed (a registered drafter, a
 builder, a budget). The fastest Qwen row on AMX (``switch best12 head8 int4 vocab32k ctx`` in
 ``qwen_amx.md``) builds its drafter from parts the registry does not expose yet, so Qwen's
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 
 from treespec.fastpath.cpu import CpuInfo, cpu_info
 
-__all__ = ["PRESETS", "Preset", "apply_preset", "best_preset"]
+__all__ = ["PRESETS", "SERVE_PRESETS", "Preset", "apply_preset", "apply_serve_preset", "best_preset"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,18 @@ PRESETS: dict[str, dict[str, Preset]] = {
     "qwen2.5-coder-1.5b": {"amx": _QWEN, "avx512bf16": _QWEN, "avx2": _QWEN},
 }
 
+_SERVE_SMOLLM2 = Preset("eagle3", "dynamic", "auto",
+                        "eagle3 with --budget auto is the serving configuration load-tested in serve_load_avx2.md "
+                        "(1.1x the plain server at c = 1, plain decoding from batch 2 on)")
+_SERVE_QWEN = Preset("qwen2.5-coder-0.5b", "dynamic", "auto",
+                     "the 0.5B is the drafter of the target's fastest nameable row (qwen_avx512bf16.md); --budget "
+                     "auto sizes its tree for each batch size from this machine's calibration")
+
+SERVE_PRESETS: dict[str, dict[str, Preset]] = {
+    "smollm2-135m": {"amx": _SERVE_SMOLLM2, "avx512bf16": _SERVE_SMOLLM2, "avx2": _SERVE_SMOLLM2},
+    "qwen2.5-coder-1.5b": {"amx": _SERVE_QWEN, "avx512bf16": _SERVE_QWEN, "avx2": _SERVE_QWEN},
+}
+
 
 def best_preset(model: str, cpu: CpuInfo | None = None) -> Preset | None:
     """The fastest measured configuration of ``model`` on this CPU kind, or None where none was
@@ -71,3 +87,14 @@ def apply_preset(args, cpu: CpuInfo | None = None) -> Preset | None:
     if args.tree is None:
         args.tree = FALLBACK["tree"]
     return preset if used else None
+
+
+def apply_serve_preset(args, cpu: CpuInfo | None = None) -> Preset | None:
+    """``treespec serve``: fill the --drafter the user left out (None) from the target's serving
+    preset for this CPU kind (else eagle3); --budget keeps its own default, auto. Returns the
+    preset where it supplied the drafter."""
+    if args.drafter is not None:
+        return None
+    preset = SERVE_PRESETS.get(args.model, {}).get((cpu if cpu is not None else cpu_info()).kind)
+    args.drafter = preset.drafter if preset is not None else FALLBACK["drafter"]
+    return preset

@@ -22,8 +22,10 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, /metrics)")
     p.add_argument("--model", default="smollm2-135m", choices=sorted(TARGET_LOADERS), help="target")
     add_target_args(p)
-    p.add_argument("--drafter", default="eagle3",
-                   help="registered drafter name, or 'none': plain decoding, speculation off")
+    p.add_argument("--drafter", default=None,
+                   help="registered drafter name, or 'none': plain decoding, speculation off; default: the "
+                        "target's serving preset for this kind of CPU (treespec.cli.presets: smollm2-135m "
+                        "eagle3, qwen2.5-coder-1.5b its 0.5B), else eagle3")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the drafter's factory, repeatable")
     p.add_argument("--budget", default="auto",
@@ -54,11 +56,13 @@ def build_server(args: argparse.Namespace):
     from treespec import load_target
     from treespec.builders import DynamicTreeBuilder
     from treespec.cli.plan import target_pack
+    from treespec.cli.presets import apply_serve_preset
     from treespec.drafters import load_drafter
     from treespec.drafters.base import parse_option_value
     from treespec.fastpath.device import resolve_device
     from treespec.runtime.server import SpeculativeServer
 
+    preset = apply_serve_preset(args)    # no --drafter: the target's serving preset
     for name in ("max_batch", "max_queue", "max_tokens_default"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -90,6 +94,8 @@ def build_server(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     target = load_target(args.model, dtype=args.dtype, device=resolve_device(args.device), pack=target_pack(args))
     print(f"[target: {target.speed_path}]", file=sys.stderr, flush=True)
+    if preset is not None:
+        print(f"[no --drafter given: --drafter {preset.drafter} ({preset.source})]", file=sys.stderr, flush=True)
     if args.drafter == "none":
         return target, SpeculativeServer(target, None)
     drafter = load_drafter(args.drafter, target, **options)
