@@ -6,8 +6,10 @@ stops the servers it started.
 Per mode (the speculative server, and the same server with speculation off: ``--drafter none``)
 and concurrency c: ``--requests`` chat requests of random prompt lengths (MT-bench questions,
 1-2 of them joined), half at T = 0 and half at T = 1 (seeded), ``--cancel`` of them closed
-mid-stream after 1-3 chunks. Both servers run side by side, and each level runs on one and then
-on the other, so that a drifting load on a shared host hits both modes alike. Before the
+mid-stream after 1-3 chunks. Both servers run side by side; a level's requests run in
+``--blocks`` consecutive slices, each slice on every server back to back (the order rotating), so
+that a drifting load on a shared host hits both modes alike and each slice gives a paired
+speculative / plain ratio. Before the
 baseline RSS each server is warmed up with the same mix
 at the largest concurrency (its KV cache, batched buffers and allocator pools reach their size
 for that batch). Checks: nothing lost (every request not cancelled ends with a finish reason,
@@ -314,12 +316,16 @@ def main() -> int:
                    help="time bound of the levels: later requests are skipped (reported)")
     p.add_argument("--start-timeout", type=float, default=1800.0,
                    help="seconds a server may take to answer /health (auto may calibrate first)")
+    p.add_argument("--blocks", type=int, default=4,
+                   help="slices of a level, each run on every server in turn (the order rotating)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama-server", default="auto", choices=("auto", "off"),
                    help="auto: llama.cpp's llama-server as a third server where `make bench-llamacpp` built it")
     p.add_argument("--out", default="benchmarks/results/serve_load")
     args = p.parse_args()
 
+    if args.blocks < 1 or args.blocks > args.requests:
+        p.error(f"--blocks must be between 1 and --requests ({args.requests}), got {args.blocks}")
     started = time.monotonic()
     levels = [int(c) for c in args.concurrency.split(",")]
     rng = random.Random(args.seed)
@@ -336,8 +342,7 @@ def main() -> int:
     modes = {"speculative": spec_flags, "plain": ["--drafter", "none"]}
     result: dict = {"args": vars(args), "modes": {}, "load_average_start": os.getloadavg()}
     deadline = started + 60 * args.minutes
-    # Both servers run side by side (an idle one costs nothing) and each level runs on one, then at
-    # once on the other: a load drifting on a shared host hits both modes alike.
+    # The servers run side by side (an idle one costs nothing); see the slices of a level below.
     servers: dict[str, ServerProcess] = {}
     llama = llama_server_binary() if args.llama_server == "auto" else None
     result["llama_server"] = "not built" if llama is None and args.llama_server == "auto" else (
@@ -361,12 +366,30 @@ def main() -> int:
             wait_idle(server)
             state[mode]["rss_warm_mb"] = server.rss_mb()
             state[mode]["warmup_ok"] = all(r and not r.get("skipped") and not r.get("error") for r in warm)
+        names = list(servers)
         for c in levels:
+            # The level's requests in --blocks consecutive slices; each slice runs on every server in
+            # turn, the order rotating from slice to slice, so that a load drifting on a shared host
+            # over the minutes of a level hits every server alike (a paired ratio per slice).
+            slices = [list(range(j * n // args.blocks, (j + 1) * n // args.blocks)) for j in range(args.blocks)]
+            got = {mode: {"rows": [None] * n, "wall": 0.0, "freed": True, "blocks": []} for mode in servers}
+            for j, idx in enumerate(slices):
+                if not idx:
+                    continue
+                order = names[j % len(names):] + names[:j % len(names)]
+                for mode in order:
+                    server, g = servers[mode], got[mode]
+                    rows, wall = asyncio.run(level(server.url, [prompts[i] for i in idx], [temps[i] for i in idx],
+                                                   [seeds[i] for i in idx], [cancels[i] for i in idx], c,
+                                                   args.max_tokens, deadline, server.request_extra))
+                    g["freed"] &= wait_idle(server)
+                    for i, r in zip(idx, rows):
+                        g["rows"][i] = r
+                    g["wall"] += wall
+                    g["blocks"].append(summarize(rows, wall)["tokens_per_s"])
             for mode, server in servers.items():
-                st = state[mode]
-                rows, wall = asyncio.run(level(server.url, prompts, temps, seeds, cancels, c, args.max_tokens,
-                                               deadline, server.request_extra))
-                freed = wait_idle(server)
+                st, g = state[mode], got[mode]
+                rows = g["rows"]
                 st["rss_by_level_mb"][c] = server.rss_mb()
                 for i, r in enumerate(rows):
                     if r is None or r.get("cancelled") or r.get("skipped"):
@@ -384,8 +407,9 @@ def main() -> int:
                             else:
                                 st["lost"].append((mode, c, i, "greedy text differs between levels"))
                         st["greedy"].setdefault(i, r["text"])
-                summary = summarize(rows, wall)
-                summary["rows_freed"] = freed
+                summary = summarize(rows, g["wall"])
+                summary["rows_freed"] = g["freed"]
+                summary["block_tokens_per_s"] = g["blocks"]
                 summary["load_average"] = os.getloadavg()[0]
                 st["levels"][c] = summary
                 print(f"[{mode} c={c}] {summary}", file=sys.stderr, flush=True)
@@ -459,6 +483,12 @@ def write(result: dict, args) -> None:
                      f"{m['rss_after_mb']:.0f} MB ({growth:+.1%}; goal within 5 %); exit code {m['exit_code']}")
     lines.append(f"- speculative server: tau {spec['tau']:.2f}, acceptance by position "
                  + (", ".join(f"{a:.2f}" for a in spec["acceptance_by_position"]) or "none (no draft)"))
+    for c in spec["levels"]:
+        a, b = spec["levels"][c], plain["levels"][c]
+        pairs = [x / y for x, y in zip(a["block_tokens_per_s"], b["block_tokens_per_s"]) if y]
+        lines.append(f"- c = {c}: speculative / plain tokens/s **{a['tokens_per_s'] / b['tokens_per_s']:.2f}x** "
+                     f"over the level; per slice ({len(pairs)}, each run on both servers back to back) "
+                     + ", ".join(f"{r:.2f}" for r in pairs) + f", median {pct(pairs, 0.5):.2f}x")
     for line in spec["server_log"]:
         if line.startswith("[auto"):
             lines.append(f"- server: {line.strip('[]')}")
