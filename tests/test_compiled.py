@@ -14,7 +14,6 @@ from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator
 from treespec.core.sampling import SamplingConfig
 from treespec.core.tree import DraftTree
 from treespec.drafters import ModelDrafter
-from treespec.fastpath import ops
 from treespec.fastpath.kernels import block_linear, pack_blocks, pack_panels, panel_linear, panel_status
 from treespec.runtime.compiled import CompiledPasses, compile_target
 from treespec.runtime.verifier import TreeVerifier
@@ -30,6 +29,8 @@ V = 16
 @needs_panel
 @pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0])
 def test_custom_ops_give_the_kernels_bits_and_pass_opcheck(fmt):
+    from treespec.fastpath import ops    # builds and loads the kernel, which registers treespec::*
+
     torch.manual_seed(0)
     weight = fmt(torch.randn(40, 96) * 0.05)           # 40 outputs: a zero-padded last panel
     blocks, panels = pack_blocks(weight), pack_panels(weight)

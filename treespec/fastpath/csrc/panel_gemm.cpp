@@ -16,6 +16,7 @@
 // panel group a row falls in, so a row's result is bit-identical whether it is multiplied alone
 // (a 1-token decode step) or among 63 other rows (a tree pass).
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -1335,6 +1336,51 @@ torch::Tensor draft_block_post(const torch::Tensor& q, const torch::Tensor& keys
   torch::Tensor out = blocks_linear(g, blobs[3], bits[3], half[3], outs[3], isa);
   out.add_(h);
   return out;
+}
+
+// The linear kernels as PyTorch operators (treespec::block_linear, panel_linear, amx_linear),
+// registered when this module loads, for compiled graphs (treespec/fastpath/ops.py gives their
+// shapes to the compiler): the dispatcher calls them with no Python in between. Python custom
+// operators cost about 40 us a call more here, and a SmolLM2 pass makes 211 of them.
+// x [..., K] float32 -> [..., out_features] (a zero-padded last panel's columns dropped); the
+// bias is the caller's.
+namespace {
+
+torch::Tensor as_rows(const torch::Tensor& x) { return x.reshape({-1, x.size(-1)}).contiguous(); }
+
+torch::Tensor shaped(torch::Tensor y, const torch::Tensor& x, int64_t out_features) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  if (y.size(1) != out_features) y = y.narrow(1, 0, out_features).contiguous();
+  return y.view(sizes);
+}
+
+torch::Tensor op_block_linear(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, int64_t isa,
+                              bool half_scales, int64_t out_features) {
+  return shaped(panel_linear_blocks(as_rows(x), blob, bits, isa, half_scales), x, out_features);
+}
+
+torch::Tensor op_panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t isa, int64_t out_features) {
+  return shaped(panel_linear(as_rows(x), panels, isa), x, out_features);
+}
+
+torch::Tensor op_amx_linear(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, bool half_scales,
+                            int64_t out_features) {
+  return shaped(amx_linear_blocks(as_rows(x), blob, bits, half_scales), x, out_features);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(treespec, m) {
+  m.def("block_linear(Tensor x, Tensor blob, int bits, int isa, bool half_scales, int out_features) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, int isa, int out_features) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor blob, int bits, bool half_scales, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(treespec, CPU, m) {
+  m.impl("block_linear", &op_block_linear);
+  m.impl("panel_linear", &op_panel_linear);
+  m.impl("amx_linear", &op_amx_linear);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
