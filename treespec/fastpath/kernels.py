@@ -99,7 +99,10 @@ def compile_kernel(source: Path, name: str):
     kernel beside this one (``benchmarks/kernel_ab.py``)."""
     from torch.utils.cpp_extension import load
 
-    return load(name, sources=[str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    # treespec's own module registers the torch.ops.treespec operators (treespec.fastpath.ops),
+    # a second build beside it must not
+    ops = ["-DTREESPEC_OPS"] if name == "treespec_panel_gemm" else []
+    return load(name, sources=[str(source)], extra_cflags=_FLAGS + ops, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def build_needed(name: str = "treespec_panel_gemm", source: Path = SOURCE) -> bool:

@@ -1343,7 +1343,10 @@ torch::Tensor draft_block_post(const torch::Tensor& q, const torch::Tensor& keys
 // shapes to the compiler): the dispatcher calls them with no Python in between. Python custom
 // operators cost about 40 us a call more here, and a SmolLM2 pass makes 211 of them.
 // x [..., K] float32 -> [..., out_features] (a zero-padded last panel's columns dropped); the
-// bias is the caller's.
+// bias is the caller's. Only the module treespec loads defines them (kernels.compile_kernel passes
+// TREESPEC_OPS): a namespace takes one TORCH_LIBRARY a process, and benchmarks/kernel_ab.py loads
+// two revisions of this file side by side.
+#ifdef TREESPEC_OPS
 namespace {
 
 torch::Tensor as_rows(const torch::Tensor& x) { return x.reshape({-1, x.size(-1)}).contiguous(); }
@@ -1382,6 +1385,7 @@ TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("panel_linear", &op_panel_linear);
   m.impl("amx_linear", &op_amx_linear);
 }
+#endif  // TREESPEC_OPS
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "y = x @ W^T with W stored as 16-column panels",
