@@ -204,6 +204,60 @@ def test_auto_budget_follows_the_current_batch_size() -> None:
     assert one._auto[(1, 0.0)].budget > 1                                   # batch 1: a tree
 
 
+def test_a_request_auto_keeps_decoding_plainly_leaves_the_drafter(monkeypatch) -> None:
+    """Batch 8 plans no tree: after AUTO_DETACH_STEPS plain steps in a row each request leaves
+    the drafter (its rows dropped; the target is no longer asked for hidden states) and its
+    tokens stay those of the plain server. A request left alone after fewer plain steps keeps
+    its drafter and drafts again."""
+    import dataclasses
+
+    from treespec.runtime.batch_verifier import BatchVerifier
+    from treespec.runtime.server import AUTO_DETACH_STEPS
+
+    target = target_of()
+    asked = []
+    score = BatchVerifier.score
+
+    def spy(self, batch, features=True):
+        asked.append(features)
+        return score(self, batch, features)
+
+    monkeypatch.setattr(BatchVerifier, "score", spy)
+
+    def server_of():
+        drafter = drafter_of("eagle3", target)
+        drafter.registry_name = "eagle3"
+        cal = dataclasses.replace(_calibration(), acceptance={"eagle3": (0.95, 0.02)},
+                                  drafters={"eagle3": _calibration().drafters["early_exit"]},
+                                  drafter_layers={"eagle3": 2})
+        return SpeculativeServer(target, drafter, "auto", calibration=cal)
+
+    limit = AUTO_DETACH_STEPS + 5
+    prompts = [[1, 2, 3 + i] for i in range(8)]
+    server, plain = server_of(), SpeculativeServer(target, None)
+    for p in prompts:
+        server.add_request(p, max_new_tokens=limit)
+        plain.add_request(p, max_new_tokens=limit)
+    for step in range(AUTO_DETACH_STEPS):
+        server.step()
+        assert server._auto[(8, 0.0)].budget == 1
+        assert all(r.drafting for r in server._live) == (step < AUTO_DETACH_STEPS - 1)
+    assert server.drafter.rows == {} and asked[-1] is True
+    server.run()
+    assert asked[-1] is False and server.stats.drafter_calls == 0
+    assert {k: v.tokens for k, v in server.finished.items()} == {k: v.tokens for k, v in plain.run().items()}
+
+    server = server_of()
+    for p in prompts[:7]:
+        server.add_request(p, max_new_tokens=2)
+    long = server.add_request(prompts[7], max_new_tokens=limit)
+    server.step()
+    server.step()
+    assert server.live == (long,) and server._live[0].drafting and server.stats.drafter_calls == 0
+    server.step()
+    assert server._auto[(1, 0.0)].budget > 1 and server.stats.drafter_calls > 0 and asked[-1] is True
+
+
 def test_auto_plans_each_temperature_with_its_own_acceptance() -> None:
     """A drafter that is good greedy and useless at T = 1: the greedy request gets a tree, the
     sampled one plain decoding, in the same batch."""

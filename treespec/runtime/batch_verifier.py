@@ -77,7 +77,7 @@ class BatchVerifier:
         return self.cache.get_seq_length() if self.cache is not None else 0
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor | None, mask: torch.Tensor | None, cache: DynamicCache,
-                 logits_to_keep: int = 0):
+                 logits_to_keep: int = 0, features: bool = True):
         """``mask`` None: plain causal attention (positions from the cache); ``logits_to_keep``:
         HF's own argument, 0 = logits for every row, k = the last k rows."""
         out = self.model(
@@ -86,13 +86,13 @@ class BatchVerifier:
             attention_mask=None if mask is None else to_hf_mask(mask, self.attn_impl, self.dtype),
             cache=cache,
             use_cache=True,
-            output_hidden_states=bool(self.target_layers),
+            output_hidden_states=features and bool(self.target_layers),
             logits_to_keep=logits_to_keep,
         )
         return out.logits, out.hidden_states
 
     def _features(self, hidden, b: int, n: int) -> TargetFeatures:
-        if not self.target_layers:
+        if not self.target_layers or hidden is None:
             return TargetFeatures.empty()
         return TargetFeatures({i: hidden[i][b, :n] for i in self.target_layers})
 
@@ -185,9 +185,10 @@ class BatchVerifier:
         return cache, lens, tuple(self._features(hidden, b, p) for b, p in enumerate(lens))
 
     @torch.inference_mode()
-    def score(self, batch: TreeBatch) -> BatchVerifyOutput:
+    def score(self, batch: TreeBatch, features: bool = True) -> BatchVerifyOutput:
         """One forward over every request's tree; appends max N_b rows to the cache (undone by
-        ``compact``)."""
+        ``compact``). ``features=False``: no request needs the target's hidden states this step
+        (their ``features`` are empty)."""
         if self.cache is None:
             raise RuntimeError("call prefill() before score()")
         if not isinstance(batch, TreeBatch):
@@ -210,7 +211,7 @@ class BatchVerifier:
             pos[b, :tree.num_nodes] += tree.depth.to(self.device)
         # [B, M, S + M]
         mask = padded_tree_masks(trees, self.prefix_lens, s, self.device)
-        logits, hidden = self._forward(ids, pos, mask, self.cache)
+        logits, hidden = self._forward(ids, pos, mask, self.cache, features=features)
         self._pending = (s, sizes)
         # [T, V]
         flat = torch.cat([logits[b, :n] for b, n in enumerate(sizes)])

@@ -21,7 +21,12 @@ and at T > 0 whenever the batched forwards round like the single ones, see
 the CURRENT batch size and its temperature (``auto_builder(..., batch=B, temperature=T)``:
 verification turns compute-bound as B grows, so the tree shrinks to a chain, then to none; a
 sampled request accepts less than a greedy one, so its tree is smaller). The calibration's
-batched curves (``calibrate_batches``) give the batched pass's cost where measured.
+batched curves (``calibrate_batches``) give the batched pass's cost where measured. A request
+for which auto plans no tree ``AUTO_DETACH_STEPS`` steps in a row leaves the drafter
+(``drafter.drop``) and decodes plainly to its end: a drafter that follows a request it never
+drafts for costs its commits every step, and its first draft afterwards a pass over the whole
+backlog; under steady load (batch 4 or 8) the speculative server then does the plain server's
+work. A short spell of company (a request joining, a cancelled one leaving) does not detach.
 
 ``generate_batch`` is the front door for a fixed set of requests: all join at the first step,
 each leaves at its EOS or limit. With one drafter for all, drafting is batched too; with a
@@ -59,6 +64,7 @@ from treespec.core.acceptance import VERIFY_RULES, VerifyRule
 from treespec.runtime.batch_verifier import BatchVerifier
 
 AUTO_MAX_BUDGET = 65          # the largest tree (nodes, root incl.) budget="auto" may pick; context is reserved for it
+AUTO_DETACH_STEPS = 8         # plain steps in a row after which an auto request leaves the drafter
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,8 @@ class _Request:
     builder: TreeBuilder | None     # None: budget="auto"
     root: int
     out: list[int] = field(default_factory=list)
+    drafting: bool = True           # False: left the drafter (auto planned no tree AUTO_DETACH_STEPS in a row)
+    plain_steps: int = 0            # auto's root-only plans in a row
 
 
 class SpeculativeServer:
@@ -260,13 +268,12 @@ class SpeculativeServer:
         rng = [r.generator.get_state() for r in self._live]
         scored = None
         try:
-            jobs = [BuildJob(r.rid, r.builder or self._auto_builder(r.sampling.temperature), r.root, r.sampling,
-                             r.generator)
-                    for r in self._live]
+            plans = [self._builder_of(r) for r in self._live]
+            jobs = [BuildJob(r.rid, b, r.root, r.sampling, r.generator) for r, b in zip(self._live, plans)]
             built = build_batch(self.drafter, jobs)
             t1 = clock()
             batch = TreeBatch.from_trees([x.tree for x in built], [r.sampling for r in self._live])
-            scored = self.verifier.score(batch)
+            scored = self.verifier.score(batch, features=any(r.drafting for r in self._live))
             t2 = clock()
             results = accept_batch(batch, scored.probs, [r.generator for r in self._live], self.verify)
             t3 = clock()
@@ -279,9 +286,15 @@ class SpeculativeServer:
             raise
         self.verifier.compact([x.keep_src for x in results])
         out, done = {}, []
-        for row, (r, x, acc) in enumerate(zip(self._live, built, results)):
-            feats = scored.features[row].select(acc.keep_src) if self.layers else TargetFeatures.empty()
-            self.drafter.commit(r.rid, x.source[acc.path], acc.tokens, feats)
+        for row, (r, x, acc, plan) in enumerate(zip(self._live, built, results, plans)):
+            if r.drafting:
+                r.plain_steps = r.plain_steps + 1 if r.builder is None and plan.budget == 1 else 0
+                if r.plain_steps >= AUTO_DETACH_STEPS:
+                    self.drafter.drop(r.rid)
+                    r.drafting = False
+                else:
+                    feats = scored.features[row].select(acc.keep_src) if self.layers else TargetFeatures.empty()
+                    self.drafter.commit(r.rid, x.source[acc.path], acc.tokens, feats)
             new = acc.tokens.tolist()
             chunk = []
             for t in new:
@@ -327,6 +340,13 @@ class SpeculativeServer:
         check_builder(builder)
         return builder
 
+    def _builder_of(self, r: _Request) -> TreeBuilder:
+        """This step's tree of request ``r``: its own, auto's for the batch size, or the root
+        alone once it left the drafter."""
+        if not r.drafting:
+            return PLAIN
+        return r.builder or self._auto_builder(r.sampling.temperature)
+
     def _auto_builder(self, temperature: float) -> TreeBuilder:
         key = (len(self._live), temperature)
         if key not in self._auto:
@@ -363,7 +383,8 @@ class SpeculativeServer:
         if not rows:
             return
         for i in rows:
-            self.drafter.drop(self._live[i].rid)
+            if self._live[i].drafting:
+                self.drafter.drop(self._live[i].rid)
         keep = [i for i in range(len(self._live)) if i not in rows]
         self._keep_rows(keep)
         self._live = [self._live[i] for i in keep]
