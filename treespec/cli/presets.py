@@ -58,7 +58,7 @@ PRESETS: dict[str, dict[str, Preset]] = {
 
 _SERVE_SMOLLM2 = Preset("eagle3", "dynamic", "auto",
                         "eagle3 with --budget auto is the serving configuration load-tested in serve_load_avx2.md "
-                        "(1.1x the plain server at c = 1, plain decoding from batch 2 on)")
+                        "(1.07x the plain server at c = 1, plain decoding from batch 2 on)")
 _SERVE_QWEN = Preset("qwen2.5-coder-0.5b", "dynamic", "auto",
                      "the 0.5B is the drafter of the target's fastest nameable row (qwen_avx512bf16.md); --budget "
                      "auto sizes its tree for each batch size from this machine's calibration")
