@@ -24,9 +24,10 @@ sampled request accepts less than a greedy one, so its tree is smaller). The cal
 batched curves (``calibrate_batches``) give the batched pass's cost where measured. A request
 for which auto plans no tree ``AUTO_DETACH_STEPS`` steps in a row leaves the drafter
 (``drafter.drop``) and decodes plainly to its end: a drafter that follows a request it never
-drafts for costs its commits every step, and its first draft afterwards a pass over the whole
-backlog; under steady load (batch 4 or 8) the speculative server then does the plain server's
-work. A short spell of company (a request joining, a cancelled one leaving) does not detach.
+drafts for queues that request's target features every step (commits are lazy), and its first
+draft afterwards runs the head over the whole backlog; a step where no live request drafts asks
+the target for no hidden states. A short spell of company (a request joining, a cancelled one
+leaving) does not detach.
 
 ``generate_batch`` is the front door for a fixed set of requests: all join at the first step,
 each leaves at its EOS or limit. With one drafter for all, drafting is batched too; with a
