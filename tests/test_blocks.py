@@ -416,11 +416,32 @@ def test_q4_k_weights_are_stored_as_exact_4_bit_blocks() -> None:
         assert torch.equal(block_linear(x, blocks), blocks_reference(x, weight, 4)), rows
 
 
-def test_q6_k_and_q5_0_weights_stay_fp32_panels() -> None:
-    """Q6_K (a scale per 16 values) and Q5_0 (5-bit levels around 0) fit no 4- or 8-bit block of
-    32 with one scale: they keep the fp32 path (same outputs, 4 bytes a weight)."""
-    for kind in ("Q6_K", "Q5_0"):
-        assert pack_blocks(gguf_k_quant(kind, 32, 512)) is None, kind
+@needs_panel
+def test_q5_0_weights_are_stored_as_exact_8_bit_blocks() -> None:
+    """Q5_0 is d (q - 16), q in 0..31, with a signed fp16 d: 8-bit blocks with the scale |d|
+    (from the block's largest magnitude, or its level spacing where a block misses level -16),
+    rebuilt bit for bit; the quantizer's own output (gguf's Q5_0) too."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    random_raw = gguf_k_quant("Q5_0", 48, 512)
+    torch.manual_seed(0)
+    w = torch.randn(48, 512)
+    w[:, :32] *= -1                                       # blocks whose largest magnitude is negative
+    qtype = GGMLQuantizationType.Q5_0
+    quantized = torch.from_numpy(dequantize(quantize(w.numpy(), qtype), qtype).astype(np.float32).reshape(48, 512))
+    for weight in (random_raw, quantized):
+        blocks = pack_blocks(weight)
+        assert blocks is not None and blocks.bits == 8
+        for rows in (1, 3, 4, 7, 64):
+            x = torch.randn(rows, 512)
+            assert torch.equal(block_linear(x, blocks), blocks_reference(x, weight, 8)), rows
+
+
+def test_q6_k_weights_stay_fp32_panels() -> None:
+    """Q6_K (a scale per 16 values) fits no 4- or 8-bit block of 32 with one scale: it keeps
+    the fp32 path (same outputs, 4 bytes a weight)."""
+    assert pack_blocks(gguf_k_quant("Q6_K", 32, 512)) is None
 
 
 def test_the_exact_block_types_that_dtype_auto_reads_are_those_pack_blocks_stores() -> None:

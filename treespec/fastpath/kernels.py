@@ -322,6 +322,12 @@ def _scale_candidates(blocks: torch.Tensor, bits: int, m: torch.Tensor):
         base = _q8_0_scale(blocks)                                              # Q8_0: fp16 scale
         for i, steps in enumerate(_SCALE_STEPS):
             yield _fp16_steps(base, steps), i == 0
+        base = (blocks.abs().amax(-1, keepdim=True) / 16).half().float()        # Q5_0: fp16 scale
+        for i, steps in enumerate(_SCALE_STEPS):
+            yield _fp16_steps(base, steps), i == 0
+        level = _level_scale(blocks, m, 31)                 # Q5_0 whose block misses level -16
+        for i, steps in enumerate(_SCALE_STEPS):
+            yield _fp32_steps(level, steps), i == 0
 
 
 def _fit_blocks(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -330,10 +336,12 @@ def _fit_blocks(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
     4 bits: q in 0..15, m = the block's minimum, d an fp16 number near range / 15 (GGUF Q4_1)
     or, for blocks that fit no such scale, an fp32 number from the block's level spacing (GGUF
     Q4_K: d = d16 * sc with a 6-bit sc, so up to 17 significant bits). 8 bits: q in -128..127,
-    m = 0, d from its largest magnitude / 127 (GGUF Q8_0). Every candidate is checked element
-    by element: ``q * d`` must be exact in float32 and ``q * d + m`` (one rounding, of the sum)
-    must equal the weight bit for bit, so the blocks hold exactly the fp32 weights the kernel's
-    sums stand for. GGUF Q6_K (a scale per 16 values) and Q5_0 (5-bit) fit neither form.
+    m = 0, d from its largest magnitude / 127 (GGUF Q8_0), or / 16 (GGUF Q5_0: d (q - 16) with
+    q in 0..31 and an fp16 d, which may be negative: |d| (16 - q) is the same value), or, for a
+    Q5_0 block whose values miss the extreme level, from its level spacing. Every candidate is
+    checked element by element: ``q * d`` must be exact in float32 and ``q * d + m`` (one
+    rounding, of the sum) must equal the weight bit for bit, so the blocks hold exactly the fp32
+    weights the kernel's sums stand for. GGUF Q6_K (a scale per 16 values) fits neither form.
     """
     if bits == 4:
         m = blocks.amin(-1, keepdim=True)

@@ -128,8 +128,8 @@ def native_bf16(device: str | torch.device = "cpu", cpu: CpuInfo | None = None) 
 
 # GGUF weight types whose dequantized values the block kernel stores exactly as 4- or 8-bit
 # integer blocks (``kernels.pack_blocks``; tests/test_blocks.py checks each against the gguf
-# package's own dequantization). Q6_K and Q5_0 are not among them.
-EXACT_BLOCK_GGUF_TYPES = frozenset({"Q4_1", "Q8_0", "Q4_K"})
+# package's own dequantization; Q5_0 as 8-bit blocks). Q6_K, a scale per 16 values, is not.
+EXACT_BLOCK_GGUF_TYPES = frozenset({"Q4_1", "Q8_0", "Q4_K", "Q5_0"})
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
