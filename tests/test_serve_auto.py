@@ -70,7 +70,7 @@ def test_serve_auto_ensures_the_calibration_and_shrinks_the_tree_as_the_batch_gr
     for b in range(1, 9):
         server.add_request([1, 2, 3, 1, 2, 3, 1, 2][:3 + b % 5], max_new_tokens=4)
     server.step()
-    assert len(server.live) == 8 and server._auto[(8, 0.0)].budget == 1
+    assert len(server.live) == 8 and server._auto_builder(0.0, 8).budget == 1
 
 
 def test_where_auto_plans_no_tree_at_any_batch_the_server_runs_without_the_drafter(tmp_path, monkeypatch,

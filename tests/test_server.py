@@ -195,7 +195,8 @@ def test_auto_budget_follows_the_current_batch_size() -> None:
     server = SpeculativeServer(target, LookupDrafter(V), "auto", calibration=_calibration())
     rids = [server.add_request([1, 2, 3 + i], max_new_tokens=3 + 3 * i) for i in range(8)]
     server.step()
-    assert len(server.live) == 8 and server._auto[(8, 0.0)].budget == 1    # batch 8: no speculation
+    assert len(server.live) == 8 and server._auto[(7, 0.0)].budget == 1    # batch 7 or 8: no speculation
+    assert not any(r.drafting for r in server._live)                        # so they joined plainly
     server.run()
     assert set(server.finished) == set(rids)
     one = SpeculativeServer(target, LookupDrafter(V), "auto", calibration=_calibration())
@@ -204,63 +205,114 @@ def test_auto_budget_follows_the_current_batch_size() -> None:
     assert one._auto[(1, 0.0)].budget > 1                                   # batch 1: a tree
 
 
-def test_a_request_auto_keeps_decoding_plainly_leaves_the_drafter(monkeypatch) -> None:
-    """Batch 8 plans no tree: after AUTO_DETACH_STEPS plain steps in a row each request leaves
-    the drafter (its rows dropped; the target is no longer asked for hidden states) and its
-    tokens stay those of the plain server. A request left alone after fewer plain steps keeps
-    its drafter and drafts again."""
+def _detaching_server(target):
+    """An eagle3 server on auto whose calibration plans a tree up to batch 7 and none from 8."""
     import dataclasses
 
+    drafter = drafter_of("eagle3", target)
+    drafter.registry_name = "eagle3"
+    cal = dataclasses.replace(_calibration(), acceptance={"eagle3": (0.95, 0.02)},
+                              drafters={"eagle3": _calibration().drafters["early_exit"]},
+                              drafter_layers={"eagle3": 2})
+    return SpeculativeServer(target, drafter, "auto", calibration=cal)
+
+
+def _spy_features(monkeypatch) -> list:
+    """Records, in order, whether each prefill (("add", f)) and each verify pass (("score", f))
+    asked the target for hidden states."""
     from treespec.runtime.batch_verifier import BatchVerifier
+
+    asked = []
+    score, add = BatchVerifier.score, BatchVerifier.add
+
+    def spy_score(self, batch, features=True):
+        asked.append(("score", features))
+        return score(self, batch, features)
+
+    def spy_add(self, prompts, features=True):
+        asked.append(("add", features))
+        return add(self, prompts, features)
+
+    monkeypatch.setattr(BatchVerifier, "score", spy_score)
+    monkeypatch.setattr(BatchVerifier, "add", spy_add)
+    return asked
+
+
+def test_an_auto_request_joining_a_batch_auto_would_not_draft_for_never_drafts(monkeypatch) -> None:
+    """Nine requests joining at once (auto plans no tree for 8 or 9): none begins on the
+    drafter, the target computes no hidden states, not even over the prompts, and the tokens
+    are the plain server's. A burst of two still drafts: auto plans a tree for one request."""
+    target = target_of()
+    asked = _spy_features(monkeypatch)
+    prompts = [[1, 2, 3 + i] for i in range(9)]
+    server, plain = _detaching_server(target), SpeculativeServer(target, None)
+    for p in prompts:
+        server.add_request(p, max_new_tokens=6)
+        plain.add_request(p, max_new_tokens=6)
+    server.step()
+    assert server._auto[(8, 0.0)].budget == 1 and not any(r.drafting for r in server._live)
+    assert server.drafter.rows == {} and asked == [("add", False), ("score", False)]
+    server.run()
+    assert server.stats.drafter_calls == 0 and all(not f for _, f in asked)
+    assert {k: v.tokens for k, v in server.finished.items()} == {k: v.tokens for k, v in plain.run().items()}
+
+    burst = _detaching_server(target)
+    for p in prompts[:2]:
+        burst.add_request(p, max_new_tokens=6)
+    burst.step()
+    assert burst._auto[(1, 0.0)].budget > 1 and all(r.drafting for r in burst._live)
+    assert set(burst.drafter.rows) == set(burst.live) and asked[-2] == ("add", True)
+
+
+def test_a_request_auto_keeps_decoding_plainly_leaves_the_drafter(monkeypatch) -> None:
+    """A request that drafted alone, then shares a batch of 9 (no tree): after
+    AUTO_DETACH_STEPS plain steps in a row it leaves the drafter (its rows dropped; the target
+    is no longer asked for hidden states) and every request's tokens stay those of the plain
+    server. A request left alone after fewer plain steps keeps its drafter and drafts again."""
     from treespec.runtime.server import AUTO_DETACH_STEPS
 
     target = target_of()
-    asked = []
-    score = BatchVerifier.score
-
-    def spy(self, batch, features=True):
-        asked.append(features)
-        return score(self, batch, features)
-
-    monkeypatch.setattr(BatchVerifier, "score", spy)
-
-    def server_of():
-        drafter = drafter_of("eagle3", target)
-        drafter.registry_name = "eagle3"
-        cal = dataclasses.replace(_calibration(), acceptance={"eagle3": (0.95, 0.02)},
-                                  drafters={"eagle3": _calibration().drafters["early_exit"]},
-                                  drafter_layers={"eagle3": 2})
-        return SpeculativeServer(target, drafter, "auto", calibration=cal)
-
+    asked = _spy_features(monkeypatch)
     limit = AUTO_DETACH_STEPS + 5
-    prompts = [[1, 2, 3 + i] for i in range(8)]
-    server, plain = server_of(), SpeculativeServer(target, None)
-    for p in prompts:
+    prompts = [[1, 2, 3 + i] for i in range(9)]
+    server, plain = _detaching_server(target), SpeculativeServer(target, None)
+    first = server.add_request(prompts[0], max_new_tokens=limit + 1)
+    server.step()
+    assert server.stats.drafter_calls > 0 and server._live[0].drafting
+    for p in prompts[1:]:
         server.add_request(p, max_new_tokens=limit)
-        plain.add_request(p, max_new_tokens=limit)
+    for p in prompts:
+        plain.add_request(p, max_new_tokens=limit + 1)
     for step in range(AUTO_DETACH_STEPS):
         server.step()
-        assert server._auto[(8, 0.0)].budget == 1
-        assert all(r.drafting for r in server._live) == (step < AUTO_DETACH_STEPS - 1)
-    assert server.drafter.rows == {} and asked[-1] is True
+        assert server._auto[(9, 0.0)].budget == 1
+        assert [r.drafting for r in server._live] == [step < AUTO_DETACH_STEPS - 1] + [False] * 8
+    assert server.drafter.rows == {} and asked[-1] == ("score", True)
+    calls = server.stats.drafter_calls
     server.run()
-    assert asked[-1] is False and server.stats.drafter_calls == 0
-    assert {k: v.tokens for k, v in server.finished.items()} == {k: v.tokens for k, v in plain.run().items()}
+    assert asked[-1] == ("score", False) and server.stats.drafter_calls == calls
+    expected = {k: v.tokens for k, v in plain.run().items()}
+    assert server.finished[first].tokens == expected[0]
+    assert all(server.finished[k].tokens == expected[k][:limit] for k in expected if k != first)
 
-    server = server_of()
-    for p in prompts[:7]:
+    server = _detaching_server(target)
+    long = server.add_request(prompts[8], max_new_tokens=limit)
+    server.step()
+    for p in prompts[:8]:
         server.add_request(p, max_new_tokens=2)
-    long = server.add_request(prompts[7], max_new_tokens=limit)
     server.step()
     server.step()
-    assert server.live == (long,) and server._live[0].drafting and server.stats.drafter_calls == 0
+    assert server.live == (long,) and server._live[0].drafting
+    calls = server.stats.drafter_calls
     server.step()
-    assert server._auto[(1, 0.0)].budget > 1 and server.stats.drafter_calls > 0 and asked[-1] is True
+    assert server._auto[(1, 0.0)].budget > 1 and server.stats.drafter_calls > calls
+    assert asked[-1] == ("score", True)
 
 
 def test_auto_plans_each_temperature_with_its_own_acceptance() -> None:
     """A drafter that is good greedy and useless at T = 1: the greedy request gets a tree, the
-    sampled one plain decoding, in the same batch."""
+    sampled one plain decoding, in the same batch (it joins plainly: auto plans it no tree
+    even alone)."""
     import dataclasses
 
     target = target_of()
@@ -271,7 +323,8 @@ def test_auto_plans_each_temperature_with_its_own_acceptance() -> None:
     server.add_request([1, 2, 3], max_new_tokens=4)
     server.add_request([1, 2, 4], SamplingConfig(1.0), max_new_tokens=4, seed=0)
     server.step()
-    assert server._auto[(2, 0.0)].budget > 1 and server._auto[(2, 1.0)].budget == 1
+    assert server._auto[(2, 0.0)].budget > 1 and server._auto[(1, 1.0)].budget == 1
+    assert [r.drafting for r in server._live] == [True, False]
     server.run()
     assert len(server.finished) == 2
 

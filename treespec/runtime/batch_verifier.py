@@ -97,22 +97,24 @@ class BatchVerifier:
         return TargetFeatures({i: hidden[i][b, :n] for i in self.target_layers})
 
     @torch.inference_mode()
-    def prefill(self, prompts: Sequence[torch.Tensor]) -> tuple[TargetFeatures, ...]:
+    def prefill(self, prompts: Sequence[torch.Tensor], features: bool = True) -> tuple[TargetFeatures, ...]:
         """Cache prompt[:-1] of every request (LongTensor[P_b + 1] each) in one right-padded
-        forward; returns each request's features [P_b, H]. The last tokens are the roots."""
-        self.cache, self.prefix_lens, feats = self._prefill(prompts)
+        forward; returns each request's features [P_b, H] (empty ones with ``features=False``:
+        no request needs the target's hidden states). The last tokens are the roots."""
+        self.cache, self.prefix_lens, feats = self._prefill(prompts, features)
         self._pending = None
         return feats
 
     @torch.inference_mode()
-    def add(self, prompts: Sequence[torch.Tensor]) -> tuple[TargetFeatures, ...]:
+    def add(self, prompts: Sequence[torch.Tensor], features: bool = True) -> tuple[TargetFeatures, ...]:
         """Requests join between steps: prefill ``prompts`` (one forward of their own) and append
-        them as rows B, B + 1, ... of the cache, padded to the longer of the two lengths."""
+        them as rows B, B + 1, ... of the cache, padded to the longer of the two lengths.
+        ``features`` as for ``prefill``."""
         if self.cache is None:
-            return self.prefill(prompts)
+            return self.prefill(prompts, features)
         if self._pending is not None:
             raise RuntimeError("compact() the last scores before add()")
-        cache, lens, feats = self._prefill(prompts)
+        cache, lens, feats = self._prefill(prompts, features)
         s = max(self.prefix_lens + lens)
         old_b, new_b = self.batch_size, len(lens)
         for mine, theirs in zip(self.cache.layers, cache.layers):
@@ -137,7 +139,7 @@ class BatchVerifier:
         self.prefix_lens = self.prefix_lens + lens
         return feats
 
-    def _prefill(self, prompts: Sequence[torch.Tensor]):
+    def _prefill(self, prompts: Sequence[torch.Tensor], features: bool = True):
         """(a fresh batched cache of prompt[:-1] per row, their lengths, their features)."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of LongTensor (one per request)")
@@ -158,7 +160,7 @@ class BatchVerifier:
         if s == 0:
             hidden = self.model.config.hidden_size
             empty = TargetFeatures({i: torch.zeros(0, hidden, device=self.device, dtype=self.dtype)
-                                    for i in self.target_layers})
+                                    for i in self.target_layers}) if features else TargetFeatures.empty()
             return cache, lens, tuple(empty for _ in prompts)
         b_ = len(prompts)
         # [B, S]
@@ -168,7 +170,7 @@ class BatchVerifier:
         # No prompt row's logits are used (the root's come with the first tree): the LM head runs
         # over one row, not B x S (a [S, V] product and its S x V floats per request otherwise).
         if len(set(lens)) == 1:             # no padding (one request, or equal lengths): causal
-            _, hidden = self._forward(ids, None, None, cache, logits_to_keep=1)
+            _, hidden = self._forward(ids, None, None, cache, logits_to_keep=1, features=features)
             return cache, lens, tuple(self._features(hidden, b, p) for b, p in enumerate(lens))
         pos = torch.arange(s, device=self.device).expand(b_, s)
         q = torch.arange(s, device=self.device)
@@ -177,7 +179,7 @@ class BatchVerifier:
         real = (q[None, :, None] < n[:, None, None]) & (q[None, None, :] <= q[None, :, None]) \
             & (q[None, None, :] < n[:, None, None])
         mask = real | ((q[None, :, None] >= n[:, None, None]) & (q[None, None, :] == q[None, :, None]))
-        _, hidden = self._forward(ids, pos, mask, cache, logits_to_keep=1)
+        _, hidden = self._forward(ids, pos, mask, cache, logits_to_keep=1, features=features)
         pad = (q[None] >= n[:, None])[:, None, :, None]               # [B, 1, S, 1]
         for layer in cache.layers:          # padding slots hold zeros between steps
             layer.keys.masked_fill_(pad, 0)

@@ -21,13 +21,17 @@ and at T > 0 whenever the batched forwards round like the single ones, see
 the CURRENT batch size and its temperature (``auto_builder(..., batch=B, temperature=T)``:
 verification turns compute-bound as B grows, so the tree shrinks to a chain, then to none; a
 sampled request accepts less than a greedy one, so its tree is smaller). The calibration's
-batched curves (``calibrate_batches``) give the batched pass's cost where measured. A request
-for which auto plans no tree ``AUTO_DETACH_STEPS`` steps in a row leaves the drafter
-(``drafter.drop``) and decodes plainly to its end: a drafter that follows a request it never
-drafts for queues that request's target features every step (commits are lazy), and its first
-draft afterwards runs the head over the whole backlog; a step where no live request drafts asks
-the target for no hidden states. A short spell of company (a request joining, a cancelled one
-leaving) does not detach.
+batched curves (``calibrate_batches``) give the batched pass's cost where measured.
+
+A request auto would not draft for is kept away from the drafter, which otherwise costs it
+without paying: the target's hidden states over its prompt, the drafter's own prefill
+(``begin``), its features queued every step (commits are lazy) and, at its next draft, a head
+pass over that backlog. So an auto request that joins a batch for which auto plans no tree even
+with one request fewer never begins on the drafter, and one for which auto plans no tree
+``AUTO_DETACH_STEPS`` steps in a row leaves it (``drafter.drop``); either decodes plainly to its
+end, and a step where no live request drafts asks the target for no hidden states. The margin
+of one request and the run of steps keep a brief spell of company (a burst of two, a request
+joining or a cancelled one leaving) from costing a request its drafting.
 
 ``generate_batch`` is the front door for a fixed set of requests: all join at the first step,
 each leaves at its EOS or limit. With one drafter for all, drafting is batched too; with a
@@ -119,7 +123,7 @@ class _Request:
     builder: TreeBuilder | None     # None: budget="auto"
     root: int
     out: list[int] = field(default_factory=list)
-    drafting: bool = True           # False: left the drafter (auto planned no tree AUTO_DETACH_STEPS in a row)
+    drafting: bool = True           # False: decodes plainly, without the drafter (see the module docstring)
     plain_steps: int = 0            # auto's root-only plans in a row
 
 
@@ -348,8 +352,9 @@ class SpeculativeServer:
             return PLAIN
         return r.builder or self._auto_builder(r.sampling.temperature)
 
-    def _auto_builder(self, temperature: float) -> TreeBuilder:
-        key = (len(self._live), temperature)
+    def _auto_builder(self, temperature: float, batch: int | None = None) -> TreeBuilder:
+        """auto's tree at ``batch`` requests (None: the live batch) and ``temperature``."""
+        key = (len(self._live) if batch is None else batch, temperature)
         if key not in self._auto:
             self._auto[key] = auto_builder(self.target, self.drafter, self.calibration,
                                            max_budget=AUTO_MAX_BUDGET, batch=key[0], temperature=temperature)
@@ -363,10 +368,18 @@ class SpeculativeServer:
             return
         joining = self._queued
         t0 = time.perf_counter()
-        feats = self.verifier.add([r.prompt for r in joining])   # raises before any row joins
+        # An auto request joins plainly where auto plans no tree even with one request fewer
+        # than the batch it joins (see the module docstring).
+        batch = len(self._live) + len(joining)
+        for r in joining:
+            r.drafting = r.builder is not None or self._auto_builder(r.sampling.temperature, max(1, batch - 1)).budget > 1
+        drafting = any(r.drafting for r in joining)
+        feats = self.verifier.add([r.prompt for r in joining], features=drafting)   # raises before any row joins
         begun: list[_Request] = []
         try:
             for r, f in zip(joining, feats):
+                if not r.drafting:
+                    continue
                 self.drafter.begin(r.rid, r.prompt, f if self.layers else TargetFeatures.empty())
                 begun.append(r)
         except BaseException:
