@@ -16,7 +16,7 @@ from treespec.cli.bench import (
     BenchReport, TreeSpec, find_llamacpp, parse_drafters, parse_llamacpp_timings, parse_temperatures, parse_trees,
     run_llamacpp, select_prompts,
 )
-from treespec.data import CODE_EDIT_PROMPTS, interleave_categories, prompt_set, spec_bench_questions
+from treespec.data import CODE_EDIT_PROMPTS, chat_prompt, interleave_categories, prompt_set, spec_bench_questions
 from treespec.runtime.bench import Run, paired_ratio, pooled_ratio, sequoia_acceptance, summarize
 
 
@@ -166,6 +166,7 @@ def test_llamacpp_row_reads_its_own_timers_and_is_absent_where_not_built(tmp_pat
     monkeypatch.delenv("TREESPEC_LLAMACPP", raising=False)
     binary, why = find_llamacpp(None)
     assert binary is None and "llama.cpp is not built here" in why
+    assert find_llamacpp("off") == (None, "left out (--llamacpp off)")
     fake = tmp_path / "llama-cli"   # a stand-in binary: checks its arguments, prints llama.cpp's timers
     fake.write_text(f"#!{sys.executable}\nimport sys\nargs = sys.argv\n"
                     "assert args[args.index('-n') + 1] == '16' and args[args.index('--temp') + 1] == '0'\n"
@@ -173,6 +174,14 @@ def test_llamacpp_row_reads_its_own_timers_and_is_absent_where_not_built(tmp_pat
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("TREESPEC_LLAMACPP", str(fake))
     assert find_llamacpp(None) == (str(fake), "")
+    monkeypatch.delenv("TREESPEC_LLAMACPP")              # `make bench-llamacpp`'s folder is found by itself
+    import treespec.runtime.llamacpp as llamacpp
+
+    monkeypatch.setattr(llamacpp, "DEFAULT_BIN", tmp_path)
+    assert find_llamacpp(None)[0] is None                              # no llama-completion in it yet
+    fake.rename(tmp_path / "llama-completion")
+    assert find_llamacpp(None) == (str(tmp_path / "llama-completion"), "")
+    fake = tmp_path / "llama-completion"
     run = run_llamacpp(str(fake), tmp_path / "m.gguf", "<|im_start|>user\nHi", 16, 0.0, 1, 1)
     assert run.tokens == 16 and run.seconds == pytest.approx(0.34)
 
@@ -213,6 +222,36 @@ def test_smoke_two_drafters_two_trees_greedy_equal_and_resumable(tmp_path, capsy
             f"--temperatures 0 --prompt-set mt-bench --prompts 2 --max-new-tokens 16") in md
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "eagle3 dynamic:8" in out and "llama.cpp is not built here" in out
+
+    # llama.cpp built after the run: --resume measures its row for the prompts already saved
+    import treespec.cli.bench as bench_module
+    from treespec.cli.bench import LLAMACPP, Row
+
+    fake = tmp_path / "llama-completion"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    asked = []
+
+    def fake_run(binary, gguf, text, max_new_tokens, temperature, seed, threads, prompt_tokens=None):
+        asked.append((binary, seed, max_new_tokens, temperature, prompt_tokens,
+                      text.endswith("<|im_start|>assistant\n")))
+        return Run(tokens=max_new_tokens, seconds=0.5, prefill_s=0.1, steps=max_new_tokens - 1,
+                   emitted=max_new_tokens, nodes=max_new_tokens - 1)
+
+    monkeypatch.setattr(bench_module, "run_llamacpp", fake_run)
+    assert cli.main([*argv, "--prompts", "2", "--resume", "--llamacpp", str(fake)]) == 0
+    added = BenchReport.from_json(json.loads((tmp_path / "bench.json").read_text()))
+    llama = Row(LLAMACPP, 0.0)
+    assert [r.key for r in added.rows] == [report.rows[0].key, llama.key] + [r.key for r in report.rows[1:]]
+    lengths = [len(chat_prompt(loaded["smollm2-135m"].tokenizer, q.turns[0]))
+               for _, q in bench_module.select_prompts(["mt-bench"], 2)]
+    assert asked == [(str(fake), i, 16, 0.0, lengths[i], True) for i in range(2)]   # the chat-templated text
+    assert len(added.runs[llama.key]) == 2 and added.summary(llama).tokens_per_s == pytest.approx(32 / 1.0)
+    assert all([r.to_json() for r in added.runs[k]] == [r.to_json() for r in report.runs[k]] for k in report.runs)
+    assert added.command == report.command and "added to the saved run afterwards" in added.llamacpp
+    assert f"| {LLAMACPP} |" in (tmp_path / "bench.md").read_text()
+    assert cli.main([*argv, "--prompts", "2", "--resume", "--llamacpp", "off"]) == 2     # rows differ now
+    assert "--llamacpp off" in capsys.readouterr().err
     assert cli.main([*argv[:-4], "--max-new-tokens", "8", "--out", str(tmp_path), "--resume"]) == 2
     assert "--resume" in capsys.readouterr().err and os.path.exists(tmp_path / "bench.json")
 

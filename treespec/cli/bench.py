@@ -7,10 +7,11 @@ The same from Python: ``treespec.cli.bench.bench(drafters=..., trees=..., ...)``
 :class:`BenchReport`. Every tree size counts nodes including the root (``chain:4`` = a chain of
 3 drafts, one 4-row verify pass). Per prompt the rows run back to back: plain decoding (treespec's
 loop with a one-node tree: the reference for speed and for greedy equality), HF ``generate`` on
-the same model object, llama.cpp where ``--llamacpp`` names a built binary, then every
+the same model object, llama.cpp where it is built (:func:`find_llamacpp`), then every
 configuration (:mod:`treespec.runtime.bench` says how rows are compared). With ``--out`` the
 JSON (the runs of every row), the Markdown and the plot are rewritten after every prompt, and
-``--resume`` continues a cut-short run exactly after the last prompt it saved.
+``--resume`` continues a cut-short run exactly after the last prompt it saved (a run saved
+without llama.cpp first gets its rows for the prompts saved, where it is now built).
 
 ``--shard K/N`` measures every N-th prompt (K-th of N), so N processes of one thread each share
 a many-core machine; each writes ``<name>-shardKofN.json`` (and ``.md``) and resumes alone, and
@@ -199,18 +200,25 @@ def select_prompts(prompt_sets: Sequence[str], prompts: int | None) -> list[tupl
 
 
 def find_llamacpp(path: str | None) -> tuple[str | None, str]:
-    """(binary, "") where llama.cpp is built (``path``, else $TREESPEC_LLAMACPP: a llama-completion
-    binary or the bin folder holding it), else (None, why not)."""
-    from treespec.runtime.llamacpp import BUILD_HINT, PLAIN_TOOL
+    """(binary, "") where llama.cpp is built (``path``, else $TREESPEC_LLAMACPP, else the
+    ``make bench-llamacpp`` build folder: a llama-completion binary or the bin folder holding
+    it), else (None, why not). ``path="off"`` leaves the row out."""
+    from treespec.runtime import llamacpp
 
+    if path == "off":
+        return None, "left out (--llamacpp off)"
     path = path or os.environ.get(LLAMACPP_ENV)
     if not path:
-        return None, (f"llama.cpp is not built here: no --llamacpp BIN and no ${LLAMACPP_ENV}, so its row is absent "
-                      f"({BUILD_HINT})")
-    binary = Path(path) / PLAIN_TOOL if Path(path).is_dir() else Path(path)
+        default = llamacpp.DEFAULT_BIN / llamacpp.PLAIN_TOOL
+        if default.is_file() and os.access(default, os.X_OK):
+            return str(default), ""
+        return None, (f"llama.cpp is not built here: no --llamacpp BIN, no ${LLAMACPP_ENV} and no "
+                      f"{llamacpp.DEFAULT_BIN}, so its row is absent ({llamacpp.BUILD_HINT})")
+    binary = Path(path) / llamacpp.PLAIN_TOOL if Path(path).is_dir() else Path(path)
     if not (binary.is_file() and os.access(binary, os.X_OK)):
-        raise ValueError(f"--llamacpp: {str(binary)!r} is not an executable file (a built llama.cpp {PLAIN_TOOL}, "
-                         f"or the bin folder holding it; {BUILD_HINT})")
+        raise ValueError(f"--llamacpp: {str(binary)!r} is not an executable file (a built llama.cpp "
+                         f"{llamacpp.PLAIN_TOOL}, or the bin folder holding it; {llamacpp.BUILD_HINT}; "
+                         "--llamacpp off leaves the row out)")
     return str(binary), ""
 
 
@@ -290,9 +298,13 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
         gguf = _gguf_of(target_name)
         llamacpp_note = f"{binary} on {gguf} (GGUF weights; llama.cpp's own timers, model loading left out)"
     rows, gens, sequoia = _rows(tgt, drafters, specs, temperatures, hf_plain, binary, depth, top_k, sampled_mode)
+    added = []
     if report is not None and [r.key for r in report.rows] != [r.key for r in rows]:
-        raise ValueError(f"--resume: the saved run has the rows {[r.key for r in report.rows]}, these options give "
-                         f"{[r.key for r in rows]} (--llamacpp present in one run only?); give the same options")
+        added = [r for r in rows if r.label == LLAMACPP and r.key not in report.runs]
+        if [r.key for r in rows if r not in added] != [r.key for r in report.rows]:
+            raise ValueError(f"--resume: the saved run has the rows {[r.key for r in report.rows]}, these options "
+                             f"give {[r.key for r in rows]}; give the same options (--llamacpp off: no llama.cpp "
+                             "row)")
     if report is None:
         from treespec.fastpath.packing import machine_info
 
@@ -300,8 +312,13 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
                              rows=rows, runs={r.key: [] for r in rows}, sequoia=sequoia, llamacpp=llamacpp_note)
     if note:
         report.settings["note"] = note
-    if command:
+    if command and not added:
         report.command = command
+    if added:
+        _add_llamacpp_rows(report, rows, added, items, tgt.tokenizer, binary, _gguf_of(target_name), llamacpp_note,
+                           max_new_tokens, seed, command, progress)
+        if paths is not None:
+            save(report, paths, plot)
     _warm_up(tgt, gens, hf_plain)
     done = len(report.prompts)
     wall_before = report.wall_s
@@ -347,6 +364,36 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
         if merged is not None:
             return merged
     return report
+
+
+def _add_llamacpp_rows(report: BenchReport, rows: list[Row], added: list[Row], items, tokenizer, binary: str,
+                       gguf: Path, note: str, max_new_tokens: int, seed: int, command: str, progress: bool) -> None:
+    """A run saved without llama.cpp, resumed where it is built: its rows are measured for the
+    prompts already saved, one prompt after another (all of them before any is saved: a cut
+    leaves the run as it was), and the result says they ran after the other rows, not
+    interleaved with them."""
+    from treespec.data import chat_prompt
+
+    bar = _progress(len(report.prompts), len(added), progress)
+    runs: dict[str, list[Run]] = {r.key: [] for r in added}
+    try:
+        for p in report.prompts:
+            q = items[p["index"]][1]
+            ids = chat_prompt(tokenizer, q.turns[0])
+            text = tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}],
+                                                 add_generation_prompt=True, tokenize=False)
+            for row in added:
+                bar.set_postfix_str(row.key, refresh=False)
+                runs[row.key].append(run_llamacpp(binary, gguf, text, max_new_tokens, row.temperature,
+                                                  seed + p["index"], torch.get_num_threads(),
+                                                  prompt_tokens=len(ids)))
+                bar.update(1)
+    finally:
+        bar.close()
+    report.rows = rows
+    report.runs.update(runs)
+    report.llamacpp = (f"{note}; its rows were added to the saved run afterwards (`{command}`), each prompt's "
+                       f"llama.cpp runs after all of treespec's rows, not interleaved with them")
 
 
 def _target(target):
@@ -448,7 +495,7 @@ def _resumed(paths: Path | None, settings: dict) -> BenchReport | None:
         report = BenchReport.from_json(json.loads(path.read_text()))
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"--resume: {path} is not a bench result ({e}); delete it or give another --out") from None
-    saved = {k: v for k, v in report.settings.items() if k not in ("prompts_per_set", "note")}
+    saved = {k: v for k, v in report.settings.items() if k not in ("prompts_per_set", "note", "shards")}
     now = {k: v for k, v in settings.items() if k != "prompts_per_set"}
     if saved != now:
         differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
@@ -695,9 +742,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
     b.add_argument("--no-hf", action="store_true", help="leave out the HF generate plain row")
     b.add_argument("--llamacpp", default=None, metavar="BIN",
-                   help=f"a built llama.cpp llama-completion, or its bin folder (`make bench-llamacpp`: "
-                        f".cache/llama.cpp/build/bin), for its plain-decoding row (default ${LLAMACPP_ENV}; "
-                        "absent: no row, and the output says so)")
+                   help=f"a built llama.cpp llama-completion, or its bin folder, for its plain-decoding row "
+                        f"(default ${LLAMACPP_ENV}, else `make bench-llamacpp`'s .cache/llama.cpp/build/bin; "
+                        "off, or not built: no row, and the output says so)")
     b.add_argument("--out", default=None, metavar="DIR", help="write DIR/<name>.json and .md after every prompt")
     b.add_argument("--name", default="bench", help="file stem under --out (default %(default)s)")
     b.add_argument("--plot", action="store_true", help="also write DIR/<name>.png (needs matplotlib: the bench extra)")
