@@ -24,9 +24,9 @@ sampled request accepts less than a greedy one, so its tree is smaller). The cal
 batched curves (``calibrate_batches``) give the batched pass's cost where measured.
 
 A request auto would not draft for is kept away from the drafter, which otherwise costs it
-without paying: the target's hidden states over its prompt, the drafter's own prefill
-(``begin``), its features queued every step (commits are lazy) and, at its next draft, a head
-pass over that backlog. So an auto request that joins a batch for which auto plans no tree even
+without paying: the target's hidden states over its prompt, its features queued every step
+(``begin`` and commits are lazy), a row in the drafter's KV that the head's pass spans whenever
+any request drafts and, at its own next draft, a head pass over that backlog. So an auto request that joins a batch for which auto plans no tree even
 with one request fewer never begins on the drafter, and one for which auto plans no tree
 ``AUTO_DETACH_STEPS`` steps in a row leaves it (``drafter.drop``); either decodes plainly to its
 end, and a step where no live request drafts asks the target for no hidden states. The margin
