@@ -327,8 +327,7 @@ def bench(drafters: Sequence[str] = ("eagle3",), trees: Sequence[str | TreeSpec]
         for index in order[done:]:
             set_name, q = items[index]
             ids = torch.tensor(chat_prompt(tgt.tokenizer, q.turns[0]))
-            text = tgt.tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}],
-                                                     add_generation_prompt=True, tokenize=False) if binary else ""
+            text = _llamacpp_text(tgt.tokenizer, q.turns[0]) if binary else ""
             fresh: dict[str, Run] = {}
             plain_ids: dict[float, list[int]] = {}
             for row in rows:
@@ -380,8 +379,7 @@ def _add_llamacpp_rows(report: BenchReport, rows: list[Row], added: list[Row], i
         for p in report.prompts:
             q = items[p["index"]][1]
             ids = chat_prompt(tokenizer, q.turns[0])
-            text = tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}],
-                                                 add_generation_prompt=True, tokenize=False)
+            text = _llamacpp_text(tokenizer, q.turns[0])
             for row in added:
                 bar.set_postfix_str(row.key, refresh=False)
                 runs[row.key].append(run_llamacpp(binary, gguf, text, max_new_tokens, row.temperature,
@@ -394,6 +392,12 @@ def _add_llamacpp_rows(report: BenchReport, rows: list[Row], added: list[Row], i
     report.runs.update(runs)
     report.llamacpp = (f"{note}; its rows were added to the saved run afterwards (`{command}`), each prompt's "
                        f"llama.cpp runs after all of treespec's rows, not interleaved with them")
+
+
+def _llamacpp_text(tokenizer, turn: str) -> str:
+    """The text llama.cpp reads for ``turn``: the same one-message chat as ``chat_prompt``'s ids."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True,
+                                         tokenize=False)
 
 
 def _target(target):
