@@ -24,8 +24,10 @@ MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sam
   ``llama.cpp plain`` paired by prompt.
 fp32 is the exact reference target; bf16 rows run only where the CPU has native bf16 units, amx
 rows only where it has AMX-BF16 (the fp32 model with its linear layers on the AMX block kernel,
-each linear input rounded to bf16: ``load_target(..., pack="amx")``). bf16 and amx targets are
-different targets: their rows are compared with plain decoding of the same target, and with the
+each linear input rounded to bf16: ``load_target(..., pack="amx")``); ``--dtypes x8`` asks for x8 rows
+(the fp32 model's exact integer blocks times each linear input rounded to 8-bit integers per block of
+32, as llama.cpp multiplies: ``pack="x8"``). bf16, amx and x8 targets are different targets:
+their rows are compared with plain decoding of the same target, and with the
 fastest plain decoding of any of them, so a row cannot win by slowing its own baseline. At T = 1 every output is scored under the fp32 target (mean log-likelihood
 per token): bf16 speculative decoding must not cost quality against bf16 plain decoding.
 
@@ -55,7 +57,7 @@ from treespec.cli.main import ensure_calibration, make_builder
 from treespec.planning import auto_threshold_text
 from treespec.runtime.bench import Run, paired_ratio, pooled_rate, pooled_ratio   # treespec bench's ratios
 from treespec.data import chat_prompt, mtbench_questions
-from treespec.fastpath.kernels import amx_status
+from treespec.fastpath.kernels import amx_status, panel_status
 from treespec.fastpath.packing import cpu_info
 from treespec.builders import BestFirstBuilder
 from treespec.runtime.compiled import compile_target
@@ -82,9 +84,10 @@ def auto_path(gen, calibration_path, drafter: str) -> str:
 def build(args):
     """{dtype: {row name: callable(ids, T, seed) -> record}} and the fp32 scorer."""
     dtypes = ["fp32"] + (["bf16"] if cpu_info().native_bf16 else []) + (["amx"] if amx_status()[0] else [])
+    x8 = ["x8"] if panel_status()[0] else []   # asked for by name: x8 is its own target, like amx
     if args.dtypes:
         asked = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-        valid = dtypes + ["compiled"]          # compiled: the fp32 target's passes compiled (Target.compiled)
+        valid = dtypes + ["compiled"] + x8     # compiled: the fp32 target's passes compiled (Target.compiled)
         if not asked or set(asked) - set(valid):
             raise SystemExit(f"--dtypes takes a comma-separated subset of {valid} on this CPU, got {args.dtypes!r}")
         dtypes = [d for d in valid if d in asked]
@@ -95,12 +98,12 @@ def build(args):
         if dtype not in stocks:
             stocks[dtype] = treespec.load_target("smollm2-135m", dtype=dtype, pack=False)
         stock = stocks[dtype]
-        pack = "amx" if d == "amx" else args.fp32_kernel if d in ("fp32", "compiled") and args.fp32_kernel != "auto" \
+        pack = d if d in ("amx", "x8") else args.fp32_kernel if d in ("fp32", "compiled") and args.fp32_kernel != "auto" \
             else True
         packed = treespec.load_target("smollm2-135m", dtype=dtype, pack=pack)
         if d == "compiled":
             packed = compile_target(packed)
-        paths[d] = {"packed": packed.speed_path} if d in ("amx", "compiled") else {"stock": stock.speed_path,
+        paths[d] = {"packed": packed.speed_path} if d in ("amx", "x8", "compiled") else {"stock": stock.speed_path,
                                                                       "packed": packed.speed_path}
         if d == "fp32":
             scorer = stock.model
@@ -135,7 +138,7 @@ def build(args):
         paths[d]["lookup adaptive"] = f"{lookup.config}, {gens['treespec lookup adaptive'].builder}"
         rows = {}
         peers = d != "compiled"   # the compiled group's stock model is fp32's: its HF rows would be fp32's again
-        if d != "amx" and peers:   # amx's stock model is fp32's: its row would be fp32's HF generate again
+        if d not in ("amx", "x8") and peers:   # their stock model is fp32's: its row would be fp32's HF generate again
             rows["HF generate"] = lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s)
         if (d == "fp32" or args.all_peers and peers) and "HF assisted (small)" not in skipped:   # as a user runs them
             small = treespec.load_drafter("small", stock).model
@@ -153,7 +156,7 @@ def build(args):
         # pass the trees share (HF generate scores the prompt's last token inside that pass)
         if d == "compiled":
             rows["treespec plain"] = plain
-        elif d == "amx":
+        elif d in ("amx", "x8"):
             rows.update({"treespec plain": plain, "HF generate (packed)": hf_packed})
         else:
             rows.update({"HF generate (packed)": hf_packed, "treespec plain": plain})
@@ -311,7 +314,7 @@ def limiter(summary_t: dict, goal: float) -> list[str]:
     """Why the best treespec row of each dtype is where it is: τ, verify cost, draft cost."""
     lines = []
     rows = summary_t["rows"]
-    for d in ("fp32", "bf16", "amx"):
+    for d in ("fp32", "bf16", "amx", "x8"):
         spec = {n: e for n, e in rows.items() if n.startswith(d + " treespec") and not is_plain(n)}
         if not spec:
             continue
@@ -387,9 +390,9 @@ def write(data: dict, out: Path) -> str:
         "trust. *fp32 HF* = against stock fp32 HF `generate`. ll = mean per-token "
         "log-likelihood of the output under the fp32 target (T = 1; ± 95 % CI over prompts). = plain: prompts "
         "whose greedy output equals the first row of the same dtype token for token (stock HF `generate`; for "
-        "amx, treespec's plain loop: HF `generate` scores the prompt's last token inside the prompt's pass, "
-        "whose attention rounds differently from a one-token step's, and the amx kernel's rounding of each "
-        "linear input to bf16 can turn that last-bit difference into another token).",
+        "amx and x8, treespec's plain loop: HF `generate` scores the prompt's last token inside the prompt's "
+        "pass, whose attention rounds differently from a one-token step's, and these kernels' rounding of each "
+        "linear input (to bf16, to 8-bit integers) can turn that last-bit difference into another token).",
     ]
     if "limits" in data:
         lines += ["", *limit_lines(data)]
@@ -458,9 +461,9 @@ def main() -> None:
     ap.add_argument("--all-peers", action="store_true",
                     help="also run HF assisted / prompt lookup in bf16 (default: fp32 only, as users run them)")
     ap.add_argument("--dtypes", default="",
-                    help="comma-separated subset of fp32,bf16,amx,compiled (default: fp32, bf16 where the CPU has "
-                         "it natively, amx where it has AMX-BF16; compiled: the fp32 target with its passes "
-                         "compiled, treespec's rows only)")
+                    help="comma-separated subset of fp32,bf16,amx,compiled,x8 (default: fp32, bf16 where the CPU "
+                         "has it natively, amx where it has AMX-BF16; compiled: the fp32 target with its passes "
+                         "compiled, treespec's rows only; x8: the blocks times 8-bit inputs, asked for by name)")
     ap.add_argument("--llamacpp", default=None, metavar="BIN_DIR",
                     help="add llama.cpp's rows (T = 0): the bin folder of `make bench-llamacpp` "
                          "(.cache/llama.cpp/build/bin) or a binary in it")

@@ -6,7 +6,9 @@ the panel GEMM (``treespec.fastpath.kernels``, where it builds; all exact fp32 p
 with HF's stock sdpa attention instead of treespec's grouped sdpa (same numbers, KV heads copied
 per query head), the block kernel on its AVX2 code where the CPU runs its AVX-512 code (same
 bits), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units), and the
-integer blocks on the AMX tile unit with x rounded to bf16 (``pack="amx"``, where the CPU has AMX-BF16).
+integer blocks on the AMX tile unit with x rounded to bf16 (``pack="amx"``, where the CPU has AMX-BF16),
+the integer blocks times x rounded to 8-bit integers per block of 32 (``pack="x8"``, with row
+attention), and the block kernel with that row attention instead of grouped sdpa.
 Each point is one ``TreeVerifier.score`` (forward over n tree nodes with the tree mask after a
 cached prefix of P tokens, then softmax) followed by ``compact`` back to the prefix; the median of
 ``--reps`` is kept. Beside them, the machine's physical limit per dtype:
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import random
 import time
 
@@ -30,6 +33,7 @@ import treespec
 from harness import RESULTS, figure, interleaved, machine_info, median_ms, save_figure, time_calls, write_results
 from treespec.fastpath.packing import cpu_info
 from treespec.fastpath.kernels import amx_status, kernel_isa, panel_status
+from treespec.fastpath.attention import use_row_attention
 from treespec.fastpath.packing import PackedLinear
 from treespec.core.sampling import SamplingConfig
 from treespec.core.tree import DraftTree
@@ -79,6 +83,7 @@ def main() -> None:
     ap.add_argument("--ns", default=",".join(map(str, NS)))
     ap.add_argument("--paths", default="", help="comma-separated subset of the paths (default: every one this CPU runs)")
     ap.add_argument("--out", default=str(RESULTS / "verify_cost"))
+    ap.add_argument("--note", default="", help="a sentence for the result (what else ran on the host)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ns = [int(x) for x in args.ns.split(",")]
@@ -91,6 +96,8 @@ def main() -> None:
         paths.update({"bf16 stock": (torch.bfloat16, False), "bf16 packed": (torch.bfloat16, True)})
     if amx_status()[0]:
         paths["fp32 amx"] = (torch.float32, "amx")
+    if panel_status()[0]:
+        paths["fp32 x8"] = (torch.float32, "x8")
     verifiers, described = {}, {}
     rng = random.Random(0)
     prompt = torch.tensor([rng.randrange(49152) for _ in range(args.prefix + 1)])
@@ -98,6 +105,8 @@ def main() -> None:
         paths["fp32 blocks, stock sdpa"] = (torch.float32, "blocks")
         if kernel_isa() == "avx512":   # the same bits from the AVX2 kernels: what AVX-512 saves
             paths["fp32 blocks, AVX2"] = (torch.float32, "blocks")
+        # the attention the x8 and amx paths run (each row as alone): what it costs over grouped sdpa
+        paths["fp32 blocks, row attention"] = (torch.float32, "blocks")
     if args.paths:
         asked = [p.strip() for p in args.paths.split(",") if p.strip()]
         if not asked or set(asked) - set(paths):
@@ -109,6 +118,10 @@ def main() -> None:
             target.model.set_attn_implementation("sdpa")
             target = dataclasses.replace(target, speed_path=target.speed_path.split("; attention:")[0]
                                          + "; attention: stock sdpa (switched back for comparison)")
+        if name.endswith("row attention"):
+            use_row_attention(target.model)
+            target = dataclasses.replace(target, speed_path=target.speed_path.split("; attention:")[0]
+                                         + "; attention: row attention (switched for comparison)")
         if name.endswith("AVX2"):
             for layer in target.model.modules():
                 if isinstance(layer, PackedLinear):
@@ -133,6 +146,7 @@ def main() -> None:
 
     points = {(name, n): (lambda name=name, n=n: score_and_undo(name, n)) for name in paths for n in ns}
     t_start = time.time()                       # warm-up (every shape once), then interleaved reps
+    load_start = os.getloadavg()[0]
     samples = interleaved(points, args.reps, warmup=1, self_timed=True,
                           on_rep=lambda rep: print(f"rep {rep + 1}/{args.reps} done", flush=True))
     for name, v in verifiers.items():
@@ -156,6 +170,7 @@ def main() -> None:
 
     ms = {name: {n: median_ms(samples[(name, n)]) for n in ns} for name in paths}
     result = {
+        "load": [load_start, os.getloadavg()[0]],
         "machine": machine_info(),
         "args": vars(args),
         "paths": described,
@@ -177,7 +192,8 @@ def main() -> None:
         f"repetitions; one point = TreeVerifier.score over an n-node tree (tree mask, positions, softmax).",
         f"Measured here: streaming read {bandwidth / 1e9:.1f} GB/s; GEMM peak "
         + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in peaks.items())
-        + f"; {params / 1e6:.1f} M linear weights per forward.",
+        + f"; {params / 1e6:.1f} M linear weights per forward. Host load average (1 min) "
+        f"{result['load'][0]:.1f} at the start, {result['load'][1]:.1f} at the end. {args.note}".rstrip(),
         "",
         "Paths: " + "; ".join(f"**{k}** = {v}" for k, v in described.items()),
         "",

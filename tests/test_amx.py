@@ -27,7 +27,7 @@ from treespec.core.sampling import SamplingConfig
 from treespec.core.tree import DraftTree
 from treespec.fastpath.attention import use_row_attention
 from treespec.fastpath.kernels import (ROW_HEAD_DIMS, amx_linear, amx_status, kernel_isa, pack_blocks,
-                                       row_attention_kernel)
+                                       panel_status, row_attention_kernel)
 from treespec.runtime.verifier import TreeVerifier
 from treespec.fastpath.packing import PackedLinear, pack_linears
 from treespec.planning.calibration import default_calibration_path
@@ -151,7 +151,10 @@ def test_cli_kernel_and_no_pack_do_not_mix() -> None:
 
 
 # ----------------------------------------------------------------------------- row attention
-needs_avx512 = pytest.mark.skipif(kernel_isa() != "avx512", reason="row attention is an AVX-512 F kernel")
+needs_avx512 = pytest.mark.skipif(kernel_isa() != "avx512", reason="needs AVX-512 F")
+needs_panel = pytest.mark.skipif(not panel_status(build=False)[0], reason=panel_status(build=False)[1])
+# row attention's codes that run here: AVX2 wherever the vector kernels do, AVX-512 where the CPU has it
+HERE = ("avx2", "avx512") if kernel_isa() == "avx512" else ("avx2",)
 
 
 def tree_mask(tree, prefix: int) -> torch.Tensor:
@@ -159,29 +162,31 @@ def tree_mask(tree, prefix: int) -> torch.Tensor:
     return hf_tree_mask(tree, prefix, "sdpa", torch.float32, None)
 
 
-@needs_avx512
+@needs_panel
+@pytest.mark.parametrize("isa", HERE)
 @pytest.mark.parametrize("d,hq,hkv,n", [(64, 9, 3, 7), (128, 4, 4, 7), (16, 2, 1, 7),
                                         (16, 40, 2, 20)])   # 20 query heads a KV head, 20 rows: 16 + 4 of each
-def test_row_attention_is_attention(d, hq, hkv, n) -> None:
+def test_row_attention_is_attention(d, hq, hkv, n, isa) -> None:
     torch.manual_seed(d)
     p = 45
     tree = random_tree(random.Random(d), n, 300)
     mask = tree_mask(tree, p)
     q = torch.randn(1, n, hq, d).transpose(1, 2)          # HF's layout: a transposed view
     k, v = torch.randn(1, hkv, p + n, d), torch.randn(1, hkv, p + n, d)
-    got = row_attention_kernel(q, k, v, mask, d ** -0.5)
+    got = row_attention_kernel(q, k, v, mask, d ** -0.5, isa=isa)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=hkv != hq).transpose(1, 2)
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6)
-    causal = row_attention_kernel(q, k, v, torch.empty(0, dtype=torch.bool), d ** -0.5)   # no mask: causal
+    causal = row_attention_kernel(q, k, v, torch.empty(0, dtype=torch.bool), d ** -0.5, isa=isa)   # no mask: causal
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double(), v.double(), attn_mask=torch.ones(n, p + n, dtype=torch.bool).tril(p),
         enable_gqa=hkv != hq).transpose(1, 2)
     torch.testing.assert_close(causal.double(), ref, rtol=0, atol=2e-6)
 
 
-@needs_avx512
-def test_row_head_dims_are_the_compiled_ones_and_others_fall_back() -> None:
+@needs_panel
+@pytest.mark.parametrize("isa", HERE)
+def test_row_head_dims_are_the_compiled_ones_and_others_fall_back(isa) -> None:
     """ROW_HEAD_DIMS, which the callers check, is the set the kernel was compiled for: every
     multiple of 16 up to 256 runs exactly when it is listed. Attention of a head size outside it
     (144) goes to SDPA instead of failing in the kernel."""
@@ -190,10 +195,10 @@ def test_row_head_dims_are_the_compiled_ones_and_others_fall_back() -> None:
     for d in range(16, 257, 16):
         q, k = torch.randn(1, 2, 1, d), torch.randn(1, 1, 3, d)
         if d in ROW_HEAD_DIMS:
-            row_attention_kernel(q, k, k, torch.empty(0, dtype=torch.bool), d ** -0.5)
+            row_attention_kernel(q, k, k, torch.empty(0, dtype=torch.bool), d ** -0.5, isa=isa)
         else:
             with pytest.raises(RuntimeError, match="no kernel for head size"):
-                row_attention_kernel(q, k, k, torch.empty(0, dtype=torch.bool), d ** -0.5)
+                row_attention_kernel(q, k, k, torch.empty(0, dtype=torch.bool), d ** -0.5, isa=isa)
     q, k = torch.randn(1, 2, 1, 144), torch.randn(1, 1, 3, 144)
     module = nn.Module()
     module.num_key_value_groups = 2
@@ -202,22 +207,24 @@ def test_row_head_dims_are_the_compiled_ones_and_others_fall_back() -> None:
     torch.testing.assert_close(got, ref)
 
 
-@needs_avx512
-def test_row_attention_takes_a_mask_per_head_and_batch_entry() -> None:
+@needs_panel
+@pytest.mark.parametrize("isa", HERE)
+def test_row_attention_takes_a_mask_per_head_and_batch_entry(isa) -> None:
     torch.manual_seed(3)
     b, hq, hkv, n, s, d = 2, 6, 2, 5, 40, 32
     mask = torch.rand(b, hq, n, s) < 0.5
     mask[..., torch.arange(n), s - n + torch.arange(n)] = True   # each row sees at least its own key
     q = torch.randn(b, hq, n, d)
     k, v = torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
-    got = row_attention_kernel(q, k, v, mask, d ** -0.5)
+    got = row_attention_kernel(q, k, v, mask, d ** -0.5, isa=isa)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6)
 
 
-@needs_avx512
-def test_row_attention_gives_a_tree_row_the_bits_of_its_one_token_step() -> None:
+@needs_panel
+@pytest.mark.parametrize("isa", HERE)
+def test_row_attention_gives_a_tree_row_the_bits_of_its_one_token_step(isa) -> None:
     """Row i of a tree pass against a pass of that row alone over exactly the keys it may see
     (the cache a one-token step would hold after decoding its path): the same bits."""
     torch.manual_seed(0)
@@ -226,11 +233,11 @@ def test_row_attention_gives_a_tree_row_the_bits_of_its_one_token_step() -> None
     mask = tree_mask(tree, p)
     q = torch.randn(1, 9, n, d)
     k, v = torch.randn(1, 3, p + n, d), torch.randn(1, 3, p + n, d)
-    rows = row_attention_kernel(q, k, v, mask, 0.125)
+    rows = row_attention_kernel(q, k, v, mask, 0.125, isa=isa)
     for i in range(n):
         seen = mask[0, 0, i].nonzero().flatten()
         alone = row_attention_kernel(q[:, :, i:i + 1], k[:, :, seen], v[:, :, seen],
-                                     torch.empty(0, dtype=torch.bool), 0.125)
+                                     torch.empty(0, dtype=torch.bool), 0.125, isa=isa)
         assert torch.equal(alone[:, 0], rows[:, i]), i
 
 

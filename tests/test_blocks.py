@@ -246,7 +246,7 @@ def quantized_llama(seed: int = 0, tied: bool = False) -> nn.Module:
 
 
 def packed_blocks_copy(stock: nn.Module, kernel: str) -> nn.Module:
-    """A copy of a ``quantized_llama`` packed on ``kernel`` ("blocks" or "amx"), its 14 layer
+    """A copy of a ``quantized_llama`` packed on ``kernel`` ("blocks", "amx" or "x8"), its 14 layer
     weights stored as 4-bit blocks and its LM head as 8-bit ones."""
     packed = copy.deepcopy(stock)
     report = pack_linears(packed, kernel=kernel)

@@ -130,7 +130,9 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel", default="auto", choices=("auto",) + KERNELS,
                    help="the packed linear layers' kernel; auto (default): picked from the CPU. amx: exact "
                         "integer blocks on the AMX tile unit with each linear input rounded to bf16 (its own "
-                        "target, like bfloat16; CPUs with AMX-BF16)")
+                        "target, like bfloat16; CPUs with AMX-BF16). x8: exact integer blocks times each linear "
+                        "input rounded to 8-bit integers per block of 32, as llama.cpp multiplies (its own "
+                        "target; CPUs with AVX2)")
     p.add_argument("--device", default="cpu", help="where the target (and drafter) run: cpu, cuda, cuda:N")
 
 

@@ -150,10 +150,11 @@ def register_row_attention() -> str:
 
 def use_row_attention(model: torch.nn.Module) -> tuple[bool, str]:
     """Switch a CPU fp32 model on ``sdpa`` (or grouped sdpa) to :data:`ROW_ATTENTION` where the
-    kernel runs (AVX-512 F); returns (switched, why). For targets whose linear layers round their
-    inputs (``kernel="amx"``): there a last-bit difference between a tree pass and a one-token step
-    can flip a rounding and grow, so their rows must be the same bits."""
-    from treespec.fastpath.kernels import kernel_isa, panel_status
+    kernel runs (AVX2 + FMA or AVX-512 F); returns (switched, why). For targets whose linear layers
+    round their inputs (``kernel="amx"`` or ``"x8"``): there a last-bit difference between a
+    tree pass and a one-token step can flip a rounding and grow, so their rows must be the same
+    bits."""
+    from treespec.fastpath.kernels import panel_status
 
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
@@ -165,8 +166,8 @@ def use_row_attention(model: torch.nn.Module) -> tuple[bool, str]:
     if param.device.type != "cpu" or param.dtype != torch.float32:
         return False, f"{impl} (row attention is a CPU fp32 kernel)"
     ok, why = panel_status()
-    if not ok or kernel_isa() != "avx512":
-        return False, f"{impl} (row attention needs the AVX-512 kernels: {why if not ok else 'no AVX-512 F'})"
+    if not ok:
+        return False, f"{impl} (row attention needs the vector kernels: {why})"
     model.set_attn_implementation(register_row_attention())
     return True, ("row attention (one-token steps and tree passes row by row, each row the bits of the step "
                   "that decodes its path, a block of keys read once for all rows; prompts through grouped sdpa)")

@@ -40,6 +40,16 @@ Glossary
   so a model on it is not the fp32 target (like a bf16 one, it is compared with plain decoding on
   the same path). Its rows are batch-invariant too: a tile row depends on that row only.
 
+- **x8** — :func:`x8_linear`: the same integer blocks times x *rounded to 8-bit integers* per
+  block of 32 k values (``dx = max |x| / 127``, ``qx = round(x / dx)``), as llama.cpp multiplies
+  its quantized weights: four k values of a column in four bytes, one ``VPMADDUBSW`` multiplies
+  32 weights by x's integers, and a block's sums stay exact 16/32-bit integers until it is
+  scaled into y. The records hold the same bytes as :func:`pack_blocks`' in another order
+  (:func:`x8_records`); what a pass costs against the fp32 blocks:
+  ``benchmarks/results/verify_cost_avx2.md``. Not the fp32 product (x keeps 8 bits a block): a target of its
+  own, batch-invariant like the others, run with row attention so a tree's rows are its
+  one-token steps' bits (:mod:`treespec.fastpath.attention`).
+
 The kernel is compiled from source with ``torch.utils.cpp_extension`` the first time it is
 needed (about a minute; cached in PyTorch's extension directory, rebuilt when the source
 changes). Where it cannot be (no AVX2/FMA, no C++ compiler, no ninja), :func:`panel_status`
@@ -48,6 +58,7 @@ says why and callers keep PyTorch's own path.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -62,6 +73,7 @@ from treespec.fastpath.cpu import CpuInfo, cpu_info
 
 __all__ = ["AMX_FLAGS", "BLOCK", "ISAS", "PANEL", "BlockPanels", "PanelUnavailable", "amx_linear", "amx_status",
            "block_linear", "kernel_isa", "pack_blocks", "pack_panels", "panel_linear", "panel_status",
+           "x8_linear", "x8_records",
            "ROW_HEAD_DIMS", "dequantize_blocks8", "draft_block_post", "draft_block_pre", "quantize_blocks8",
            "round_to_blocks8", "row_attention_kernel"]
 
@@ -268,6 +280,7 @@ class BlockPanels:
     bits: int
     out_features: int
     half_scales: bool = False
+    layout: str = "vector"     # "x8": q regrouped for the 8-bit-activation kernel (x8_records)
 
     @property
     def nbytes(self) -> int:
@@ -504,18 +517,59 @@ def amx_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None =
                    lambda x2: _kernel().amx_linear_blocks(x2, blocks.blob, blocks.bits, blocks.half_scales))
 
 
+def x8_records(blocks: BlockPanels) -> BlockPanels:
+    """``blocks`` (``pack_blocks``' records) with each record's ``q`` regrouped for
+    :func:`x8_linear`: 8 groups of 4 k values; 4 bits: 32 bytes a group, byte ``4 c + i``
+    holding column ``c``'s value at k = 4 g + i in its low nibble and column ``8 + c``'s in its
+    high one; 8 bits: 64 bytes a group, byte ``4 c + i`` column ``c``'s value. The same bytes
+    and scales, in another order (``layout="x8"``)."""
+    if blocks.layout != "vector":
+        raise ValueError(f"x8_records takes pack_blocks' records (layout 'vector'), got layout {blocks.layout!r}")
+    p, nb, size = blocks.blob.shape
+    head = size - BLOCK * PANEL * blocks.bits // 8
+    q = blocks.blob[..., head:]
+    if blocks.bits == 4:    # [P, nb, 16 pairs, 16 columns] -> [P, nb, 32 k, 16 columns]
+        pairs = q.reshape(p, nb, BLOCK // 2, PANEL)
+        q = torch.stack([pairs & 15, pairs >> 4], dim=3).reshape(p, nb, BLOCK, PANEL)
+    else:
+        q = q.reshape(p, nb, BLOCK, PANEL)
+    # [P, nb, 8 groups, 4 k, 16 columns] -> [P, nb, 8, 16 columns, 4 k]: 4 bytes a column
+    grouped = q.reshape(p, nb, 8, 4, PANEL).transpose(3, 4).reshape(p, nb, 8, 4 * PANEL)
+    if blocks.bits == 4:    # columns 0-7 in the low nibbles, 8-15 in the high ones
+        grouped = grouped[..., :2 * PANEL] | (grouped[..., 2 * PANEL:] << 4)
+    blob = _aligned_cat([blocks.blob[..., :head], grouped.reshape(p, nb, -1)])
+    return dataclasses.replace(blocks, blob=blob, layout="x8")
+
+
+def x8_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for ``blocks = x8_records(pack_blocks(W))`` with x rounded to
+    8-bit integers per block of 32 k values, as llama.cpp multiplies its quantized weights: per
+    row and block, ``dx = max |x| / 127`` and ``qx = round(x / dx)`` (ties to even); each block of
+    the weight's integers times ``qx`` summed exactly in 32 bits, then scaled into y as
+    :func:`block_linear` does (``csrc/panel_gemm.cpp``, namespace ``q8``: the exact order). Not
+    the fp32 product: x keeps 8 bits a block (the weights stay exact), so a model on it is a
+    target of its own, like amx's; a row's result is the same bits alone or among any others.
+    AVX2; x [..., K] float32 on the CPU."""
+    if blocks.layout != "x8":
+        raise ValueError("x8_linear reads x8_records(pack_blocks(W)), not pack_blocks' own records: "
+                         "pass x8_records(blocks)")
+    return _linear(x, blocks.blob.shape[1] * BLOCK, blocks.out_features, bias,
+                   lambda x2: _kernel().x8_linear_blocks(x2, blocks.blob, blocks.bits, blocks.half_scales))
+
+
 # The head sizes row_attention_kernel is compiled for (``row_attn::rows_for`` in csrc/panel_gemm.cpp);
 # callers fall back to SDPA for any other.
 ROW_HEAD_DIMS = frozenset(16 * v for v in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16))
 
 
 def row_attention_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, isa: str | None = None) -> torch.Tensor:
     """softmax(scale q K^T) V, each query row over the keys its bool ``mask`` allows (empty mask:
     a causal pass over the last rows), in key order: query [B, Hq, T, d], key/value [B, Hkv, S, d]
-    -> [B, T, Hq, d] float32 (:func:`treespec.fastpath.attention.row_attention`). AVX-512 F only;
-    d one of :data:`ROW_HEAD_DIMS`."""
-    return _kernel().row_attention(query, key, value, mask, float(scale))
+    -> [B, T, Hq, d] float32 (:func:`treespec.fastpath.attention.row_attention`). d one of
+    :data:`ROW_HEAD_DIMS`. ``isa`` (None: the CPU's best): each ISA's code has its own order of
+    operations, so a row's bits depend on it, and on nothing else (not on the other rows)."""
+    return _kernel().row_attention(query, key, value, mask, float(scale), _isa_index(isa))
 
 
 def _layer_args(layers: Sequence[BlockPanels]) -> tuple[list, list, list, list]:

@@ -13,6 +13,7 @@ compiler may reorder it like any other pure op. Eager passes call the kernels di
     torch.ops.treespec.block_linear(x, blob, bits, isa, half_scales, out_features)
     torch.ops.treespec.panel_linear(x, panels, isa, out_features)
     torch.ops.treespec.amx_linear(x, blob, bits, half_scales, out_features)
+    torch.ops.treespec.x8_linear(x, blob, bits, half_scales, out_features)
 
 ``x`` [..., K] float32 on the CPU -> [..., out_features]; the bias is left to the caller (a plain
 add the compiler fuses). ``isa`` is the kernel module's number (0 AVX2, 1 AVX-512; ``kernels.ISAS``).
@@ -26,7 +27,7 @@ import torch
 
 from treespec.fastpath import kernels
 
-__all__ = ["amx_linear", "block_linear", "panel_linear"]
+__all__ = ["amx_linear", "block_linear", "x8_linear", "panel_linear"]
 
 kernels._kernel()   # loading the module registers treespec::* (raises PanelUnavailable where it cannot)
 
@@ -35,9 +36,10 @@ def _fake(x: torch.Tensor, *args) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], args[-1])
 
 
-for _name in ("block_linear", "panel_linear", "amx_linear"):
+for _name in ("block_linear", "panel_linear", "amx_linear", "x8_linear"):
     torch.library.register_fake(f"treespec::{_name}")(_fake)
 
 block_linear = torch.ops.treespec.block_linear.default
 panel_linear = torch.ops.treespec.panel_linear.default
 amx_linear = torch.ops.treespec.amx_linear.default
+x8_linear = torch.ops.treespec.x8_linear.default

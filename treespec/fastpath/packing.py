@@ -22,6 +22,11 @@ Glossary
   little more than one, where the vector kernels pay each row's multiply-adds. Not the fp32
   target: like bf16, a different target, compared with plain decoding on the same path. Asked
   for by name only (``load_target(..., pack="amx")``), on a CPU with AMX-BF16.
+- **x8** — ``kernel="x8"``: the integer blocks of ``"blocks"`` times each layer's input
+  rounded to 8-bit integers per block of 32 (:func:`treespec.fastpath.kernels.x8_linear`, as
+  llama.cpp multiplies its quantized weights): integer products, 32 a pair of instructions, on
+  every CPU with AVX2. A different target again (x keeps 8 bits a block), compared with plain
+  decoding on the same path; asked for by name only (``load_target(..., pack="x8")``).
 - **native bf16** — matrix units that multiply bf16 directly (x86 ``avx512_bf16`` or
   ``amx_bf16``; a CUDA device with compute capability ≥ 8.0). Without them bf16 is emulated and
   slower than fp32, so ``dtype="auto"`` picks fp32 there.
@@ -48,8 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from treespec.fastpath.cpu import BF16_FLAGS, RELEVANT_FLAGS, CpuInfo, _read_cpuinfo, cpu_info  # noqa: F401 (re-exported)
-from treespec.fastpath.kernels import (ISAS, _isa_index, BlockPanels, amx_linear, amx_status, block_linear, kernel_isa,
-                                      pack_blocks, pack_panels, panel_linear, panel_status)
+from treespec.fastpath.kernels import (ISAS, _isa_index, BlockPanels, amx_linear, amx_status, block_linear,
+                                      x8_linear, x8_records, kernel_isa, pack_blocks, pack_panels, panel_linear,
+                                      panel_status)
 
 __all__ = [
     "CpuInfo",
@@ -92,9 +98,9 @@ PANEL_MAX_ROWS = 64
 BF16_PAD_ROWS = 4
 BF16_PAD_MIN_WEIGHT = 4_000_000   # elements
 
-KERNELS = ("onednn", "panel", "blocks", "amx")
+KERNELS = ("onednn", "panel", "blocks", "amx", "x8")
 PANEL_KERNELS = ("panel", "blocks")     # treespec's vector kernels (an ISA to pick, 1..PANEL_MAX_ROWS rows)
-BLOCK_KERNELS = ("blocks", "amx")     # the kernels that store exact integer blocks where a weight is one
+BLOCK_KERNELS = ("blocks", "amx", "x8")   # the kernels that store exact integer blocks where a weight is one
 FP32_KERNELS = ("panel",) + BLOCK_KERNELS
 _ISA_NAMES = {"avx2": "AVX2", "avx512": "AVX-512"}   # the panel kernels' instruction sets, as printed
 
@@ -271,7 +277,9 @@ class PackedLinear(nn.Module):
     where it is not; the same fp32 weights as ``"panel"``, summed block by block (a few ulp from
     its outputs, closer to the exact product), from 5.3-6.4x (4-bit) or 3.6x (8-bit) fewer bytes.
     ``kernel="amx"``: those blocks on the AMX tile unit, every pass, with x rounded to bf16 (the
-    module's glossary: *amx*; a different target). ``isa`` picks the panel and block kernels' instruction set (one of
+    module's glossary: *amx*; a different target). ``kernel="x8"``: those blocks times x
+    rounded to 8-bit integers per block of 32 (*x8*; a different target). ``isa`` picks the
+    panel and block kernels' instruction set (one of
     :data:`treespec.fastpath.kernels.ISAS`; None: the CPU's best); the outputs are the same bits.
     Other inputs take the stock ``F.linear`` on the original weight. The packed copy is rebuilt
     if the weight changes in place (its version counter moves), so it never goes stale.
@@ -325,6 +333,8 @@ class PackedLinear(nn.Module):
         packed = None
         if self.kernel in BLOCK_KERNELS:
             packed = pack_blocks(self.weight)
+            if packed is not None and self.kernel == "x8":
+                packed = x8_records(packed)
         if packed is None:
             packed = pack_weight(self.weight) if self.kernel == "onednn" else pack_panels(self.weight)
         self._packed = packed
@@ -365,6 +375,8 @@ class PackedLinear(nn.Module):
             if isinstance(packed, BlockPanels):
                 if self.kernel == "amx":
                     return amx_linear(x, packed, bias)
+                if self.kernel == "x8":
+                    return x8_linear(x, packed, bias)
                 return block_linear(x, packed, bias, self.isa)
             return panel_linear(x, packed, self.out_features, bias, self.isa)
         return F.linear(x, weight, bias)
@@ -388,6 +400,8 @@ class PackedLinear(nn.Module):
         if isinstance(packed, BlockPanels):
             if self.kernel == "amx":
                 y = ops.amx_linear(x, packed.blob, packed.bits, packed.half_scales, packed.out_features)
+            elif self.kernel == "x8":
+                y = ops.x8_linear(x, packed.blob, packed.bits, packed.half_scales, packed.out_features)
             else:
                 y = ops.block_linear(x, packed.blob, packed.bits, self._isa_code, packed.half_scales,
                                      packed.out_features)
@@ -456,6 +470,13 @@ def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
         return _Plan("amx", 1, None, "exact 4/8-bit integer blocks times each layer's input rounded to bf16 on the "
                      "AMX tile unit, every pass (treespec.fastpath.kernels.amx_linear); fp32 panels on the "
                      "vector kernels for weights that are not blocks")
+    if kernel == "x8":
+        ok, why = panel_status(cpu)
+        if not ok:
+            raise ValueError(f"kernel='x8' is not available here: {why}")
+        return _Plan("x8", 1, None, "exact 4/8-bit integer blocks times each layer's input rounded to 8-bit "
+                     "integers per block of 32, integer products on the AVX2 kernels, every pass "
+                     "(treespec.fastpath.kernels.x8_linear); fp32 panels for weights that are not blocks")
     # The block GEMM wins wherever a pass is bound by reading the weights: measured on an AVX2-only
     # EPYC and on an AVX-512-BF16 EPYC (SmolLM2, one thread: a 1-token pass 32 ms against 80 ms for
     # oneDNN/stock fp32, and ahead of oneDNN up to 32 rows; benchmarks/results/verify_cost_epyc_

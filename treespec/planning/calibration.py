@@ -416,7 +416,7 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
     layers run on a packed kernel (``treespec.fastpath.packing.linear_kernel``) has its own curve too:
     ``...-packed.json`` for oneDNN (``packed=True`` or ``"onednn"``), ``...-panel.json`` for the
     panel GEMM on fp32 panels, ``...-blocks.json`` for it on exact integer blocks, ``...-amx.json``
-    for those blocks on the AMX tile unit. A model on
+    for those blocks on the AMX tile unit, ``...-x8.json`` for them times 8-bit inputs. A model on
     treespec's grouped sdpa attention (``attention``, the model's attention implementation;
     :mod:`treespec.fastpath.attention`) adds ``-grouped``: its tree passes cost less than stock
     attention's, so a curve measured with the other must not be reused; row attention (the amx
@@ -427,9 +427,10 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
     if not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
     kernel_suffix = {False: "", "stock": "", True: "-packed", "onednn": "-packed", "panel": "-panel",
-                     "blocks": "-blocks", "amx": "-amx"}
+                     "blocks": "-blocks", "amx": "-amx", "x8": "-x8"}
     if packed not in kernel_suffix:
-        raise ValueError(f"packed must be a bool or one of 'stock', 'onednn', 'panel', 'blocks', 'amx'; got {packed!r}")
+        raise ValueError(f"packed must be a bool or one of 'stock', 'onednn', 'panel', 'blocks', 'amx', 'x8'; "
+                         f"got {packed!r}")
     from treespec.fastpath.attention import GROUPED_SDPA, ROW_ATTENTION
     from treespec.fastpath.kernels import ISAS
 

@@ -109,10 +109,10 @@ class Target:
         GEMM (and grouped-KV attention reads heads in place) where the fast path applies: a CPU
         model in fp32, or bf16 on a CPU with native bf16 units; fp32 output stays token-identical
         to HF ``generate``. Elsewhere (a GPU, fp16) the model is left as it is. ``False`` keeps
-        the stock modules; a kernel name (``"blocks"``, ``"amx"``, ``"panel"``, ``"onednn"``)
-        forces one. ``speed_path`` says what was done and why."""
+        the stock modules; a kernel name (``"blocks"``, ``"amx"``, ``"x8"``, ``"panel"``,
+        ``"onednn"``) forces one. ``speed_path`` says what was done and why."""
         if not isinstance(pack, (bool, str)):
-            raise TypeError(f"pack must be True, False, 'blocks', 'amx', 'panel' or 'onednn', got {pack!r}")
+            raise TypeError(f"pack must be True, False, 'blocks', 'amx', 'x8', 'panel' or 'onednn', got {pack!r}")
         model.eval().requires_grad_(False)
         if name is None:
             name = model.config.name_or_path or model.config.model_type
@@ -453,9 +453,11 @@ def load_target(
     target from the fp32 one; compare it with plain decoding of the same weights.
     ``pack``: pre-pack the linear layers for the CPU's GEMM where it helps
     (:func:`treespec.fastpath.packing.pack_linears`; fp32 output stays token-identical to HF ``generate``);
-    ``"blocks"``, ``"amx"``, ``"panel"`` or ``"onednn"`` names the kernel instead of letting the CPU decide
-    (``"blocks"``: the panel GEMM over exact integer blocks, see ``PackedLinear``; ``"amx"``: those
-    blocks on the AMX tile unit with each linear input rounded to bf16, a different target); ``False`` keeps
+    ``"blocks"``, ``"amx"``, ``"x8"``, ``"panel"`` or ``"onednn"`` names the kernel instead of letting the
+    CPU decide (``"blocks"``: the panel GEMM over exact integer blocks, see ``PackedLinear``; ``"amx"``:
+    those blocks on the AMX tile unit with each linear input rounded to bf16; ``"x8"``: those blocks times
+    each linear input rounded to 8-bit integers per block of 32, as llama.cpp multiplies; the last two are
+    different targets, with row attention so a tree's rows are its one-token steps' bits); ``False`` keeps
     the stock modules. With packing on, a CPU model with grouped KV heads also gets the grouped
     sdpa attention (:mod:`treespec.fastpath.attention`: tree passes read the KV heads in place instead of
     copying them; bit-identical numbers); ``False`` keeps stock attention too.
@@ -466,7 +468,7 @@ def load_target(
     if name not in TARGET_LOADERS:
         raise KeyError(f"unknown target {name!r}; known targets: {sorted(TARGET_LOADERS)}")
     if not isinstance(pack, (bool, str)):
-        raise TypeError(f"pack must be True, False, 'blocks', 'amx', 'panel' or 'onednn', got {pack!r}")
+        raise TypeError(f"pack must be True, False, 'blocks', 'amx', 'x8', 'panel' or 'onednn', got {pack!r}")
     types = gguf_matrix_types(name, cache_dir) if dtype == "auto" and pack is not False else None
     resolved, why = resolve_dtype(dtype, device, weight_types=types)
     target = TARGET_LOADERS[name](dtype=resolved, device=device, cache_dir=cache_dir)
@@ -483,7 +485,7 @@ def apply_fast_path(model: PreTrainedModel, pack: bool | str) -> str:
     report = pack_linears(model, enabled=pack is not False, kernel=pack if isinstance(pack, str) else None)
     if pack is False:
         attention = "stock (packing turned off)"
-    elif pack == "amx":   # inputs rounded to bf16: tree rows must be the one-token steps' bits
+    elif pack in ("amx", "x8"):   # inputs rounded: tree rows must be the one-token steps' bits
         attention = use_row_attention(model)[1]
     else:
         attention = use_grouped_attention(model)[1]

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 #include <memory>
 #include <type_traits>
@@ -400,6 +401,166 @@ void block_panels_avx2(const float* xt, const float* sums, int64_t M, int64_t K,
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// 8-bit activations (kernel "x8"; llama.cpp multiplies its 4-bit blocks this way). Each row of
+// x is rounded per block of 32 k values to integers qx in [-127, 127] and one scale dx:
+//   amax = the block's largest |x|,  qx = x (127 / amax) rounded to nearest (ties to even),
+//   dx = amax / 127  (amax = 0: qx = 0, dx = 0; a NaN or inf in the block: dx = NaN);
+// then every block of integers q is multiplied by qx exactly (32-bit sums) and scaled into y:
+//   y = fma(d, dx t, fma(m, sx, y))  (8 bits: y = fma(d, dx t, y)),  block after block from 0,
+// with t = sum_k q[k] qx[k], sx = dx sum_k qx[k], and dx t, sx rounded to fp32. Not the fp32
+// product: x keeps 8 bits a block, so a model on it is a target of its own (like amx's bf16
+// inputs), with the same bits for a row alone or among any others (a row's rounding and sums
+// depend on that row only).
+//
+// Records: the header of panel_linear_blocks' (d, m), then q regrouped for VPMADDUBSW: 8 groups
+// of 4 k values; 4 bits: 32 bytes a group, byte 4 c + i holding q[4 g + i][c] in its low nibble
+// and q[4 g + i][8 + c] in its high one (c < 8); 8 bits: 64 bytes a group, byte 4 c + i =
+// q[4 g + i][c] for c < 16. One multiply-add of 4 k values' bytes by a row's 4 bytes of qx gives
+// each column's pair sums (at most 2 * 128 * 127 < 2^15: no saturation), and one more the
+// column's 4-value sum as a 32-bit integer.
+namespace x8 {
+
+constexpr int kRows = 4;   // rows per group: 8 accumulators, the group's weights, x, the constant
+
+// x [M, K] rounded (see above): qx [M, K], dx and sx [M, K / 32].
+inline void round_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
+  const int64_t nb = K / kBlock;
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * kBlock;
+      int8_t* qb = qx + r * K + b * kBlock;
+      float amax = 0.f;
+      bool finite = true;
+      for (int k = 0; k < kBlock; ++k) {
+        finite = finite && std::isfinite(xb[k]);
+        amax = std::max(amax, std::fabs(xb[k]));
+      }
+      const int64_t i = r * nb + b;
+      if (!finite) {
+        std::memset(qb, 0, kBlock);
+        dx[i] = sx[i] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int sum = 0;
+      for (int k = 0; k < kBlock; ++k) {
+        const int q = static_cast<int>(std::nearbyint(xb[k] * inv));
+        qb[k] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      dx[i] = amax / 127.f;
+      sx[i] = dx[i] * static_cast<float>(sum);
+    }
+}
+
+// 4 k values, 8 columns: w's bytes (4 a column) times x's 4 bytes. 4 bits (w in 0..15): the two
+// pair sums of each column as 16-bit integers (at most 2 * 15 * 127, so a block's 8 groups add
+// up to at most 30480 < 2^15 and are widened once a block: half the multiply instructions, the
+// ones a core has fewest units for). 8 bits: |w| times x with w's sign, the column's 4-value sum
+// as a 32-bit integer (a pair sum alone can reach 2 * 128 * 127).
+template <int Bits>
+inline __m256i dot4(__m256i w, __m256i wabs, __m256i x, __m256i ones) {
+  if constexpr (Bits == 4) return _mm256_maddubs_epi16(w, x);
+  else return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w)), ones);
+}
+
+// Rows [0, R) of a group (qx: row 0's, stride K) times panel p: y's 16 columns of each row.
+template <int R, int Bits, bool Half>
+inline void panel(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* rec, float* y,
+                  int64_t ldy) {
+  constexpr int64_t kRec = record_bytes<Bits, Half>();
+  const int64_t nb = K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+  __m256 acc[R][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, rec += kRec) {
+    for (int64_t line = 0; line < kRec; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * kRec + line), _MM_HINT_T0);
+    const uint8_t* q = rec + scale_bytes<Bits, Half>();
+    __m256i t[R][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      __m256i w0, w1, a0, a1;
+      if constexpr (Bits == 4) {
+        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
+        a0 = w0 = _mm256_and_si256(v, low);
+        a1 = w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      } else {
+        w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * g));
+        w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32));
+        a0 = _mm256_abs_epi8(w0);
+        a1 = _mm256_abs_epi8(w1);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, qx + r * K + b * kBlock + 4 * g, 4);
+        const __m256i xv = _mm256_set1_epi32(four);
+        if constexpr (Bits == 4) {
+          t[r][0] = _mm256_add_epi16(t[r][0], dot4<Bits>(w0, a0, xv, ones));
+          t[r][1] = _mm256_add_epi16(t[r][1], dot4<Bits>(w1, a1, xv, ones));
+        } else {
+          t[r][0] = _mm256_add_epi32(t[r][0], dot4<Bits>(w0, a0, xv, ones));
+          t[r][1] = _mm256_add_epi32(t[r][1], dot4<Bits>(w1, a1, xv, ones));
+        }
+      }
+    }
+    if constexpr (Bits == 4) {   // each column's two 16-bit lanes into its 32-bit sum
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        t[r][0] = _mm256_madd_epi16(t[r][0], ones);
+        t[r][1] = _mm256_madd_epi16(t[r][1], ones);
+      }
+    }
+    __m256 d0, d1, m0, m1;
+    load_scales<Bits, Half>(rec, d0, d1, m0, m1);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 e = _mm256_set1_ps(dx[r * nb + b]);
+      if constexpr (Bits == 4) {
+        const __m256 s = _mm256_set1_ps(sx[r * nb + b]);
+        acc[r][0] = _mm256_fmadd_ps(m0, s, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(m1, s, acc[r][1]);
+      }
+      acc[r][0] = _mm256_fmadd_ps(d0, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][0])), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(d1, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][1])), acc[r][1]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+    _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+  }
+}
+
+template <int Bits, bool Half, int R = kRows>
+inline void panel_rows(int64_t rows, const int8_t* qx, const float* dx, const float* sx, int64_t K,
+                       const uint8_t* rec, float* y, int64_t ldy) {
+  if constexpr (R > 0) {
+    if (rows == R) panel<R, Bits, Half>(qx, dx, sx, K, rec, y, ldy);
+    else panel_rows<Bits, Half, R - 1>(rows, qx, dx, sx, K, rec, y, ldy);
+  }
+}
+
+// Panels [p0, p1), each for all M rows in groups of kRows (a panel's records, K / 32 of them,
+// stay in cache from the first group to the last, so they come from memory once).
+template <int Bits, bool Half>
+void linear(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K, const uint8_t* blob,
+            int64_t p0, int64_t p1, float* y, int64_t ldy) {
+  constexpr int64_t kRec = record_bytes<Bits, Half>();
+  const int64_t nb = K / kBlock;
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t r = 0; r < M; r += kRows)
+      panel_rows<Bits, Half>(std::min<int64_t>(kRows, M - r), qx + r * K, dx + r * nb, sx + r * nb, K,
+                             blob + p * nb * kRec, y + r * ldy + kPanel * p, ldy);
+}
+
+}  // namespace x8
 
 // ---------------------------------------------------------------------------------------------
 // The same kernels for CPUs with AVX-512 F, compiled into this module under
@@ -1027,6 +1188,129 @@ inline RowsFn rows_for(int64_t d) {
 }  // namespace row_attn
 #pragma GCC pop_options
 
+// Row attention on AVX2 (the same contract as row_attn's, its own order of operations: a row's
+// bits here differ from the AVX-512 code's, and agree with themselves for a row alone or among
+// others). Per (row, head): each allowed key's score is one FMA chain over d (8 lanes) reduced by
+// one fixed tree, times the scale; the exponentials of the scores minus their maximum, 8 keys at a
+// time, summed per lane in key order and the 8 lanes by the same tree; the weighted values summed
+// over even and over odd keys in key order, added, times 1 / the sum. Keys are read per (row,
+// head) pair: a key/value head's block stays in cache across its query heads and the pass's rows.
+namespace row_attn2 {
+
+// The 8 lanes of x summed by one fixed tree: (lanes l and l + 4), then (l, l + 2), then (0, 1).
+inline float reduce8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0, lane by lane (row_attn::exp_nonpositive's method: the same polynomial, 2^n
+// built in the exponent field, n >= -126); below -87.3 it is 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 floor = _mm256_set1_ps(-87.3f);
+  const __m256 tiny = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, floor);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// One (row, head): q and o d = 8 V floats; keys[0, nk) allowed (nk >= 1); s: nk + 8 floats of scratch.
+template <int V>
+void one(const float* q, float* o, const int32_t* keys, int64_t nk, const float* k, int64_t ks, const float* v,
+         int64_t vs, float scale, float* s) {
+  __m256 qv[V];
+#pragma GCC unroll 32
+  for (int c = 0; c < V; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  float top = -INFINITY;
+  for (int64_t j = 0; j < nk; ++j) {
+    const float* kj = k + keys[j] * ks;
+    __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
+#pragma GCC unroll 32
+    for (int c = 1; c < V; ++c) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), acc);
+    s[j] = reduce8(acc) * scale;
+    top = std::max(top, s[j]);
+  }
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t a = 0; a < nk; a += 8) {   // 8 keys a register; the tail's lanes past nk are 0
+    const int64_t n = std::min<int64_t>(8, nk - a);
+    alignas(32) float buf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    std::memcpy(buf, s + a, n * sizeof(float));
+    __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(buf), shift));
+    _mm256_store_ps(buf, e);
+    for (int64_t i = n; i < 8; ++i) buf[i] = 0.f;
+    e = _mm256_load_ps(buf);
+    std::memcpy(s + a, buf, n * sizeof(float));
+    total = _mm256_add_ps(total, e);
+  }
+  const __m256 w = _mm256_set1_ps(1.0f / reduce8(total));
+  __m256 even[V], odd[V];
+#pragma GCC unroll 32
+  for (int c = 0; c < V; ++c) even[c] = odd[c] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= nk; j += 2) {
+    const __m256 w0 = _mm256_set1_ps(s[j]), w1 = _mm256_set1_ps(s[j + 1]);
+    const float* v0 = v + keys[j] * vs;
+    const float* v1 = v + keys[j + 1] * vs;
+#pragma GCC unroll 32
+    for (int c = 0; c < V; ++c) {
+      even[c] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
+      odd[c] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + 8 * c), odd[c]);
+    }
+  }
+  if (j < nk) {
+    const __m256 w0 = _mm256_set1_ps(s[j]);
+    const float* v0 = v + keys[j] * vs;
+#pragma GCC unroll 32
+    for (int c = 0; c < V; ++c) even[c] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
+  }
+#pragma GCC unroll 32
+  for (int c = 0; c < V; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_add_ps(even[c], odd[c]), w));
+}
+
+using OneFn = void (*)(const float*, float*, const int32_t*, int64_t, const float*, int64_t, const float*, int64_t,
+                       float, float*);
+
+// one<d / 8> for the head sizes row_attn::rows_for takes (multiples of 16 up to 256)
+inline OneFn one_for(int64_t d) {
+  switch (d / 16) {
+    case 1: return one<2>;
+    case 2: return one<4>;
+    case 3: return one<6>;
+    case 4: return one<8>;
+    case 5: return one<10>;
+    case 6: return one<12>;
+    case 7: return one<14>;
+    case 8: return one<16>;
+    case 10: return one<20>;
+    case 12: return one<24>;
+    case 16: return one<32>;
+    default: return nullptr;
+  }
+}
+
+// row_attn::allowed_keys without AVX-512.
+inline int64_t allowed_keys(const bool* mr, int64_t stride, int64_t S, int32_t* out) {
+  int64_t n = 0;
+  for (int64_t j = 0; j < S; ++j)
+    if (mr[j * stride]) out[n++] = static_cast<int32_t>(j);
+  return n;
+}
+
+}  // namespace row_attn2
+
 // Linux hands out the tile registers' state on request only (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA), once per process; false where the kernel or the CPU refuses.
 bool amx_permitted() {
@@ -1148,13 +1432,44 @@ torch::Tensor amx_linear_blocks(const torch::Tensor& x, const torch::Tensor& blo
   return y;
 }
 
+// x [M, K] float32; blob: panel_linear_blocks' records with q regrouped as the q8 namespace's
+// comment says (kernels.x8_records). y = x @ W^T with x rounded to 8-bit integers per block of
+// 32 (the q8 namespace's arithmetic): a different product from panel_linear_blocks', the same bits
+// for a row alone or among any others. AVX2 (every CPU the other kernels run on).
+torch::Tensor x8_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, bool half_scales) {
+  check_blocks("x8_linear_blocks", x, blob, bits, half_scales);
+  const int64_t M = x.size(0), K = x.size(1), P = blob.size(0), ldy = kPanel * P;
+  auto y = torch::empty({M, ldy}, x.options());
+  if (M == 0) return y;
+  const int64_t nb = K / kBlock;
+  std::unique_ptr<int8_t[]> qx(new int8_t[M * K]);
+  std::unique_ptr<float[]> scales(new float[2 * M * nb]);
+  float* dx = scales.get();
+  float* sx = dx + M * nb;
+  x8::round_rows(x.data_ptr<float>(), M, K, qx.get(), dx, sx);
+  const uint8_t* bp = blob.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  auto run = [&](auto bits_tag, auto half_tag) {
+    constexpr int B = decltype(bits_tag)::value;
+    constexpr bool H = decltype(half_tag)::value;
+    at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+      x8::linear<B, H>(qx.get(), dx, sx, M, K, bp, p0, p1, yp, ldy);
+    });
+  };
+  if (bits == 8) run(std::integral_constant<int, 8>{}, std::false_type{});
+  else if (half_scales) run(std::integral_constant<int, 4>{}, std::true_type{});
+  else run(std::integral_constant<int, 4>{}, std::false_type{});
+  return y;
+}
+
 // q [B, Hq, T, d], k and v [B, Hkv, S, d] (any strides, unit stride over d; Hq a multiple of Hkv),
 // mask: bool [B, 1 or Hq, T, >= S] (key j of row t allowed where true) or empty, then row t sees
 // keys 0 .. S - T + t (a causal pass over the last T positions). -> out [B, T, Hq, d] float32,
-// each row by row_attn::rows (its comment). AVX-512 F only (the caller checks); d a multiple of 16, <= 256
-// (the sizes rows_for lists).
+// each row by row_attn::rows (isa 1: AVX-512 F, the caller checks) or row_attn2::one (isa 0: AVX2)
+// (their comments); d a multiple of 16, <= 256 (the sizes rows_for lists).
 torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                            const torch::Tensor& mask, double scale) {
+                            const torch::Tensor& mask, double scale, int64_t isa) {
+  TORCH_CHECK(isa == 0 || isa == 1, "row_attention: isa must be 0 (AVX2) or 1 (AVX-512), got ", isa);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "row_attention: q, k, v are [B, H, T|S, d]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "row_attention: float32 only");
@@ -1178,6 +1493,40 @@ torch::Tensor row_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t groups = Hq / Hkv;
+  if (isa == 0) {   // AVX2: one (row, head) at a time (row_attn2)
+    const row_attn2::OneFn one = row_attn2::one_for(d);
+    TORCH_CHECK(one != nullptr, "row_attention: no kernel for head size ", d);
+    const bool per_head = masked && mask.size(1) != 1;
+    at::parallel_for(0, B * T, 1, [&](int64_t i0, int64_t i1) {
+      std::unique_ptr<int32_t[]> keys(new int32_t[S]);
+      std::unique_ptr<float[]> scores(new float[S + 8]);
+      for (int64_t bt = i0; bt < i1; ++bt) {
+        const int64_t b = bt / T, t = bt % T;
+        int64_t nk = 0;
+        for (int64_t h = 0; h < Hq; ++h) {
+          if (h == 0 || per_head) {   // the row's allowed keys, in increasing order
+            if (masked) {
+              const bool* mr = mp + b * mask.stride(0) + (per_head ? h * mask.stride(1) : 0) + t * mask.stride(2);
+              nk = row_attn2::allowed_keys(mr, mask.stride(3), S, keys.get());
+            } else {
+              nk = 0;
+              for (int64_t j = 0; j <= S - T + t; ++j) keys[nk++] = static_cast<int32_t>(j);
+            }
+          }
+          float* o = op + ((b * T + t) * Hq + h) * d;
+          if (nk == 0) {   // a fully masked row: zeros (SDPA would give NaN)
+            std::fill(o, o + d, 0.0f);
+            continue;
+          }
+          const int64_t g = h / groups;
+          one(qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), o, keys.get(), nk,
+              kp + b * k.stride(0) + g * k.stride(1), k.stride(2), vp + b * v.stride(0) + g * v.stride(1), v.stride(2),
+              static_cast<float>(scale), scores.get());
+        }
+      }
+    });
+    return out;
+  }
   const row_attn::RowsFn run = row_attn::rows_for(d);
   TORCH_CHECK(run != nullptr, "row_attention: no kernel for head size ", d);
   const bool per_head = masked && mask.size(1) != 1;
@@ -1311,7 +1660,8 @@ torch::Tensor draft_block_post(const torch::Tensor& q, const torch::Tensor& keys
               "draft_block_post: norm_w [H] float32");
   TORCH_CHECK(outs[0] == H && outs[2] == I && outs[3] == H, "draft_block_post: layer sizes");
   // [1, nh, T, d] view of q -> [1, T, nh, d]
-  torch::Tensor o = row_attention(q.view({1, T, nh, d}).transpose(1, 2), keys, values, mask, 1.0 / std::sqrt(double(d)));
+  torch::Tensor o =
+      row_attention(q.view({1, T, nh, d}).transpose(1, 2), keys, values, mask, 1.0 / std::sqrt(double(d)), 1);
   torch::Tensor h = blocks_linear(o.view({T, nh * d}), blobs[0], bits[0], half[0], outs[0], isa);
   float* hp = h.data_ptr<float>();
   const float* rp = residual.data_ptr<float>();
@@ -1338,7 +1688,7 @@ torch::Tensor draft_block_post(const torch::Tensor& q, const torch::Tensor& keys
   return out;
 }
 
-// The linear kernels as PyTorch operators (treespec::block_linear, panel_linear, amx_linear),
+// The linear kernels as PyTorch operators (treespec::block_linear, panel_linear, amx_linear, x8_linear),
 // registered when this module loads, for compiled graphs (treespec/fastpath/ops.py gives their
 // shapes to the compiler): the dispatcher calls them with no Python in between. Python custom
 // operators cost about 40 us a call more here, and a SmolLM2 pass makes 211 of them.
@@ -1372,18 +1722,25 @@ torch::Tensor op_amx_linear(const torch::Tensor& x, const torch::Tensor& blob, i
   return shaped(amx_linear_blocks(as_rows(x), blob, bits, half_scales), x, out_features);
 }
 
+torch::Tensor op_x8_linear(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, bool half_scales,
+                             int64_t out_features) {
+  return shaped(x8_linear_blocks(as_rows(x), blob, bits, half_scales), x, out_features);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(treespec, m) {
   m.def("block_linear(Tensor x, Tensor blob, int bits, int isa, bool half_scales, int out_features) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int isa, int out_features) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor blob, int bits, bool half_scales, int out_features) -> Tensor");
+  m.def("x8_linear(Tensor x, Tensor blob, int bits, bool half_scales, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("block_linear", &op_block_linear);
   m.impl("panel_linear", &op_panel_linear);
   m.impl("amx_linear", &op_amx_linear);
+  m.impl("x8_linear", &op_x8_linear);
 }
 #endif  // TREESPEC_OPS
 
@@ -1397,9 +1754,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear_blocks", &amx_linear_blocks,
         "y = x @ W^T on the AMX tile unit, x rounded to bf16, W as panel_linear_blocks' integer blocks",
         pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("bits"), pybind11::arg("half_scales") = false);
+  m.def("x8_linear_blocks", &x8_linear_blocks,
+        "y = x @ W^T with x rounded to 8-bit integers per block of 32, W as x8_records' integer blocks",
+        pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("bits"), pybind11::arg("half_scales") = false);
   m.def("amx_permitted", &amx_permitted, "whether the OS granted this process the AMX tile state");
   m.def("row_attention", &row_attention, "softmax(scale q K^T) V, each query row over its allowed keys as alone",
-        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"));
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"),
+        pybind11::arg("isa") = 1);
   m.def("draft_block_pre", &draft_block_pre, "a feature head block's q, k, v projections and rotary embedding");
   m.def("draft_block_post", &draft_block_post, "a feature head block's attention, output projection and MLP");
 }

@@ -1,0 +1,213 @@
+"""The 8-bit-input block kernel (``kernel="x8"``, ``kernels.x8_linear``): exact integer blocks times x rounded
+to 8-bit integers per block of 32, as llama.cpp multiplies its quantized weights.
+
+It is not the fp32 product: each block of a layer's input keeps 8 bits. What it must be: exactly
+the arithmetic its comment states (``rounded_reference``: the rounding of x, the integer sums, the
+scaling order), the same bits for a row alone or among any others, and a refusal of records in the
+other kernels' layout (read as x8 records they would give wrong numbers silently). A model on it
+is a target of its own: near the fp32 one, and with row attention a tree's rows are the bits of its
+one-token steps, so greedy speculation emits plain decoding's tokens on the same path.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from treespec import SpeculativeGenerator, Target
+from treespec.builders import ChainBuilder, DynamicTreeBuilder
+from treespec.core.sampling import SamplingConfig
+from treespec.core.tree import DraftTree
+from treespec.fastpath import kernels, packing
+from treespec.fastpath.attention import use_row_attention
+from treespec.fastpath.kernels import block_linear, pack_blocks, panel_status, x8_linear, x8_records
+from treespec.fastpath.packing import PackedLinear, pack_linears
+from treespec.planning.calibration import default_calibration_path
+from treespec.runtime.verifier import TreeVerifier
+
+from _engine_helpers import NoisyTargetDrafter
+from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
+from test_blocks import fma32, gguf_q4_1, gguf_q8_0, packed_blocks_copy, quantized_llama
+from test_fastpath import prefix_and_tree, tree_logits
+
+pytestmark = pytest.mark.skipif(not panel_status(build=False)[0], reason=panel_status(build=False)[1])
+
+
+def rounded_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] rounded per block of 32: (qx [M, K/32, 32] integers as floats, dx, sx [M, K/32, 1]),
+    dx = max |x| / 127, qx = x (127 / max |x|) rounded to nearest, ties to even (0 where the block
+    is 0), sx = dx times the sum of qx. Tensor-by-tensor divisions: torch's ``127.0 / t`` is
+    ``reciprocal(t) * 127``, one rounding more than the kernel's."""
+    m, k = x.shape
+    b = x.reshape(m, k // 32, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    qx = torch.round(b * inv)
+    dx = amax / torch.full_like(amax, 127.0)
+    return qx, dx, dx * qx.sum(-1, keepdim=True)
+
+
+def rounded_reference(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The kernel's arithmetic one operation at a time: per block, t = the exact integer sum of
+    q qx, then y = fma(d, dx t, fma(m, sx, y)) (8 bits: y = fma(d, dx t, y)) from y = 0, with
+    q, d, m the ones ``pack_blocks`` stores."""
+    n, k = weight.shape
+    q, d, m = kernels._fit_blocks(weight.reshape(n, k // 32, 32), bits)
+    qx, dx, sx = rounded_rows(x)
+    y = torch.zeros(x.shape[0], n)
+    for b in range(k // 32):
+        t = (qx[:, b].double() @ q[:, b].double().T).float()     # integers below 2^24: exact
+        if bits == 4:
+            y = fma32(m[None, :, b, 0], sx[:, b], y)
+        y = fma32(d[None, :, b, 0], dx[:, b] * t, y)
+    return y
+
+
+@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0])
+@pytest.mark.parametrize("n_out", [16, 40, 300])
+def test_x8_linear_computes_its_arithmetic_exactly(fmt, n_out) -> None:
+    """Groups of 1-4 rows and the rest, K of 1, 3 and 18 blocks, N not a multiple of 16, a bias,
+    both 4-bit record kinds, zero blocks of x and of the weight: the bits of ``rounded_reference``."""
+    torch.manual_seed(n_out)
+    for k in (32, 96, 576):
+        weight = fmt(torch.randn(n_out, k) * 0.05)
+        if k > 32:
+            weight[:, :32] = 0.0   # a zero block of the weight: d = m = 0
+        bias = torch.randn(n_out)
+        blocks = pack_blocks(weight)
+        kinds = [blocks] + ([pack_blocks(weight, half_scales=not blocks.half_scales)] if blocks.bits == 4 else [])
+        for rows in (1, 2, 3, 4, 5, 7, 9, 17, 64):
+            x = torch.randn(rows, k) * torch.rand(rows, 1) * 4
+            x[0, -32:] = 0.0      # a zero block: dx = 0
+            want = rounded_reference(x, weight, blocks.bits) + bias
+            for kind in kinds:
+                got = x8_linear(x, x8_records(kind), bias)
+                assert got.shape == (rows, n_out)
+                assert torch.equal(got, want), (k, rows, kind.half_scales)
+
+
+@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0])
+def test_int8_rows_have_the_same_bits_alone_or_together(fmt) -> None:
+    torch.manual_seed(1)
+    weight = fmt(torch.randn(72, 160) * 0.05)
+    blocks = x8_records(pack_blocks(weight))
+    x = torch.randn(23, 160)
+    together = x8_linear(x, blocks)
+    for i in range(23):
+        assert torch.equal(x8_linear(x[i:i + 1], blocks), together[i:i + 1]), i
+    assert torch.equal(x8_linear(x[5:11], blocks), together[5:11])
+
+
+@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0])
+def test_x8_linear_is_near_the_fp32_product(fmt) -> None:
+    """Rounding x to 8 bits a block moves each output by a small fraction of its scale (llama.cpp's
+    error), not more: a misplaced nibble or column would be off by the outputs' own size."""
+    torch.manual_seed(2)
+    weight = fmt(torch.randn(256, 576) * 0.05)
+    blocks = pack_blocks(weight)
+    x = torch.randn(8, 576)
+    exact = block_linear(x, blocks)
+    err = (x8_linear(x, x8_records(blocks)) - exact).abs().max() / exact.abs().max()
+    assert 0 < err < 0.01, err
+
+
+def test_a_non_finite_input_gives_nan_rows_and_spares_the_others() -> None:
+    torch.manual_seed(3)
+    blocks = x8_records(pack_blocks(gguf_q4_1(torch.randn(32, 96) * 0.05)))
+    x = torch.randn(3, 96)
+    x[1, 40] = float("inf")
+    y = x8_linear(x, blocks)
+    assert torch.isnan(y[1]).all()
+    assert torch.isfinite(y[[0, 2]]).all()
+    assert torch.equal(y[[0, 2]], x8_linear(x[[0, 2]], blocks))
+
+
+def test_records_of_the_wrong_layout_are_refused() -> None:
+    blocks = pack_blocks(gguf_q4_1(torch.randn(16, 64)))
+    with pytest.raises(ValueError, match="pass x8_records"):
+        x8_linear(torch.randn(1, 64), blocks)
+    with pytest.raises(ValueError, match="layout 'vector'"):
+        x8_records(x8_records(blocks))
+
+
+def test_the_int8_operator_gives_the_eager_bits_for_any_leading_shape() -> None:
+    from treespec.fastpath import ops
+
+    torch.manual_seed(4)
+    blocks = x8_records(pack_blocks(gguf_q8_0(torch.randn(40, 96) * 0.05)))
+    x = torch.randn(2, 3, 96)
+    got = ops.x8_linear(x, blocks.blob, blocks.bits, blocks.half_scales, blocks.out_features)
+    assert got.shape == (2, 3, 40)
+    assert torch.equal(got, x8_linear(x, blocks))
+
+
+# ----------------------------------------------------------------------------- a model on it
+
+
+@pytest.mark.parametrize("n", [1, 5, 17])
+def test_x8_model_scores_trees_near_the_fp32_model(n) -> None:
+    """Each linear input rounded to 8 bits a block moves a small model's logits by a few hundredths."""
+    stock = quantized_llama()
+    packed = packed_blocks_copy(stock, "x8")
+    prefix, tree = prefix_and_tree(n)
+    got, ref = tree_logits(packed, prefix, tree), tree_logits(stock, prefix, tree)
+    assert not torch.equal(got, ref)                      # a different target...
+    torch.testing.assert_close(got, ref, rtol=0, atol=0.05)   # ...close to the fp32 one
+
+
+def test_x8_model_scores_a_tree_as_one_token_steps() -> None:
+    """With row attention (what ``load_target(..., pack="x8")`` sets up), each node of a chain
+    scored in one tree pass has the bits of the one-token step after its ancestors."""
+    model = quantized_llama(seed=2)
+    pack_linears(model, kernel="x8")
+    assert use_row_attention(model)[0]
+    prefix = torch.tensor([5, 17, 200, 42, 7, 99, 3])
+    chain = [11, 23, 57, 101]
+    sampling = SamplingConfig(temperature=1.0)
+    tree = DraftTree(torch.tensor(chain), torch.tensor([-1, 0, 1, 2]), sampling="deterministic")
+    v = TreeVerifier(model, sampling)
+    v.prefill(prefix)
+    together = v.score(tree).probs
+    step = TreeVerifier(model, sampling)
+    step.prefill(prefix)
+    for i, token in enumerate(chain):
+        alone = step.score(DraftTree(torch.tensor([token]), torch.tensor([-1]), sampling="deterministic")).probs
+        assert torch.equal(alone[0], together[i]), i
+        step.compact(torch.zeros(1, dtype=torch.long))
+
+
+def test_x8_model_greedy_speculation_emits_plain_decodings_tokens() -> None:
+    """On the x8 path with row attention, greedy trees and chains emit treespec's plain
+    decoding's tokens on the same path (same prompt pass, then one-token steps)."""
+    stock = quantized_llama(seed=3)
+    packed = copy.deepcopy(stock)
+    pack_linears(packed, kernel="x8")
+    use_row_attention(packed)
+    target = Target.from_hf(packed, tokenizer=None, name="small", pack=False)
+    ids = torch.tensor([5, 17, 200, 42, 7])
+
+    def run(builder):
+        drafter = NoisyTargetDrafter(copy.deepcopy(stock), noise=0.5, seed=1)
+        return SpeculativeGenerator(target, drafter, builder).generate(ids, max_new_tokens=40,
+                                                                       temperature=0.0).token_ids.tolist()
+
+    plain = run(DynamicTreeBuilder(budget=1, depth=1, top_k=1))
+    assert len(plain) >= 10
+    assert run(DynamicTreeBuilder(budget=16, depth=4, top_k=3)) == plain
+    assert run(ChainBuilder(budget=5)) == plain
+
+
+def test_x8_is_refused_where_it_cannot_run(monkeypatch) -> None:
+    monkeypatch.setattr(packing, "panel_status", lambda cpu=None: (False, "CPU lacks avx2 (test)"))
+    with pytest.raises(ValueError, match="kernel='x8' is not available here: CPU lacks avx2"):
+        pack_linears(quantized_llama(), kernel="x8")
+    with pytest.raises(ValueError, match="float32 only"):
+        PackedLinear(nn.Linear(64, 32).to(torch.bfloat16), kernel="x8")
+
+
+def test_x8_targets_have_their_own_calibration_file() -> None:
+    rows = default_calibration_path("smollm2-135m", torch.float32, "x8", "treespec_row_attention", None)
+    assert rows.name == "calibration-smollm2-135m-x8-rows.json"
