@@ -26,7 +26,8 @@ fp32 is the exact reference target; bf16 rows run only where the CPU has native 
 rows only where it has AMX-BF16 (the fp32 model with its linear layers on the AMX block kernel,
 each linear input rounded to bf16: ``load_target(..., pack="amx")``); ``--dtypes x8`` asks for x8 rows
 (the fp32 model's exact integer blocks times each linear input rounded to 8-bit integers per block of
-32, as llama.cpp multiplies: ``pack="x8"``). bf16, amx and x8 targets are different targets:
+32, as llama.cpp multiplies: ``pack="x8"``; ``x8-compiled``: its passes compiled). bf16, amx and x8
+targets are different targets:
 their rows are compared with plain decoding of the same target, and with the
 fastest plain decoding of any of them, so a row cannot win by slowing its own baseline. At T = 1 every output is scored under the fp32 target (mean log-likelihood
 per token): bf16 speculative decoding must not cost quality against bf16 plain decoding.
@@ -74,6 +75,9 @@ def is_plain(name: str) -> bool:
     return name.split(" ", 1)[1] in PLAIN
 
 
+X8 = ("x8", "x8-compiled")   # the x8 target's groups: eager, and its passes compiled
+
+
 def auto_path(gen, calibration_path, drafter: str) -> str:
     """What a builder="auto" row runs: its trees at T = 0 and 1, the calibration, the
     speculation threshold and the generator's own work with ``drafter``."""
@@ -84,7 +88,7 @@ def auto_path(gen, calibration_path, drafter: str) -> str:
 def build(args):
     """{dtype: {row name: callable(ids, T, seed) -> record}} and the fp32 scorer."""
     dtypes = ["fp32"] + (["bf16"] if cpu_info().native_bf16 else []) + (["amx"] if amx_status()[0] else [])
-    x8 = ["x8"] if panel_status()[0] else []   # asked for by name: x8 is its own target, like amx
+    x8 = ["x8", "x8-compiled"] if panel_status()[0] else []   # asked for by name: x8 is its own target
     if args.dtypes:
         asked = [d.strip() for d in args.dtypes.split(",") if d.strip()]
         valid = dtypes + ["compiled"] + x8     # compiled: the fp32 target's passes compiled (Target.compiled)
@@ -98,12 +102,16 @@ def build(args):
         if dtype not in stocks:
             stocks[dtype] = treespec.load_target("smollm2-135m", dtype=dtype, pack=False)
         stock = stocks[dtype]
-        pack = d if d in ("amx", "x8") else args.fp32_kernel if d in ("fp32", "compiled") and args.fp32_kernel != "auto" \
-            else True
+        if d in X8 or d == "amx":
+            pack = "x8" if d in X8 else "amx"
+        elif d in ("fp32", "compiled") and args.fp32_kernel != "auto":
+            pack = args.fp32_kernel
+        else:
+            pack = True
         packed = treespec.load_target("smollm2-135m", dtype=dtype, pack=pack)
-        if d == "compiled":
+        if d in ("compiled", "x8-compiled"):
             packed = compile_target(packed)
-        paths[d] = {"packed": packed.speed_path} if d in ("amx", "x8", "compiled") else {"stock": stock.speed_path,
+        paths[d] = {"packed": packed.speed_path} if d in ("amx", "compiled") + X8 else {"stock": stock.speed_path,
                                                                       "packed": packed.speed_path}
         if d == "fp32":
             scorer = stock.model
@@ -137,8 +145,8 @@ def build(args):
             paths[d]["hybrid auto"] = auto_path(gens["treespec hybrid auto"], hybrid_cal, "hybrid")
         paths[d]["lookup adaptive"] = f"{lookup.config}, {gens['treespec lookup adaptive'].builder}"
         rows = {}
-        peers = d != "compiled"   # the compiled group's stock model is fp32's: its HF rows would be fp32's again
-        if d not in ("amx", "x8") and peers:   # their stock model is fp32's: its row would be fp32's HF generate again
+        peers = d not in ("compiled", "x8-compiled")   # their stock model is fp32's: its HF rows would be fp32's again
+        if d not in ("amx",) + X8 and peers:   # their stock model is fp32's: its row would be fp32's HF generate again
             rows["HF generate"] = lambda ids, t, s, m=stock.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s)
         if (d == "fp32" or args.all_peers and peers) and "HF assisted (small)" not in skipped:   # as a user runs them
             small = treespec.load_drafter("small", stock).model
@@ -154,7 +162,7 @@ def build(args):
         hf_packed = lambda ids, t, s, m=packed.model, e=eos: hf_generate(m, ids, args.max_new_tokens, e, t, s)
         # a dtype's first row is its greedy reference: for amx, treespec's plain loop, whose prompt
         # pass the trees share (HF generate scores the prompt's last token inside that pass)
-        if d == "compiled":
+        if d in ("compiled", "x8-compiled"):
             rows["treespec plain"] = plain
         elif d in ("amx", "x8"):
             rows.update({"treespec plain": plain, "HF generate (packed)": hf_packed})
@@ -314,7 +322,7 @@ def limiter(summary_t: dict, goal: float) -> list[str]:
     """Why the best treespec row of each dtype is where it is: τ, verify cost, draft cost."""
     lines = []
     rows = summary_t["rows"]
-    for d in ("fp32", "bf16", "amx", "x8"):
+    for d in ("fp32", "bf16", "amx", "compiled") + X8:
         spec = {n: e for n, e in rows.items() if n.startswith(d + " treespec") and not is_plain(n)}
         if not spec:
             continue
@@ -463,7 +471,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="",
                     help="comma-separated subset of fp32,bf16,amx,compiled,x8 (default: fp32, bf16 where the CPU "
                          "has it natively, amx where it has AMX-BF16; compiled: the fp32 target with its passes "
-                         "compiled, treespec's rows only; x8: the blocks times 8-bit inputs, asked for by name)")
+                         "compiled, treespec's rows only; x8: the blocks times 8-bit inputs, asked for by name; "
+                         "x8-compiled: that target with its passes compiled)")
     ap.add_argument("--llamacpp", default=None, metavar="BIN_DIR",
                     help="add llama.cpp's rows (T = 0): the bin folder of `make bench-llamacpp` "
                          "(.cache/llama.cpp/build/bin) or a binary in it")

@@ -46,6 +46,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from treespec.fastpath.kernels import ROW_HEAD_DIMS, row_attention_kernel
 
 GROUPED_SDPA = "treespec_grouped_sdpa"
+_row_isa: int | None = None   # the row kernel's ISA number for compiled graphs (set by use_row_attention)
 
 
 def grouped_sdpa_attention(
@@ -105,6 +106,12 @@ def row_attention(
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     mask = attention_mask if tree else query.new_empty(0, dtype=torch.bool)
+    if torch.compiler.is_compiling():   # inside a compiled graph: the kernel as its operator, no graph break
+        from treespec.fastpath import ops
+
+        if _row_isa is None:
+            raise RuntimeError("row attention in a compiled graph needs use_row_attention(model) first")
+        return ops.row_attention(query, key, value, mask, scale, _row_isa), None
     return row_attention_kernel(query, key, value, mask, scale), None
 
 
@@ -154,7 +161,7 @@ def use_row_attention(model: torch.nn.Module) -> tuple[bool, str]:
     round their inputs (``kernel="amx"`` or ``"x8"``): there a last-bit difference between a
     tree pass and a one-token step can flip a rounding and grow, so their rows must be the same
     bits."""
-    from treespec.fastpath.kernels import panel_status
+    from treespec.fastpath.kernels import _isa_index, panel_status
 
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
@@ -168,6 +175,8 @@ def use_row_attention(model: torch.nn.Module) -> tuple[bool, str]:
     ok, why = panel_status()
     if not ok:
         return False, f"{impl} (row attention needs the vector kernels: {why})"
+    global _row_isa
+    _row_isa = _isa_index(None)      # read here, outside any graph a compiler traces
     model.set_attn_implementation(register_row_attention())
     return True, ("row attention (one-token steps and tree passes row by row, each row the bits of the step "
                   "that decodes its path, a block of keys read once for all rows; prompts through grouped sdpa)")

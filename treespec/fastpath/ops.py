@@ -14,9 +14,11 @@ compiler may reorder it like any other pure op. Eager passes call the kernels di
     torch.ops.treespec.panel_linear(x, panels, isa, out_features)
     torch.ops.treespec.amx_linear(x, blob, bits, half_scales, out_features)
     torch.ops.treespec.x8_linear(x, blob, bits, half_scales, out_features)
+    torch.ops.treespec.row_attention(q, k, v, mask, scale, isa)
 
 ``x`` [..., K] float32 on the CPU -> [..., out_features]; the bias is left to the caller (a plain
-add the compiler fuses). ``isa`` is the kernel module's number (0 AVX2, 1 AVX-512; ``kernels.ISAS``).
+add the compiler fuses). ``row_attention``: q [B, Hq, T, d], k and v [B, Hkv, S, d], a bool mask
+[B, 1 or Hq, T, >= S] -> [B, T, Hq, d] (``kernels.row_attention_kernel``). ``isa`` is the kernel module's number (0 AVX2, 1 AVX-512; ``kernels.ISAS``).
 Importing this module builds the kernel where needed (:class:`kernels.PanelUnavailable` where it
 cannot run).
 """
@@ -27,7 +29,7 @@ import torch
 
 from treespec.fastpath import kernels
 
-__all__ = ["amx_linear", "block_linear", "x8_linear", "panel_linear"]
+__all__ = ["amx_linear", "block_linear", "panel_linear", "row_attention", "x8_linear"]
 
 kernels._kernel()   # loading the module registers treespec::* (raises PanelUnavailable where it cannot)
 
@@ -39,7 +41,15 @@ def _fake(x: torch.Tensor, *args) -> torch.Tensor:
 for _name in ("block_linear", "panel_linear", "amx_linear", "x8_linear"):
     torch.library.register_fake(f"treespec::{_name}")(_fake)
 
+
+@torch.library.register_fake("treespec::row_attention")
+def _fake_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                        isa: int) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])   # [B, T, Hq, d]
+
+
 block_linear = torch.ops.treespec.block_linear.default
 panel_linear = torch.ops.treespec.panel_linear.default
 amx_linear = torch.ops.treespec.amx_linear.default
 x8_linear = torch.ops.treespec.x8_linear.default
+row_attention = torch.ops.treespec.row_attention.default

@@ -1688,7 +1688,8 @@ torch::Tensor draft_block_post(const torch::Tensor& q, const torch::Tensor& keys
   return out;
 }
 
-// The linear kernels as PyTorch operators (treespec::block_linear, panel_linear, amx_linear, x8_linear),
+// The linear kernels and row attention as PyTorch operators (treespec::block_linear, panel_linear,
+// amx_linear, x8_linear, row_attention),
 // registered when this module loads, for compiled graphs (treespec/fastpath/ops.py gives their
 // shapes to the compiler): the dispatcher calls them with no Python in between. Python custom
 // operators cost about 40 us a call more here, and a SmolLM2 pass makes 211 of them.
@@ -1722,6 +1723,12 @@ torch::Tensor op_amx_linear(const torch::Tensor& x, const torch::Tensor& blob, i
   return shaped(amx_linear_blocks(as_rows(x), blob, bits, half_scales), x, out_features);
 }
 
+// q, k, v, mask and the result as row_attention's; isa its number (0 AVX2, 1 AVX-512).
+torch::Tensor op_row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& mask, double scale, int64_t isa) {
+  return row_attention(q, k, v, mask, scale, isa);
+}
+
 torch::Tensor op_x8_linear(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, bool half_scales,
                              int64_t out_features) {
   return shaped(x8_linear_blocks(as_rows(x), blob, bits, half_scales), x, out_features);
@@ -1734,6 +1741,7 @@ TORCH_LIBRARY(treespec, m) {
   m.def("panel_linear(Tensor x, Tensor panels, int isa, int out_features) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor blob, int bits, bool half_scales, int out_features) -> Tensor");
   m.def("x8_linear(Tensor x, Tensor blob, int bits, bool half_scales, int out_features) -> Tensor");
+  m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(treespec, CPU, m) {
@@ -1741,6 +1749,7 @@ TORCH_LIBRARY_IMPL(treespec, CPU, m) {
   m.impl("panel_linear", &op_panel_linear);
   m.impl("amx_linear", &op_amx_linear);
   m.impl("x8_linear", &op_x8_linear);
+  m.impl("row_attention", &op_row_attention);
 }
 #endif  // TREESPEC_OPS
 
