@@ -10,29 +10,23 @@ does, and greedy speculative decoding on that path emits plain decoding's tokens
 from __future__ import annotations
 
 import argparse
-import copy
 import random
 
 import pytest
 import torch
 from torch import nn
 
-from treespec import SpeculativeGenerator, Target
-from treespec.builders import ChainBuilder, DynamicTreeBuilder
+from treespec import Target
 from treespec.cli.plan import target_pack
 from treespec.fastpath import packing
 from treespec.fastpath.cpu import CpuInfo
 from treespec.core.masks import hf_tree_mask
-from treespec.core.sampling import SamplingConfig
-from treespec.core.tree import DraftTree
-from treespec.fastpath.attention import use_row_attention
 from treespec.fastpath.kernels import (ROW_HEAD_DIMS, amx_linear, amx_status, kernel_isa, pack_blocks,
                                        panel_status, row_attention_kernel)
-from treespec.runtime.verifier import TreeVerifier
 from treespec.fastpath.packing import PackedLinear, pack_linears
 from treespec.planning.calibration import default_calibration_path
 
-from _engine_helpers import NoisyTargetDrafter
+from _rounded_targets import assert_chain_rows_are_one_token_steps, assert_greedy_speculation_is_plain, rounded_copy
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from test_blocks import gguf_q4_1, gguf_q8_0, packed_blocks_copy, quantized_llama
 from test_fastpath import prefix_and_tree, random_tree, tree_logits
@@ -104,21 +98,8 @@ def test_amx_model_greedy_speculation_emits_plain_decodings_tokens(amx) -> None:
     """On the amx path (row attention, as ``load_target(..., pack="amx")`` sets up) greedy trees
     and chains emit treespec's plain decoding's tokens (same prompt pass, then one-token steps)."""
     stock = quantized_llama(seed=3)
-    packed = copy.deepcopy(stock)
-    pack_linears(packed, kernel="amx")
-    use_row_attention(packed)
-    target = Target.from_hf(packed, tokenizer=None, name="small", pack=False)
-    ids = torch.tensor([5, 17, 200, 42, 7])
-
-    def run(builder):
-        drafter = NoisyTargetDrafter(copy.deepcopy(stock), noise=0.5, seed=1)
-        return SpeculativeGenerator(target, drafter, builder).generate(ids, max_new_tokens=40,
-                                                                       temperature=0.0).token_ids.tolist()
-
-    plain = run(DynamicTreeBuilder(budget=1, depth=1, top_k=1))
-    assert len(plain) >= 10
-    assert run(DynamicTreeBuilder(budget=16, depth=4, top_k=3)) == plain
-    assert run(ChainBuilder(budget=5)) == plain
+    target = Target.from_hf(rounded_copy(stock, "amx"), tokenizer=None, name="small", pack=False)
+    assert_greedy_speculation_is_plain(target, stock)
 
 
 def test_amx_is_refused_where_it_cannot_run(monkeypatch) -> None:
@@ -245,19 +226,4 @@ def test_row_attention_gives_a_tree_row_the_bits_of_its_one_token_step(isa) -> N
 def test_row_attention_model_scores_a_tree_as_one_token_steps(amx) -> None:
     """The amx target end to end: each node of a chain scored in one tree pass has the bits of
     the one-token step after the verifier committed its ancestors."""
-    model = quantized_llama(seed=2)
-    pack_linears(model, kernel="amx")
-    assert use_row_attention(model)[0]
-    prefix = torch.tensor([5, 17, 200, 42, 7, 99, 3])
-    chain = [11, 23, 57, 101]
-    sampling = SamplingConfig(temperature=1.0)
-    tree = DraftTree(torch.tensor(chain), torch.tensor([-1, 0, 1, 2]), sampling="deterministic")
-    v = TreeVerifier(model, sampling)
-    v.prefill(prefix)
-    together = v.score(tree).probs
-    step = TreeVerifier(model, sampling)
-    step.prefill(prefix)
-    for i, token in enumerate(chain):
-        alone = step.score(DraftTree(torch.tensor([token]), torch.tensor([-1]), sampling="deterministic")).probs
-        assert torch.equal(alone[0], together[i]), i
-        step.compact(torch.zeros(1, dtype=torch.long))
+    assert_chain_rows_are_one_token_steps(rounded_copy(quantized_llama(seed=2), "amx"))

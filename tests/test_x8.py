@@ -11,24 +11,20 @@ one-token steps, so greedy speculation emits plain decoding's tokens on the same
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
-from treespec import SpeculativeGenerator, Target
+from treespec import Target
 from treespec.builders import ChainBuilder, DynamicTreeBuilder
 from treespec.core.sampling import SamplingConfig
-from treespec.core.tree import DraftTree
 from treespec.fastpath import kernels, packing
-from treespec.fastpath.attention import use_row_attention
 from treespec.fastpath.kernels import block_linear, pack_blocks, panel_status, x8_linear, x8_records
 from treespec.fastpath.packing import PackedLinear, pack_linears
 from treespec.planning.calibration import default_calibration_path
 from treespec.runtime.verifier import TreeVerifier
 
-from _engine_helpers import NoisyTargetDrafter
+from _rounded_targets import assert_chain_rows_are_one_token_steps, assert_greedy_speculation_is_plain, rounded_copy
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from test_blocks import fma32, gguf_q4_1, gguf_q8_0, packed_blocks_copy, quantized_llama
 from test_fastpath import prefix_and_tree, tree_logits
@@ -161,43 +157,15 @@ def test_x8_model_scores_trees_near_the_fp32_model(n) -> None:
 def test_x8_model_scores_a_tree_as_one_token_steps() -> None:
     """With row attention (what ``load_target(..., pack="x8")`` sets up), each node of a chain
     scored in one tree pass has the bits of the one-token step after its ancestors."""
-    model = quantized_llama(seed=2)
-    pack_linears(model, kernel="x8")
-    assert use_row_attention(model)[0]
-    prefix = torch.tensor([5, 17, 200, 42, 7, 99, 3])
-    chain = [11, 23, 57, 101]
-    sampling = SamplingConfig(temperature=1.0)
-    tree = DraftTree(torch.tensor(chain), torch.tensor([-1, 0, 1, 2]), sampling="deterministic")
-    v = TreeVerifier(model, sampling)
-    v.prefill(prefix)
-    together = v.score(tree).probs
-    step = TreeVerifier(model, sampling)
-    step.prefill(prefix)
-    for i, token in enumerate(chain):
-        alone = step.score(DraftTree(torch.tensor([token]), torch.tensor([-1]), sampling="deterministic")).probs
-        assert torch.equal(alone[0], together[i]), i
-        step.compact(torch.zeros(1, dtype=torch.long))
+    assert_chain_rows_are_one_token_steps(rounded_copy(quantized_llama(seed=2), "x8"))
 
 
 def test_x8_model_greedy_speculation_emits_plain_decodings_tokens() -> None:
     """On the x8 path with row attention, greedy trees and chains emit treespec's plain
     decoding's tokens on the same path (same prompt pass, then one-token steps)."""
     stock = quantized_llama(seed=3)
-    packed = copy.deepcopy(stock)
-    pack_linears(packed, kernel="x8")
-    use_row_attention(packed)
-    target = Target.from_hf(packed, tokenizer=None, name="small", pack=False)
-    ids = torch.tensor([5, 17, 200, 42, 7])
-
-    def run(builder):
-        drafter = NoisyTargetDrafter(copy.deepcopy(stock), noise=0.5, seed=1)
-        return SpeculativeGenerator(target, drafter, builder).generate(ids, max_new_tokens=40,
-                                                                       temperature=0.0).token_ids.tolist()
-
-    plain = run(DynamicTreeBuilder(budget=1, depth=1, top_k=1))
-    assert len(plain) >= 10
-    assert run(DynamicTreeBuilder(budget=16, depth=4, top_k=3)) == plain
-    assert run(ChainBuilder(budget=5)) == plain
+    target = Target.from_hf(rounded_copy(stock, "x8"), tokenizer=None, name="small", pack=False)
+    assert_greedy_speculation_is_plain(target, stock)
 
 
 def test_x8_is_refused_where_it_cannot_run(monkeypatch) -> None:
@@ -234,22 +202,11 @@ def test_greedy_on_the_compiled_x8_path_equals_plain_decoding_there() -> None:
     from treespec.runtime.compiled import compile_target
 
     stock = quantized_llama(seed=3)
-    packed = copy.deepcopy(stock)
-    pack_linears(packed, kernel="x8")
-    use_row_attention(packed)
+    packed = rounded_copy(stock, "x8")
     target = Target.from_hf(packed, tokenizer=None, name="small", pack=False)
     fast = compile_target(target, buckets=(1, 4), max_len=256)
-    ids = torch.tensor([5, 17, 200, 42, 7])
-
-    def run(t, builder):
-        drafter = NoisyTargetDrafter(copy.deepcopy(stock), noise=0.5, seed=1)
-        return SpeculativeGenerator(t, drafter, builder).generate(ids, max_new_tokens=30,
-                                                                  temperature=0.0).token_ids.tolist()
-
-    plain = run(fast, DynamicTreeBuilder(budget=1, depth=1, top_k=1))
-    assert len(plain) >= 10
-    assert run(fast, ChainBuilder(budget=4)) == plain
-    assert run(fast, DynamicTreeBuilder(budget=4, depth=3, top_k=2)) == plain
+    assert_greedy_speculation_is_plain(fast, stock, max_new_tokens=30,
+                                       trees=(ChainBuilder(budget=4), DynamicTreeBuilder(budget=4, depth=3, top_k=2)))
     prefix, tree = prefix_and_tree(4)
     eager = TreeVerifier(packed, SamplingConfig(0.0))
     eager.prefill(prefix)

@@ -102,6 +102,11 @@ KERNELS = ("onednn", "panel", "blocks", "amx", "x8")
 PANEL_KERNELS = ("panel", "blocks")     # treespec's vector kernels (an ISA to pick, 1..PANEL_MAX_ROWS rows)
 BLOCK_KERNELS = ("blocks", "amx", "x8")   # the kernels that store exact integer blocks where a weight is one
 FP32_KERNELS = ("panel",) + BLOCK_KERNELS
+_ROUNDING = {   # the block kernels that round each layer's input, and how (a target of their own)
+    "amx": "rounded to bf16 on the AMX tile unit (treespec.fastpath.kernels.amx_linear)",
+    "x8": "rounded to 8-bit integers per block of 32, integer products on the AVX2 kernels "
+          "(treespec.fastpath.kernels.x8_linear)",
+}
 _ISA_NAMES = {"avx2": "AVX2", "avx512": "AVX-512"}   # the panel kernels' instruction sets, as printed
 
 
@@ -463,20 +468,12 @@ def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
         raise ValueError(f"kernel={kernel!r} is float32 only; these weights are {dtype} (use kernel='onednn')")
     if device.type != "cpu":
         return f"weights on {device}: packing is a CPU path"
-    if kernel == "amx":
-        ok, why = amx_status(cpu)
+    if kernel in _ROUNDING:   # asked for by name only: each is a target of its own
+        ok, why = (amx_status if kernel == "amx" else panel_status)(cpu)
         if not ok:
-            raise ValueError(f"kernel='amx' is not available here: {why}")
-        return _Plan("amx", 1, None, "exact 4/8-bit integer blocks times each layer's input rounded to bf16 on the "
-                     "AMX tile unit, every pass (treespec.fastpath.kernels.amx_linear); fp32 panels on the "
-                     "vector kernels for weights that are not blocks")
-    if kernel == "x8":
-        ok, why = panel_status(cpu)
-        if not ok:
-            raise ValueError(f"kernel='x8' is not available here: {why}")
-        return _Plan("x8", 1, None, "exact 4/8-bit integer blocks times each layer's input rounded to 8-bit "
-                     "integers per block of 32, integer products on the AVX2 kernels, every pass "
-                     "(treespec.fastpath.kernels.x8_linear); fp32 panels for weights that are not blocks")
+            raise ValueError(f"kernel={kernel!r} is not available here: {why}")
+        return _Plan(kernel, 1, None, f"exact 4/8-bit integer blocks times each layer's input {_ROUNDING[kernel]}, "
+                     "every pass; fp32 panels on the vector kernels for weights that are not blocks")
     # The block GEMM wins wherever a pass is bound by reading the weights: measured on an AVX2-only
     # EPYC and on an AVX-512-BF16 EPYC (SmolLM2, one thread: a 1-token pass 32 ms against 80 ms for
     # oneDNN/stock fp32, and ahead of oneDNN up to 32 rows; benchmarks/results/verify_cost_epyc_
