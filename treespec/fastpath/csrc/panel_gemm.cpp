@@ -957,6 +957,15 @@ void linear(const uint16_t* xb, const float* sx, int64_t M, int64_t K, const uin
 }  // namespace amx
 #pragma GCC pop_options
 
+// exp(x) for x <= 0 as the row kernels of both ISAs compute it (Cephes' expf): x = n ln2 + r
+// (ln2 split in two parts), then a degree-7 polynomial in r, times 2^n.
+namespace exp_poly {
+constexpr float kFloor = -87.3f;   // below it the result is 0 (under fp32's normal range)
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kC[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace exp_poly
+
 // Row attention: softmax(scale q K^T) V for each query row over the keys its mask allows, in
 // increasing key order. A row's output depends only on that row's query and the allowed keys and
 // values (rows() below: the same operations in the same order for a row alone or among others),
@@ -967,22 +976,18 @@ void linear(const uint16_t* xb, const float* sx, int64_t M, int64_t K, const uin
 #pragma GCC target("avx512f")
 namespace row_attn {
 
-// exp(x) for x <= 0, lane by lane (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times 2^n);
-// below -87.3 (under fp32's normal range) it is 0.
+// exp(x) for x <= 0, lane by lane (exp_poly; 2^n by scalef); below exp_poly::kFloor it is 0.
 inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 floor = _mm512_set1_ps(-87.3f);
+  const __m512 floor = _mm512_set1_ps(exp_poly::kFloor);
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ);
   x = _mm512_max_ps(x, floor);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(exp_poly::kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(exp_poly::kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(exp_poly::kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(exp_poly::kC[0]);
+#pragma GCC unroll 5
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(exp_poly::kC[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
 }
@@ -1205,22 +1210,19 @@ inline float reduce8(__m256 x) {
   return _mm_cvtss_f32(s);
 }
 
-// exp(x) for x <= 0, lane by lane (row_attn::exp_nonpositive's method: the same polynomial, 2^n
-// built in the exponent field, n >= -126); below -87.3 it is 0.
+// exp(x) for x <= 0, lane by lane (exp_poly, as row_attn::exp_nonpositive does, 2^n
+// built in the exponent field, n >= -126); below exp_poly::kFloor it is 0.
 inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 floor = _mm256_set1_ps(-87.3f);
+  const __m256 floor = _mm256_set1_ps(exp_poly::kFloor);
   const __m256 tiny = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
   x = _mm256_max_ps(x, floor);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(exp_poly::kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(exp_poly::kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(exp_poly::kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(exp_poly::kC[0]);
+#pragma GCC unroll 5
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(exp_poly::kC[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
