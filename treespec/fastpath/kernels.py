@@ -46,9 +46,9 @@ Glossary
   32 weights by x's integers, and a block's sums stay exact 16/32-bit integers until it is
   scaled into y. The records hold the same bytes as :func:`pack_blocks`' in another order
   (:func:`x8_records`); what a pass costs against the fp32 blocks:
-  ``benchmarks/results/verify_cost_avx2.md``. Not the fp32 product (x keeps 8 bits a block): a target of its
-  own, batch-invariant like the others, run with row attention so a tree's rows are its
-  one-token steps' bits (:mod:`treespec.fastpath.attention`).
+  ``benchmarks/results/verify_cost_avx2.md``. Not the fp32 product (x keeps 8 bits a block): a
+  target of its own, batch-invariant like the others, run with row attention so a tree's rows
+  are its one-token steps' bits (:mod:`treespec.fastpath.attention`).
 
 The kernel is compiled from source with ``torch.utils.cpp_extension`` the first time it is
 needed (about a minute; cached in PyTorch's extension directory, rebuilt when the source
@@ -546,7 +546,7 @@ def x8_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None = 
     8-bit integers per block of 32 k values, as llama.cpp multiplies its quantized weights: per
     row and block, ``dx = max |x| / 127`` and ``qx = round(x / dx)`` (ties to even); each block of
     the weight's integers times ``qx`` summed exactly in 32 bits, then scaled into y as
-    :func:`block_linear` does (``csrc/panel_gemm.cpp``, namespace ``q8``: the exact order). Not
+    :func:`block_linear` does (``csrc/panel_gemm.cpp``, namespace ``x8``: the exact order). Not
     the fp32 product: x keeps 8 bits a block (the weights stay exact), so a model on it is a
     target of its own, like amx's; a row's result is the same bits alone or among any others.
     AVX2; x [..., K] float32 on the CPU."""

@@ -18,7 +18,8 @@ compiler may reorder it like any other pure op. Eager passes call the kernels di
 
 ``x`` [..., K] float32 on the CPU -> [..., out_features]; the bias is left to the caller (a plain
 add the compiler fuses). ``row_attention``: q [B, Hq, T, d], k and v [B, Hkv, S, d], a bool mask
-[B, 1 or Hq, T, >= S] -> [B, T, Hq, d] (``kernels.row_attention_kernel``). ``isa`` is the kernel module's number (0 AVX2, 1 AVX-512; ``kernels.ISAS``).
+[B, 1 or Hq, T, >= S] -> [B, T, Hq, d] (``kernels.row_attention_kernel``). ``isa`` is the kernel
+module's number (0 AVX2, 1 AVX-512; ``kernels.ISAS``).
 Importing this module builds the kernel where needed (:class:`kernels.PanelUnavailable` where it
 cannot run).
 """
