@@ -7,6 +7,8 @@ Compiling costs ~10-30 s a graph on 2 cores, so the model tests share one compil
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator
 from treespec.core.sampling import SamplingConfig
 from treespec.core.tree import DraftTree
 from treespec.drafters import ModelDrafter
+from treespec.planning import Curve
 from treespec.fastpath.kernels import block_linear, pack_blocks, pack_panels, panel_linear, panel_status
 from treespec.runtime.compiled import CompiledPasses, compile_target
 from treespec.runtime.verifier import TreeVerifier
@@ -156,3 +159,43 @@ def test_a_pass_past_the_cache_grows_it_and_keeps_the_rows(compiled):
         eager.compact(torch.tensor([0, 2, 3]))
         comp.compact(torch.tensor([0, 2, 3]))
     assert passes.max_len == 768 and comp.cache is passes.cache
+
+
+def test_bucket_steps_make_n_cost_what_its_bucket_costs():
+    from treespec.calibrate.passes import bucket_steps
+    from treespec.planning import Curve
+
+    measured = Curve.fit([1, 2, 4, 8], [1.0, 1.5, 2.0, 4.0], [0.1, 0.2, 0.3, 0.4])
+    steps = bucket_steps(measured, [1, 2, 4, 8])
+    assert steps.ns == (1, 2, 3, 4, 5, 8)
+    assert [steps(n) for n in range(1, 9)] == [1.0, 1.5, 2.0, 2.0, 4.0, 4.0, 4.0, 4.0]
+    assert steps.spread == (0.1, 0.2, 0.3, 0.3, 0.4, 0.4)
+
+
+def test_a_compiled_target_is_calibrated_on_its_graphs_in_its_own_file(compiled, tmp_path, monkeypatch):
+    """``calibrate(passes=...)`` times the compiled graphs, one per bucket, as steps; the file is
+    the ``-compiled`` one; the calibration takes the cache, and the next request prefills again
+    and decodes as before; ``auto`` never plans a tree past the largest bucket."""
+    from treespec.calibrate.passes import calibrate, compiled_verify_passes
+    from treespec.planning import target_calibration_path
+    from treespec.runtime.generator import auto_builder
+
+    target, fast = compiled
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    assert target_calibration_path(fast).name == target_calibration_path(target).name.replace(".json", "-compiled.json")
+    want = SpeculativeGenerator(target, NGramDrafter(V), ChainBuilder(budget=4)).generate([1, 2, 3], 12,
+                                                                                        temperature=0.0)
+    for fn in compiled_verify_passes(fast.passes, [1, 3, 4], context=8):
+        fn()
+    cal = calibrate(target.model, "toy", ns=(1, 2, 3), context=8, early_exit_layers=1, n_warmup=0,
+                    n_rep=1, passes=fast.passes)
+    assert cal.target.ns == (1, 2, 4)                     # buckets 1 and 4 only: 2 and 3 run in 4's graph
+    assert cal.target(2) == cal.target(3) == cal.target(4)
+    gen = SpeculativeGenerator(fast, NGramDrafter(V), ChainBuilder(budget=4))
+    assert gen.generate([1, 2, 3], 12, temperature=0.0).token_ids.tolist() == want.token_ids.tolist()
+    with pytest.raises(ValueError, match="passes must be the compiled passes of model"):
+        calibrate(peaky_target(V).model, "toy", ns=(1,), context=8, n_rep=1, early_exit_layers=1,
+                  passes=fast.passes)
+    free = dataclasses.replace(cal, target=Curve.fit([1, 64], [1.0, 1.0]), acceptance={})
+    assert auto_builder(target, NGramDrafter(V), free, acceptance=0.9).budget > 4
+    assert auto_builder(fast, NGramDrafter(V), free, acceptance=0.9).budget <= 4

@@ -148,6 +148,9 @@ def test_calibration_round_trip_and_default_path(tmp_path, monkeypatch):
     # the panel and block kernels' AVX-512 code has its own curve; AVX2 files keep their names
     assert default_calibration_path("m", "float32", "blocks", isa="avx512").name == "calibration-m-blocks-avx512.json"
     assert default_calibration_path("m", "float32", "panel", isa="avx512").name == "calibration-m-panel-avx512.json"
+    # compiled passes: their own curve, named last
+    assert (default_calibration_path("m", "float32", "x8", "treespec_row_attention", compiled=True).name
+            == "calibration-m-x8-rows-compiled.json")
     assert default_calibration_path("m", "float32", "blocks", isa="avx2").name == "calibration-m-blocks.json"
     assert default_calibration_path("m", "float32", "onednn", isa="avx512").name == "calibration-m-packed.json"
     with pytest.raises(ValueError, match="isa must be"):
@@ -279,6 +282,19 @@ def test_cli_calibrate_with_a_real_drafter(tmp_path, capsys):
     assert "lookup" in cal.drafters and len(cal.acceptance["lookup"]) == 8
     assert 0.0 <= sum(cal.acceptance["lookup"]) <= 1.0
     assert "lookup acceptance:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_cli_calibrate_compile_times_the_buckets_into_the_compiled_file(tmp_path, monkeypatch, capsys):
+    """`treespec calibrate --compile`: the target curve of the compiled graphs (buckets 1, 2 and
+    4 for --max-n 3: n = 3 runs in the 4-node graph), written as steps to ``...-compiled.json``."""
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    assert main(["calibrate", "--compile", "--max-n", "3", "--reps", "2", "--warmup", "0", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    saved = [line.split()[-1] for line in out.splitlines() if line.startswith("saved ")]
+    assert saved and saved[0].endswith("-compiled.json"), out
+    cal = Calibration.load(saved[0])
+    assert cal.target.ns == (1, 2, 3, 4) and cal.target(3) == cal.target(4) and "target (compiled)" in out
 
 
 def test_batched_curves_are_read_where_measured_and_interpolated_between():

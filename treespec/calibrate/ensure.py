@@ -23,14 +23,16 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     passes at ``batches`` (the server's auto at B > 1). Returns its path."""
     from treespec.calibrate.drafters import calibration_prompts
     from treespec.calibrate.passes import pass_time_disagrees
-    from treespec.planning.calibration import model_calibration_path
+    from treespec.planning.calibration import target_calibration_path
 
-    path = model_calibration_path(target.name, target.model)
+    path = target_calibration_path(target)
     held_out = calibration_prompts()   # the demo uses the first questions, these are the last
     cal, why = _cached_calibration(path, target)
     measured_now = cal is None
     if measured_now:
-        print(f"[{why}: measuring it once, about a minute; cached at {path}]", file=out, flush=True)
+        how_long = ("a few minutes: a graph per node bucket compiles first" if target.passes is not None
+                    else "about a minute")
+        print(f"[{why}: measuring it once, {how_long}; cached at {path}]", file=out, flush=True)
         cal = _measure_calibration(target, drafter_name, held_out, out)
         cal.save(path)
     elif why := _drafter_unmeasured(cal, target, drafter_name):
@@ -39,7 +41,7 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
         cal = _measure_calibration(target, drafter_name, held_out, out, cal.without_drafter(drafter_name))
         cal.save(path)
     cal = _complete_calibration(cal, path, target, drafter_name, held_out, batches, out)
-    if not measured_now and (stale := pass_time_disagrees(cal, target.model)):   # measured under another load
+    if not measured_now and (stale := pass_time_disagrees(cal, target.model, passes=target.passes)):   # measured under another load
         print(f"[the calibration at {path} {stale}: it was probably measured while the machine "
               "was busier or quieter than now, and builder='auto' sizes trees from it. Delete the "
               "file to measure it again on a quiet machine]", file=out, flush=True)
@@ -51,7 +53,8 @@ def _cached_calibration(path, target):
     from treespec.planning import Calibration, machine_mismatch
 
     if not path.exists():
-        return None, f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}) on this machine"
+        passes = ", compiled passes" if target.passes is not None else ""
+        return None, f"no calibration of {target.name} ({target.speed_path.split(' (')[0]}{passes}) on this machine"
     from treespec.planning.calibration import DamagedCalibration
 
     try:
@@ -111,7 +114,7 @@ def _measure_calibration(target, drafter_name: str, held_out, out, cal=None):
             ns = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
             layers = target.model.config.num_hidden_layers
             cal = calibrate(target.model, target.name, ns=ns, context=128, n_rep=5,
-                            early_exit_layers=min(4, layers), progress=step)
+                            early_exit_layers=min(4, layers), progress=step, passes=target.passes)
         return calibrate_drafter(cal, drafter_name, target, held_out, progress=step)
     finally:
         bar.close()

@@ -27,6 +27,7 @@ __all__ = [
     "batch_verify_passes",
     "calibrate",
     "calibrate_batches",
+    "compiled_verify_passes",
     "measure",
     "measure_interleaved",
     "time_interleaved",
@@ -172,6 +173,63 @@ def verify_passes(model: Any, ns: Sequence[int], context: int, seed: int = 0) ->
     return [make(n) for n in ns]
 
 
+def compiled_verify_passes(passes: Any, ns: Sequence[int], context: int, seed: int = 0) -> list[Callable[[], None]]:
+    """One callable per n, as :func:`verify_passes`, through ``passes`` (a
+    :class:`treespec.runtime.compiled.CompiledPasses`): the graph of n's bucket over the static
+    cache holding ``context`` random tokens, then the softmax of the n real rows' logits. Every
+    bucket an n needs is compiled here, before any clock starts; the cache is taken from the
+    request that held it (that request must prefill again)."""
+    import torch
+
+    from treespec.core.tree import DraftTree
+    from treespec.fastpath.device import synchronize
+
+    model = passes.model
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    passes.warm(max(ns), (), context)
+    passes.owner = None
+    passes.prefill(torch.randint(vocab, (context,), generator=gen), ())
+
+    def make(n_tokens: int) -> Callable[[], None]:
+        tree = DraftTree(torch.randint(vocab, (n_tokens,), generator=gen), torch.arange(-1, n_tokens - 1))
+
+        def fn() -> None:
+            logits, _ = passes.score(tree, context, ())
+            logits.float().softmax(-1)
+            synchronize(passes.device)
+
+        return fn
+
+    return [make(n) for n in ns]
+
+
+def compiled_ns(passes: Any, top: int = 64) -> tuple[int, ...]:
+    """The node counts a compiled target's curve is measured at: every bucket up to the one
+    that holds ``top`` nodes (each runs one graph, so the cost of n nodes is the cost of n's
+    bucket)."""
+    last = passes.bucket(top) or passes.buckets[-1]
+    return tuple(b for b in passes.buckets if b <= last)
+
+
+def bucket_steps(curve: Curve, buckets: Sequence[int]) -> Curve:
+    """``curve``, measured at ``buckets``, as the step function a compiled target runs: n nodes
+    cost what n's bucket costs, so each bucket's time is also written at the previous bucket
+    + 1 (``Curve`` interpolates between its points: flat inside a bucket, a step after it)."""
+    ns: list[int] = []
+    seconds: list[float] = []
+    spread: list[float] | None = None if curve.spread is None else []
+    previous = 0
+    for n, t, i in zip(curve.ns, curve.seconds, range(len(curve.ns))):
+        for point in sorted({previous + 1, n}):
+            ns.append(point)
+            seconds.append(t)
+            if spread is not None:
+                spread.append(curve.spread[i])
+        previous = n
+    return Curve.fit(ns, seconds, spread)
+
+
 # A calibration's 1-token pass is checked against fresh ones only when it took at least this long
 # (shorter passes, e.g. tiny test models, time too noisily) ...
 STALE_CHECK_MIN_SECONDS = 0.005
@@ -179,14 +237,17 @@ STALE_CHECK_MIN_SECONDS = 0.005
 STALE_PASS_FACTOR = 1.5
 
 
-def pass_time_disagrees(calibration: Calibration, model: Any, reps: int = 5) -> str | None:
+def pass_time_disagrees(calibration: Calibration, model: Any, reps: int = 5, passes: Any = None) -> str | None:
     """Why ``calibration``'s 1-token pass time t(1) no longer describes this machine, or None:
-    the median of ``reps`` fresh passes (its own verify pass, :func:`verify_passes`) differs from
-    it by more than :data:`STALE_PASS_FACTOR`, as when the file was measured under another load."""
+    the median of ``reps`` fresh passes (its own verify pass, :func:`verify_passes`, or through
+    the compiled ``passes``) differs from it by more than :data:`STALE_PASS_FACTOR`, as when the
+    file was measured under another load."""
     cached = calibration.target(1)
     if cached < STALE_CHECK_MIN_SECONDS:
         return None
-    fresh = measure(verify_passes(model, [1], context=calibration.context)[0], n_warmup=1, n_rep=reps)
+    fns = (verify_passes(model, [1], context=calibration.context) if passes is None
+           else compiled_verify_passes(passes, [1], context=calibration.context))
+    fresh = measure(fns[0], n_warmup=1, n_rep=reps)
     if max(cached / fresh, fresh / cached) <= STALE_PASS_FACTOR:
         return None
     return (f"has t(1) = {cached * 1e3:.1f} ms, but a 1-token pass takes {fresh * 1e3:.1f} ms now "
@@ -279,6 +340,7 @@ def calibrate(
     threads: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
     progress: Callable[[str], None] | None = None,
+    passes: Any = None,
 ) -> Calibration:
     """Measure ``model`` (a HF causal LM) on its device and return the fitted Calibration.
 
@@ -289,6 +351,10 @@ def calibrate(
     points (``verify_passes``).
     ``threads``: torch intra-op threads for the measurement (default: leave as set); on a
     shared machine 1 thread is far less sensitive to other processes. ``clock``: see ``measure``.
+    ``passes``: the target's compiled passes (:class:`treespec.runtime.compiled.CompiledPasses`
+    of ``model``), or None: the target curve then times the graphs the generator runs, one per
+    bucket up to max(ns) (:func:`compiled_ns`; each compiles first, about a minute, seconds when
+    Inductor's disk cache has it), as steps (:func:`bucket_steps`); the stand-in drafters stay eager.
     Cost: len(ns) · (n_warmup + n_rep) passes of the model, plus the drafters'.
     """
     import torch
@@ -310,21 +376,29 @@ def calibrate(
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     try:
-        return _calibrate(model, name, shape, ns, draft_ns, context, early_exit_layers, n_warmup, n_rep, clock, say)
+        return _calibrate(model, name, shape, ns, draft_ns, context, early_exit_layers, n_warmup, n_rep, clock, say,
+                          passes)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _calibrate(model: Any, name: str, shape: ModelShape, ns: Sequence[int], draft_ns: Sequence[int], context: int,
                early_exit_layers: int, n_warmup: int, n_rep: int, clock: Callable[[], float],
-               say: Callable[[str], None]) -> Calibration:
+               say: Callable[[str], None], passes: Any = None) -> Calibration:
     import torch
 
     def curve(m: Any, label: str, points: Sequence[int]) -> Curve:
         return _shuffled_curve(lambda order: verify_passes(m, order, context), points, n_warmup, n_rep, clock,
                                label, say)
 
-    target = curve(model, "target", ns)
+    if passes is None:
+        target = curve(model, "target", ns)
+    else:
+        if passes.model is not model:
+            raise ValueError("passes must be the compiled passes of model (compile_target(target).passes)")
+        buckets = compiled_ns(passes, max(ns))
+        target = bucket_steps(_shuffled_curve(lambda order: compiled_verify_passes(passes, order, context), buckets,
+                                              n_warmup, n_rep, clock, "target (compiled)", say), buckets)
     drafter_layers = {"early_exit": early_exit_layers, "eagle": 1}
     drafters = {kind: curve(_truncated_model(model, k), kind, draft_ns) for kind, k in drafter_layers.items()}
     return Calibration(

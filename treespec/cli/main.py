@@ -160,7 +160,7 @@ def _sequoia_acceptance(args, model) -> tuple[float, ...] | None:
             raise SystemExit(f"--acceptance must be comma-separated probabilities, got {args.acceptance!r}") from None
     from treespec.planning.calibration import Calibration, model_calibration_path
 
-    path = model_calibration_path(args.model, model)
+    path = model_calibration_path(args.model, model, compiled=getattr(args, "compile", False))
     vector = Calibration.load(path).acceptance.get(args.drafter) if path.exists() else None
     if vector is not None:
         print(f"[sequoia acceptance of {args.drafter} from {path}: {list(vector)}]", file=sys.stderr)

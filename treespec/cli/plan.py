@@ -110,6 +110,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "any, as name[key=value,...] (e.g. qwen2.5-coder-0.5b[weights=int4]); implies --weights "
                           "pretrained. builder='auto' then uses them")
     add_target_args(cal)
+    add_compile_arg(cal)
     cal.add_argument("--batch-sizes", type=_ints, default=[],
                      help="also measure the batched verify pass at these batch sizes (e.g. 2,4,8,16) for "
                           "the server's builder='auto'")
@@ -274,10 +275,19 @@ def _calibrate(args: argparse.Namespace) -> int:
     ns = tuple(n for n in DEFAULT_NS if n <= args.max_n)
     if not ns:
         raise ValueError(f"--max-n must be >= 1, got {args.max_n}")
+    passes = None
+    if args.compile:   # the target curve times the compiled graphs (its own file: ...-compiled.json)
+        from treespec.runtime.compiled import CompiledPasses, compile_target
+
+        if target is not None:
+            target = compile_target(target)
+            passes = target.passes
+        else:
+            passes = CompiledPasses(model)
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     result = calibrate(model, args.model, ns=ns, context=args.context, early_exit_layers=args.early_exit_layers,
                        n_warmup=args.warmup, n_rep=args.reps, threads=args.threads, clock=clock,
-                       progress=lambda m: print(m, flush=True))
+                       progress=lambda m: print(m, flush=True), passes=passes)
     if args.batch_sizes:
         from treespec.calibrate.passes import calibrate_batches
 
@@ -310,7 +320,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             torch.set_num_threads(previous)
     from treespec.planning.calibration import model_calibration_path
 
-    path = result.save(args.out or model_calibration_path(args.model, model))
+    path = result.save(args.out or model_calibration_path(args.model, model, compiled=args.compile))
     print(f"saved {path}")
     from treespec.planning.planner import auto_threshold_text
 

@@ -24,7 +24,7 @@ from treespec.planning.tau import (
 )
 from treespec.planning.calibration import (
     PLAIN_LOOP, CalibratedCost, Calibration, Curve, LoopCost, acceptance_key, default_calibration_path,
-    machine_mismatch, model_calibration_path,
+    machine_mismatch, model_calibration_path, target_calibration_path,
 )
 from treespec.planning.hardware import HARDWARE_PRESETS, Hardware, get_hardware
 from treespec.planning.planner import (
@@ -85,6 +85,7 @@ __all__ = [
     "default_calibration_path",
     "machine_mismatch",
     "model_calibration_path",
+    "target_calibration_path",
     "expected_chain_tokens",
     "expected_tokens_positional",
     "expected_tree_tokens",

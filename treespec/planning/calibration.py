@@ -409,7 +409,7 @@ def acceptance_key(name: str, temperature: float, mode: str = "deterministic") -
 
 
 def default_calibration_path(model: str, dtype: str = "float32", packed: bool | str = False,
-                             attention: str | None = None, isa: str | None = None) -> Path:
+                             attention: str | None = None, isa: str | None = None, compiled: bool = False) -> Path:
     """``$TREESPEC_CACHE/calibration-<model>.json``, else under ``~/.cache/treespec``; weights
     other than float32 get their own file (``calibration-<model>-bfloat16.json``): the CPU's
     verify curve depends on the dtype far more than on anything else. A target whose linear
@@ -423,7 +423,10 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
     targets') adds ``-rows``. The panel and block
     kernels on their AVX-512 code (``isa="avx512"``, :func:`treespec.fastpath.kernels.kernel_isa`)
     add ``-avx512`` after the kernel: their passes of 4 rows and more cost up to a third less
-    than the AVX2 code's, whose files keep their names."""
+    than the AVX2 code's, whose files keep their names. A target whose passes run as compiled
+    graphs (``compiled``, :func:`treespec.runtime.compiled.compile_target`) adds ``-compiled``
+    last: a compiled pass costs a fraction of the eager one (no Python per layer) and is a step
+    function of the node count (one graph per bucket), so auto must plan with its own curve."""
     if not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
     kernel_suffix = {False: "", "stock": "", True: "-packed", "onednn": "-packed", "panel": "-panel",
@@ -440,20 +443,27 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
 
     suffix = (("" if dtype == "float32" else f"-{dtype}") + kernel_suffix[packed]
               + ("-avx512" if isa == "avx512" and packed in ("panel", "blocks") else "")
-              + {GROUPED_SDPA: "-grouped", ROW_ATTENTION: "-rows"}.get(attention, ""))
+              + {GROUPED_SDPA: "-grouped", ROW_ATTENTION: "-rows"}.get(attention, "")
+              + ("-compiled" if compiled else ""))
     return (Path(root) if root else Path.home() / ".cache" / "treespec") / f"calibration-{model}{suffix}.json"
 
 
-def model_calibration_path(name: str, model: Any) -> Path:
+def target_calibration_path(target: Any) -> Path:
+    """``model_calibration_path`` of a :class:`treespec.Target`: its model's file, or the
+    ``-compiled`` one where its passes run compiled (``target.passes``)."""
+    return model_calibration_path(target.name, target.model, compiled=getattr(target, "passes", None) is not None)
+
+
+def model_calibration_path(name: str, model: Any, compiled: bool = False) -> Path:
     """``default_calibration_path`` of a loaded model: its dtype, its linear kernel and its
     attention, read from the model itself (one place, so a new path-changing switch is keyed
-    once)."""
+    once); ``compiled``: its passes run as compiled graphs."""
     from treespec.fastpath.packing import linear_isa, linear_kernel
     from treespec.core.masks import attn_implementation_of
 
     dtype = next(model.parameters()).dtype
     return default_calibration_path(name, dtype, linear_kernel(model), attn_implementation_of(model),
-                                    linear_isa(model))
+                                    linear_isa(model), compiled)
 
 
 @dataclass(frozen=True)

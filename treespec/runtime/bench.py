@@ -172,9 +172,9 @@ def sequoia_acceptance(target, drafter_name: str, temperature: float,
     ``temperature`` drafting in ``mode``: the one ``treespec calibrate`` measured on this
     machine for this target (dtype and linear path), else None (Sequoia's default vector).
     Returns (vector, where it came from, in words)."""
-    from treespec.planning.calibration import Calibration, acceptance_key, model_calibration_path
+    from treespec.planning.calibration import Calibration, acceptance_key, target_calibration_path
 
-    path = model_calibration_path(target.name, target.model)
+    path = target_calibration_path(target)
     key = acceptance_key(drafter_name, temperature, mode)
     if not path.exists():
         return None, f"Sequoia's default (no calibration at {path}; `treespec calibrate --drafter {drafter_name}`)"

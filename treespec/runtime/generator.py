@@ -149,13 +149,13 @@ def drafter_cost_kind(drafter: Drafter) -> str:
 
 def target_calibration(target: Target):
     """The local calibration of ``target`` (its dtype, packed or not); a clear error without one."""
-    from treespec.planning.calibration import Calibration, machine_mismatch, model_calibration_path
+    from treespec.planning.calibration import Calibration, machine_mismatch, target_calibration_path
     from treespec.fastpath.packing import linear_kernel
 
     dtype_name = str(next(target.model.parameters()).dtype).removeprefix("torch.")
     kernel = linear_kernel(target.model)
     packed = kernel != "stock"
-    path = model_calibration_path(target.name, target.model)
+    path = target_calibration_path(target)
     if not path.exists():
         raise ValueError(f"builder='auto' needs a calibration of {target.name!r} ({dtype_name}"
                          f"{f', {kernel} linear layers' if packed else ''}) at {path}; run `treespec calibrate --model "
@@ -185,12 +185,16 @@ def auto_builder(target: Target, drafter: Drafter, calibration=None, acceptance=
     builds whichever plan is faster. ``acceptance`` (β or a positional vector) overrides the
     acceptance (of ranked drafts). ``max_budget``: the largest tree it may pick (nodes incl. the
     root); when no tree pays, a budget-1 (root-only) tree: plain decoding, one token per
-    target forward. ``batch``: the number of requests verified together (``SpeculativeServer``
+    target forward. A target with compiled passes (``target.passes``) is planned with its own
+    curve (:func:`treespec.planning.target_calibration_path`) and never gets a tree past its
+    largest bucket (which would run eagerly). ``batch``: the number of requests verified together (``SpeculativeServer``
     asks with its current batch size; the tree shrinks as the verify pass turns compute-bound).
     """
     from treespec.planning import DEFAULT_BETA, auto_budget
 
     check_int("max_budget", max_budget)   # tree nodes, the root included
+    if getattr(target, "passes", None) is not None:
+        max_budget = min(max_budget, target.passes.buckets[-1])
     dtype = next(target.model.parameters()).dtype
     dtype_name = str(dtype).removeprefix("torch.")
     if calibration is None:
