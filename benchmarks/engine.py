@@ -17,8 +17,9 @@ MT-bench first turns through the chat template, at T = 0 (greedy) and T = 1 (sam
   more) drafting an adaptive chain (``ChainBuilder(budget=k + 1, min_confidence=...)``): up to k tokens
   where the text repeats, no draft (a plain step) where it does not;
 - ``--llamacpp BIN_DIR`` (built by ``make bench-llamacpp``): llama.cpp on the same GGUF file, the same
-  templated prompt (its token count checked) and thread count, greedy, at T = 0 only: its plain
-  decoding and its n-gram speculation (ngram-simple: prompt lookup; ngram-mod)
+  templated prompt (its token count checked) and thread count: its plain decoding (greedy, and
+  at T = 1 with its own seeded sampler) and its n-gram speculation (greedy only; ngram-simple:
+  prompt lookup; ngram-mod)
   (``treespec.runtime.llamacpp``), timed by
   its own counters; their rows are the ``gguf`` group, and every row gets its ratio to
   ``llama.cpp plain`` paired by prompt.
@@ -183,7 +184,8 @@ def build(args):
 
 
 class LlamaCppRow:
-    """A llama.cpp mode as a row: greedy only, on SmolLM2's GGUF, the prompt as templated text."""
+    """A llama.cpp mode as a row on SmolLM2's GGUF, the prompt as templated text: greedy, and
+    for plain decoding also sampled at T > 0 (its own sampler, seeded; top-k, top-p, min-p off)."""
 
     def __init__(self, tools: LlamaCppTools, mode: LlamaCppMode, tokenizer, max_new: int, threads: int):
         self.tools, self.mode, self.tokenizer, self.max_new, self.threads = tools, mode, tokenizer, max_new, threads
@@ -191,11 +193,11 @@ class LlamaCppRow:
 
     def __call__(self, ids: torch.Tensor, temperature: float, seed: int) -> tuple[str, float, dict]:
         """(generated text, seconds with the prefill, counters) for prompt ids ``ids`` [P]."""
-        if temperature != 0:
-            raise ValueError("the llama.cpp rows run greedy only (T = 0)")
+        if temperature != 0 and self.mode.name != "plain":
+            raise ValueError(f"llama.cpp's {self.mode.name} row runs greedy only (T = 0)")
         text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
         res = run_llamacpp_mode(self.tools.binary(self.mode), self.mode, self.gguf, text, ids.numel(), self.max_new,
-                                self.threads)
+                                self.threads, temperature=temperature, seed=seed)
         return res.text, res.seconds, {"n_tokens": res.tokens, "prefill": res.prefill_s, "passes": res.passes,
                                        "drafted": res.drafted, "accepted": res.accepted, "mode": self.mode.name,
                                        "prompt_tokens": res.prompt_tokens, "text": res.text}
@@ -214,7 +216,8 @@ def llamacpp_rows(args) -> tuple[dict, dict]:
     info = tools.build_info()
     paths = {"llama.cpp": f"{tools.bin_dir} ({info.get('source', 'build info missing')}, build "
                           f"{info.get('llama_cpp_build_number', '?')}, {' '.join(info.get('cmake_flags', []))}) on "
-                          f"{gguf_path('smollm2-135m')}, {args.threads} thread(s), --temp 0 --top-k 1"}
+                          f"{gguf_path('smollm2-135m')}, {args.threads} thread(s), --temp 0 --top-k 1 (T = 0); "
+                          f"plain at T > 0: --temp T --top-k 0 --top-p 1 --min-p 0 --seed 1000 + prompt index"}
     return rows, paths
 
 
@@ -494,7 +497,8 @@ def main() -> None:
     temps = [t.strip() for t in args.temperatures.split(",")]
     runners, paths, scorer = build(args)
     names = [f"{d} {n}" for d, rows in runners.items() for n in rows]
-    greedy_only = {f"{LLAMACPP_GROUP} {n}" for n in runners.get(LLAMACPP_GROUP, {})}   # llama.cpp: T = 0 only
+    # llama.cpp's speculation: T = 0 only (its plain decoding samples at T > 0 too)
+    greedy_only = {f"{LLAMACPP_GROUP} {n}" for n, r in runners.get(LLAMACPP_GROUP, {}).items() if r.mode.name != "plain"}
     names_at = {t: [n for n in names if float(t) == 0 or n not in greedy_only] for t in temps}
     if args.resume and out.with_suffix(".json").exists():
         data = json.loads(out.with_suffix(".json").read_text())
@@ -531,7 +535,7 @@ def main() -> None:
                     # llama.cpp's rows give their text and count (their greedy reference: llama.cpp plain)
                     count = extra.pop("n_tokens") if isinstance(new, str) else int(new.numel())
                     record = {"tokens": count, "time": dt, **extra}
-                    if temperature > 0:
+                    if temperature > 0 and not isinstance(new, str):   # llama.cpp's text: its own ids, not scored
                         record["ll"], record["ll_n"] = log_likelihood(scorer, ids, new.cpu())
                     if temperature == 0:      # greedy: every row of a dtype must emit plain decoding's tokens
                         output = new if isinstance(new, str) else new.tolist()

@@ -151,6 +151,21 @@ def test_calibration_round_trip_and_default_path(tmp_path, monkeypatch):
     # compiled passes: their own curve, named last
     assert (default_calibration_path("m", "float32", "x8", "treespec_row_attention", compiled=True).name
             == "calibration-m-x8-rows-compiled.json")
+    # each thread count its own file; one thread keeps the plain name
+    assert default_calibration_path("m", threads=2).name == "calibration-m-2threads.json"
+    assert default_calibration_path("m", "float32", "x8", compiled=True, threads=2).name == "calibration-m-x8-compiled-2threads.json"
+    with pytest.raises(ValueError, match="threads must be an int >= 1"):
+        default_calibration_path("m", threads=0)
+    from treespec.planning import model_calibration_path
+    from treespec.targets.loader import tiny_llama
+
+    model, before = tiny_llama(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert model_calibration_path("m", model).name == "calibration-m-2threads.json"
+        assert model_calibration_path("m", model, threads=1).name == "calibration-m.json"
+    finally:
+        torch.set_num_threads(before)
     assert default_calibration_path("m", "float32", "blocks", isa="avx2").name == "calibration-m-blocks.json"
     assert default_calibration_path("m", "float32", "onednn", isa="avx512").name == "calibration-m-packed.json"
     with pytest.raises(ValueError, match="isa must be"):

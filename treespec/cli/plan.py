@@ -320,7 +320,8 @@ def _calibrate(args: argparse.Namespace) -> int:
             torch.set_num_threads(previous)
     from treespec.planning.calibration import model_calibration_path
 
-    path = result.save(args.out or model_calibration_path(args.model, model, compiled=args.compile))
+    path = result.save(args.out or model_calibration_path(args.model, model, compiled=args.compile,
+                                                          threads=result.threads or None))
     print(f"saved {path}")
     from treespec.planning.planner import auto_threshold_text
 

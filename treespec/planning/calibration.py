@@ -409,7 +409,8 @@ def acceptance_key(name: str, temperature: float, mode: str = "deterministic") -
 
 
 def default_calibration_path(model: str, dtype: str = "float32", packed: bool | str = False,
-                             attention: str | None = None, isa: str | None = None, compiled: bool = False) -> Path:
+                             attention: str | None = None, isa: str | None = None, compiled: bool = False,
+                             threads: int = 1) -> Path:
     """``$TREESPEC_CACHE/calibration-<model>.json``, else under ``~/.cache/treespec``; weights
     other than float32 get their own file (``calibration-<model>-bfloat16.json``): the CPU's
     verify curve depends on the dtype far more than on anything else. A target whose linear
@@ -424,9 +425,12 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
     kernels on their AVX-512 code (``isa="avx512"``, :func:`treespec.fastpath.kernels.kernel_isa`)
     add ``-avx512`` after the kernel: their passes of 4 rows and more cost up to a third less
     than the AVX2 code's, whose files keep their names. A target whose passes run as compiled
-    graphs (``compiled``, :func:`treespec.runtime.compiled.compile_target`) adds ``-compiled``
-    last: a compiled pass costs a fraction of the eager one (no Python per layer) and is a step
-    function of the node count (one graph per bucket), so auto must plan with its own curve."""
+    graphs (``compiled``, :func:`treespec.runtime.compiled.compile_target`) adds ``-compiled``:
+    a compiled pass costs a fraction of the eager one (no Python per layer) and is a step
+    function of the node count (one graph per bucket), so auto must plan with its own curve.
+    A measurement on more than one intra-op thread ends in ``-<threads>threads``: a 2-thread
+    pass is neither half nor all of a 1-thread one, and each thread count keeps its own file
+    instead of replacing the other's."""
     if not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
     kernel_suffix = {False: "", "stock": "", True: "-packed", "onednn": "-packed", "panel": "-panel",
@@ -437,6 +441,8 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
     from treespec.fastpath.attention import GROUPED_SDPA, ROW_ATTENTION
     from treespec.fastpath.kernels import ISAS
 
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
     if isa is not None and isa not in ISAS:
         raise ValueError(f"isa must be None or one of {ISAS}; got {isa!r}")
     root = os.environ.get("TREESPEC_CACHE")
@@ -444,7 +450,8 @@ def default_calibration_path(model: str, dtype: str = "float32", packed: bool | 
     suffix = (("" if dtype == "float32" else f"-{dtype}") + kernel_suffix[packed]
               + ("-avx512" if isa == "avx512" and packed in ("panel", "blocks") else "")
               + {GROUPED_SDPA: "-grouped", ROW_ATTENTION: "-rows"}.get(attention, "")
-              + ("-compiled" if compiled else ""))
+              + ("-compiled" if compiled else "")
+              + (f"-{threads}threads" if threads > 1 else ""))
     return (Path(root) if root else Path.home() / ".cache" / "treespec") / f"calibration-{model}{suffix}.json"
 
 
@@ -454,16 +461,21 @@ def target_calibration_path(target: Any) -> Path:
     return model_calibration_path(target.name, target.model, compiled=getattr(target, "passes", None) is not None)
 
 
-def model_calibration_path(name: str, model: Any, compiled: bool = False) -> Path:
+def model_calibration_path(name: str, model: Any, compiled: bool = False, threads: int | None = None) -> Path:
     """``default_calibration_path`` of a loaded model: its dtype, its linear kernel and its
     attention, read from the model itself (one place, so a new path-changing switch is keyed
-    once); ``compiled``: its passes run as compiled graphs."""
+    once); ``compiled``: its passes run as compiled graphs; ``threads``: the intra-op threads
+    it runs on (None: torch's current setting; a model on a GPU: 1)."""
+    import torch
+
     from treespec.fastpath.packing import linear_isa, linear_kernel
     from treespec.core.masks import attn_implementation_of
 
-    dtype = next(model.parameters()).dtype
-    return default_calibration_path(name, dtype, linear_kernel(model), attn_implementation_of(model),
-                                    linear_isa(model), compiled)
+    param = next(model.parameters())
+    if threads is None:
+        threads = torch.get_num_threads() if param.device.type == "cpu" else 1
+    return default_calibration_path(name, param.dtype, linear_kernel(model), attn_implementation_of(model),
+                                    linear_isa(model), compiled, threads)
 
 
 @dataclass(frozen=True)
