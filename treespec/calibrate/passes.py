@@ -25,8 +25,10 @@ __all__ = [
     "DEFAULT_NS",
     "DRAFT_WIDTHS",
     "batch_verify_passes",
+    "bucket_steps",
     "calibrate",
     "calibrate_batches",
+    "compiled_ns",
     "compiled_verify_passes",
     "measure",
     "measure_interleaved",
@@ -220,7 +222,7 @@ def bucket_steps(curve: Curve, buckets: Sequence[int]) -> Curve:
     seconds: list[float] = []
     spread: list[float] | None = None if curve.spread is None else []
     previous = 0
-    for n, t, i in zip(curve.ns, curve.seconds, range(len(curve.ns))):
+    for i, (n, t) in enumerate(zip(curve.ns, curve.seconds)):
         for point in sorted({previous + 1, n}):
             ns.append(point)
             seconds.append(t)
@@ -351,10 +353,11 @@ def calibrate(
     points (``verify_passes``).
     ``threads``: torch intra-op threads for the measurement (default: leave as set); on a
     shared machine 1 thread is far less sensitive to other processes. ``clock``: see ``measure``.
-    ``passes``: the target's compiled passes (:class:`treespec.runtime.compiled.CompiledPasses`
-    of ``model``), or None: the target curve then times the graphs the generator runs, one per
-    bucket up to max(ns) (:func:`compiled_ns`; each compiles first, about a minute, seconds when
-    Inductor's disk cache has it), as steps (:func:`bucket_steps`); the stand-in drafters stay eager.
+    ``passes``: None (eager passes), or the target's compiled passes
+    (:class:`treespec.runtime.compiled.CompiledPasses` of ``model``): the target curve then
+    times the graphs the generator runs, one per bucket up to the one holding max(ns) nodes
+    (:func:`compiled_ns`; each compiles first, about a minute, seconds when Inductor's disk
+    cache has it), as steps (:func:`bucket_steps`); the stand-in drafters stay eager.
     Cost: len(ns) · (n_warmup + n_rep) passes of the model, plus the drafters'.
     """
     import torch
