@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import types
 
 import pytest
 
@@ -109,7 +110,8 @@ def test_sequoia_vector_from_the_flag_then_the_calibration(tmp_path, monkeypatch
     from treespec.targets.loader import tiny_llama
 
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
-    model = tiny_llama()   # fp32, stock linear layers and attention: the plain file name
+    # fp32, stock linear layers and attention, eager passes: the plain file name
+    model = types.SimpleNamespace(name="toy", model=tiny_llama())
     assert _sequoia_acceptance(_args(), model) is None                       # nothing measured: default
     assert _sequoia_acceptance(_args(acceptance="0.5,0.25"), model) == (0.5, 0.25)
     with pytest.raises(SystemExit, match="comma-separated probabilities"):

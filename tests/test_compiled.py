@@ -182,6 +182,9 @@ def test_a_compiled_target_is_calibrated_on_its_graphs_in_its_own_file(compiled,
 
     target, fast = compiled
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match=r"compiled passes\) at .*-compiled\.json; run `treespec calibrate .* --no-pack "
+                                         r"--compile --threads 1` first"):
+        SpeculativeGenerator(fast, NGramDrafter(V), "auto")   # the error names the command that writes that file
     assert target_calibration_path(fast).name == target_calibration_path(target).name.replace(".json", "-compiled.json")
     want = SpeculativeGenerator(target, NGramDrafter(V), ChainBuilder(budget=4)).generate([1, 2, 3], 12,
                                                                                         temperature=0.0)

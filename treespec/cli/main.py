@@ -130,7 +130,7 @@ def _build_generator(args):
         print(f"[auto tree: {gen.builder.config}; {auto_threshold_line(gen.calibration, gen.builder.budget)}]",
               file=sys.stderr)
         return target, gen
-    acceptance = _sequoia_acceptance(args, target.model) if args.tree == "sequoia" else None
+    acceptance = _sequoia_acceptance(args, target) if args.tree == "sequoia" else None
     builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, args.draft_mode, acceptance,
                            args.min_confidence)
     return target, SpeculativeGenerator(target, drafter, builder, verify=args.verify)
@@ -150,20 +150,20 @@ def drafter_options(pairs: Sequence[str]) -> dict[str, object]:
     return out
 
 
-def _sequoia_acceptance(args, model) -> tuple[float, ...] | None:
-    """--acceptance, else the calibrated vector of --drafter measured on a target with ``model``'s
-    dtype, linear path and attention, else None (Sequoia's default)."""
+def _sequoia_acceptance(args, target) -> tuple[float, ...] | None:
+    """--acceptance, else the calibrated vector of --drafter measured on ``target``'s path (its
+    calibration file: dtype, linear path, attention, compiled or not), else None (Sequoia's
+    default)."""
     if args.acceptance:
         try:
             return tuple(float(x) for x in args.acceptance.split(","))
         except ValueError:
             raise SystemExit(f"--acceptance must be comma-separated probabilities, got {args.acceptance!r}") from None
-    from treespec.planning.calibration import Calibration, model_calibration_path
+    from treespec.runtime.bench import sequoia_acceptance
 
-    path = model_calibration_path(args.model, model, compiled=getattr(args, "compile", False))
-    vector = Calibration.load(path).acceptance.get(args.drafter) if path.exists() else None
+    vector, source = sequoia_acceptance(target, args.drafter, 0.0)
     if vector is not None:
-        print(f"[sequoia acceptance of {args.drafter} from {path}: {list(vector)}]", file=sys.stderr)
+        print(f"[sequoia acceptance of {args.drafter}: {list(vector)} ({source})]", file=sys.stderr)
     return vector
 
 

@@ -155,12 +155,14 @@ def target_calibration(target: Target):
     dtype_name = str(next(target.model.parameters()).dtype).removeprefix("torch.")
     kernel = linear_kernel(target.model)
     packed = kernel != "stock"
+    compiled = target.passes is not None
     path = target_calibration_path(target)
-    if not path.exists():
+    if not path.exists():   # the command that writes this very file
         raise ValueError(f"builder='auto' needs a calibration of {target.name!r} ({dtype_name}"
-                         f"{f', {kernel} linear layers' if packed else ''}) at {path}; run `treespec calibrate --model "
-                         f"{target.name} --weights pretrained --dtype {dtype_name}"
-                         f"{'' if packed else ' --no-pack'}` first")
+                         f"{f', {kernel} linear layers' if packed else ''}{', compiled passes' if compiled else ''}) "
+                         f"at {path}; run `treespec calibrate --model {target.name} --weights pretrained --dtype "
+                         f"{dtype_name}{f' --kernel {kernel}' if packed else ' --no-pack'}"
+                         f"{' --compile' if compiled else ''} --threads {torch.get_num_threads()}` first")
     calibration = Calibration.load(path)
     why = machine_mismatch(calibration, target.device)
     if why is not None:
