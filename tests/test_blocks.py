@@ -51,11 +51,26 @@ def gguf_q8_0(w: torch.Tensor) -> torch.Tensor:
     return (q * d.half().float()).reshape(n, k)
 
 
+def gguf_q6_k(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [N, K] through GGUF Q6_K's form and back, for any K (a multiple of 16; Q6_K's
+    super-block of 256 values is one row here): a scale per 16 values, an fp16 row scale times a
+    signed 8-bit sub-scale, and q = round(x / scale) in -32..31."""
+    n, k = w.shape
+    b = w.reshape(n, k // 16, 16)
+    sub = b.abs().amax(-1, keepdim=True) / 32
+    row = (sub.amax(1, keepdim=True) / 127).half().float()
+    sc = torch.round(sub / torch.where(row > 0, row, torch.ones_like(row))).clamp(1, 127)
+    d = row * sc
+    q = torch.round(b / torch.where(d > 0, d, torch.ones_like(d))).clamp(-32, 31)
+    return (q * d).reshape(n, k)
+
+
 def test_pack_blocks_finds_exact_blocks_and_nothing_else() -> None:
     torch.manual_seed(0)
     w = torch.randn(40, 96)
     assert pack_blocks(gguf_q4_1(w)).bits == 4
     assert pack_blocks(gguf_q8_0(w)).bits == 8
+    assert pack_blocks(gguf_q6_k(w)).bits == 6
     assert pack_blocks(w) is None                        # plain fp32 weights: not blocks
     assert pack_blocks(torch.randn(40, 100)) is None     # K not a multiple of 32
     one_off = gguf_q4_1(w)
@@ -81,10 +96,19 @@ def blocks_reference(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch.
     """The block kernels' arithmetic (``panel_gemm.cpp``, ``block_rows``), one operation at a time:
     per block of 32 k values, t = fma(x[k], q[k], t) over k in order from 0 and s = x's plain
     sum in k order, then y = fma(d, t, fma(m, s, y)) (8 bits: y = fma(d, t, y)), block after
-    block from y = 0. q, d, m are the ones ``pack_blocks`` stores."""
+    block from y = 0 (6 bits: each half block's t on its own, y = fma(d[half], t, y), first
+    half first). q, d, m are the ones ``pack_blocks`` stores."""
     n, k = weight.shape
     q, d, m = kernels._fit_blocks(weight.reshape(n, k // 32, 32), bits)
     y = torch.zeros(x.shape[0], n)
+    if bits == 6:
+        for b in range(k // 32):
+            for half in range(2):
+                t = torch.zeros(x.shape[0], n)
+                for j in range(16 * half, 16 * half + 16):
+                    t = fma32(x[:, 32 * b + j][:, None], q[None, :, b, j].float(), t)
+                y = fma32(d[None, :, b, half], t, y)
+        return y
     for b in range(k // 32):
         t = torch.zeros(x.shape[0], n)
         s = torch.zeros(x.shape[0])
@@ -99,7 +123,7 @@ def blocks_reference(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch.
 
 
 @needs_panel
-@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0])
+@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0, gguf_q6_k])
 @pytest.mark.parametrize("n_out", [16, 40, 300])
 def test_block_linear_computes_its_arithmetic_exactly(fmt, n_out) -> None:
     """Every fused group and tile shape (1..6 rows, groups of 4, 6 and 16 and the rest), K over
@@ -115,7 +139,7 @@ def test_block_linear_computes_its_arithmetic_exactly(fmt, n_out) -> None:
         # GGUF's Q4_1 scales and offsets are fp16 numbers, stored as such where the CPU runs the
         # AVX-512 code: 0.625 bytes a weight, else 0.75
         assert blocks.half_scales == (blocks.bits == 4 and kernel_isa() == "avx512")
-        per_weight = 1.125 if blocks.bits == 8 else 0.625 if blocks.half_scales else 0.75
+        per_weight = {8: 1.125, 6: 1.25}.get(blocks.bits, 0.625 if blocks.half_scales else 0.75)
         assert blocks.nbytes == padded * k * per_weight
         kinds = [blocks] + ([pack_blocks(weight, half_scales=not blocks.half_scales)] if blocks.bits == 4 else [])
         for rows in (1, 2, 3, 4, 5, 6, 7, 11, 13, 17, 64):
@@ -128,7 +152,7 @@ def test_block_linear_computes_its_arithmetic_exactly(fmt, n_out) -> None:
 
 
 @needs_panel
-@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0])
+@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0, gguf_q6_k])
 def test_block_sums_round_less_than_rebuilt_weights(fmt) -> None:
     """At SmolLM2's widths (K = 576 and 1536) the block order's mean error against the float64
     product is below the fp32 panel kernel's (each weight rebuilt, every product rounded)."""
@@ -157,7 +181,7 @@ needs_avx512 = pytest.mark.skipif(kernel_isa() != "avx512", reason="the CPU lack
 
 @needs_panel
 @needs_avx512
-@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0])
+@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0, gguf_q6_k])
 def test_avx512_kernels_give_the_avx2_bits(fmt) -> None:
     """The AVX-512 kernels (one zmm a panel, 1-3 rows four panels at a time, up to 16 rows fused,
     8-row tiles over fp32 panels) against the AVX2 ones (up to 4 rows fused, groups of 6 over an
@@ -417,6 +441,33 @@ def test_q4_k_weights_are_stored_as_exact_4_bit_blocks() -> None:
 
 
 @needs_panel
+def test_q4_k_blocks_of_few_levels_are_exact_4_bit_blocks() -> None:
+    """Sub-blocks whose integers are only 0, 2 and 7 (a smallest gap of 2 levels and a range of
+    7: the range over the smallest gap names no whole number of levels; 5 of Qwen2.5-Coder-1.5B's
+    73728 blocks of one layer are such) and sub-blocks on levels 3..9 only (missing both ends):
+    found, and rebuilt bit for bit."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize
+    from gguf.constants import GGML_QUANT_SIZES
+
+    qtype = GGMLQuantizationType.Q4_K
+    size, nbytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(48 * 512 // size, nbytes), dtype=np.uint8)
+    for col in (0, 2):   # d, dmin
+        raw[:, col:col + 2] = rng.uniform(1e-4, 1e-3, len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    low = rng.choice([0, 2, 7], size=(len(raw), 128))
+    high = rng.integers(3, 10, size=(len(raw), 128))
+    raw[:, 16:] = (low | (high << 4)).astype(np.uint8)
+    weight = torch.from_numpy(dequantize(raw.reshape(48, -1), qtype).astype(np.float32).reshape(48, 512).copy())
+    blocks = pack_blocks(weight)
+    assert blocks is not None and blocks.bits == 4
+    for rows in (1, 5):
+        x = torch.randn(rows, 512)
+        assert torch.equal(block_linear(x, blocks), blocks_reference(x, weight, 4)), rows
+
+
+@needs_panel
 def test_q5_0_weights_are_stored_as_exact_8_bit_blocks() -> None:
     """Q5_0 is d (q - 16), q in 0..31, with a signed fp16 d: 8-bit blocks with the scale |d|
     (from the block's largest magnitude, or its level spacing where a block misses level -16),
@@ -438,15 +489,33 @@ def test_q5_0_weights_are_stored_as_exact_8_bit_blocks() -> None:
             assert torch.equal(block_linear(x, blocks), blocks_reference(x, weight, 8)), rows
 
 
-def test_q6_k_weights_stay_fp32_panels() -> None:
-    """Q6_K (a scale per 16 values) fits no 4- or 8-bit block of 32 with one scale: it keeps
-    the fp32 path (same outputs, 4 bytes a weight)."""
-    assert pack_blocks(gguf_k_quant("Q6_K", 32, 512)) is None
+@needs_panel
+def test_q6_k_weights_are_stored_as_exact_6_bit_blocks() -> None:
+    """Q6_K (an fp16 super-scale times a signed 8-bit scale per 16 values, q in -32..31) fits no
+    block of 32 with one scale: it is stored as 6-bit blocks (a byte a value, two fp32 scales a
+    block: 1.25 bytes a weight), the scales found from each half block's levels, its rebuilt
+    weights bit for bit the gguf package's dequantized ones, every row count the bits of
+    ``blocks_reference``; a value off the grid keeps the weight in fp32."""
+    for seed in range(3):
+        weight = gguf_k_quant("Q6_K", 40, 512, seed=seed)
+        blocks = pack_blocks(weight)
+        assert blocks is not None and blocks.bits == 6 and blocks.nbytes == 48 * 512 * 1.25
+        q, d, m = kernels._fit_blocks(weight.reshape(40, 16, 32), 6)
+        assert q.abs().max() <= 32 and not m.any()
+        rebuilt = (q.float().reshape(40, 16, 2, 16) * d.unsqueeze(-1)).reshape(40, 512)
+        assert torch.equal(rebuilt, weight)
+        for rows in (1, 3, 4, 7, 64):
+            x = torch.randn(rows, 512)
+            assert torch.equal(block_linear(x, blocks), blocks_reference(x, weight, 6)), rows
+    off = gguf_k_quant("Q6_K", 40, 512)
+    off[3, 100] = torch.nextafter(off[3, 100], torch.tensor(1e9))
+    assert pack_blocks(off) is None
 
 
 def test_the_exact_block_types_that_dtype_auto_reads_are_those_pack_blocks_stores() -> None:
-    """``EXACT_BLOCK_GGUF_TYPES`` (which ``dtype="auto"`` trusts to run fp32 on the block kernel)
-    names exactly the types whose dequantized weights ``pack_blocks`` stores as integer blocks."""
+    """``EXACT_BLOCK_GGUF_TYPES`` (of which ``dtype="auto"`` trusts all but Q6_K to run fp32 on
+    the block kernel) names exactly the types whose dequantized weights ``pack_blocks`` stores as
+    integer blocks."""
     from treespec.fastpath.packing import EXACT_BLOCK_GGUF_TYPES
 
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ from treespec.runtime.verifier import TreeVerifier
 
 from _rounded_targets import assert_chain_rows_are_one_token_steps, assert_greedy_speculation_is_plain, rounded_copy
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
-from test_blocks import fma32, gguf_q4_1, gguf_q8_0, packed_blocks_copy, quantized_llama
+from test_blocks import fma32, gguf_q4_1, gguf_q6_k, gguf_q8_0, packed_blocks_copy, quantized_llama
 from test_fastpath import prefix_and_tree, tree_logits
 
 pytestmark = pytest.mark.skipif(not panel_status(build=False)[0], reason=panel_status(build=False)[1])
@@ -48,12 +48,19 @@ def rounded_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def rounded_reference(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch.Tensor:
     """The kernel's arithmetic one operation at a time: per block, t = the exact integer sum of
-    q qx, then y = fma(d, dx t, fma(m, sx, y)) (8 bits: y = fma(d, dx t, y)) from y = 0, with
-    q, d, m the ones ``pack_blocks`` stores."""
+    q qx, then y = fma(d, dx t, fma(m, sx, y)) (8 bits: y = fma(d, dx t, y)) from y = 0 (6 bits:
+    each half block's sum on its own, y = fma(d[half], dx t, y), first half first), with q, d, m
+    the ones ``pack_blocks`` stores."""
     n, k = weight.shape
     q, d, m = kernels._fit_blocks(weight.reshape(n, k // 32, 32), bits)
     qx, dx, sx = rounded_rows(x)
     y = torch.zeros(x.shape[0], n)
+    if bits == 6:
+        for b in range(k // 32):
+            for h in (slice(0, 16), slice(16, 32)):
+                t = (qx[:, b, h].double() @ q[:, b, h].double().T).float()
+                y = fma32(d[None, :, b, 0 if h.start == 0 else 1], dx[:, b] * t, y)
+        return y
     for b in range(k // 32):
         t = (qx[:, b].double() @ q[:, b].double().T).float()     # integers below 2^24: exact
         if bits == 4:
@@ -62,7 +69,7 @@ def rounded_reference(x: torch.Tensor, weight: torch.Tensor, bits: int) -> torch
     return y
 
 
-@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0])
+@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0, gguf_q6_k])
 @pytest.mark.parametrize("n_out", [16, 40, 300])
 def test_x8_linear_computes_its_arithmetic_exactly(fmt, n_out) -> None:
     """Groups of 1-4 rows and the rest, K of 1, 3 and 18 blocks, N not a multiple of 16, a bias,
@@ -85,7 +92,7 @@ def test_x8_linear_computes_its_arithmetic_exactly(fmt, n_out) -> None:
                 assert torch.equal(got, want), (k, rows, kind.half_scales)
 
 
-@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0])
+@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0, gguf_q6_k])
 def test_int8_rows_have_the_same_bits_alone_or_together(fmt) -> None:
     torch.manual_seed(1)
     weight = fmt(torch.randn(72, 160) * 0.05)
@@ -97,7 +104,7 @@ def test_int8_rows_have_the_same_bits_alone_or_together(fmt) -> None:
     assert torch.equal(x8_linear(x[5:11], blocks), together[5:11])
 
 
-@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0])
+@pytest.mark.parametrize("fmt", [gguf_q4_1, gguf_q8_0, gguf_q6_k])
 def test_x8_linear_is_near_the_fp32_product(fmt) -> None:
     """Rounding x to 8 bits a block moves each output by a small fraction of its scale (llama.cpp's
     error), not more: a misplaced nibble or column would be off by the outputs' own size."""

@@ -270,7 +270,9 @@ class BlockPanels:
     k values one record, read as one sequential stream: ``d`` (16 float32), ``m`` (16 float32,
     4 bits only; 0 for 8 bits), then ``q`` for the 32 rows: for 4 bits 16 bytes a pair of rows
     k, k + 1 (byte j = column j, row k in its low nibble and row k + 1 in its high one: one
-    load and one widening serve two rows), for 8 bits 16 signed bytes a row.
+    load and one widening serve two rows), for 8 bits 16 signed bytes a row. ``bits`` 6 is GGUF
+    Q6_K's form: q as for 8 bits, m = 0, and two ``d`` (16 float32 each), for k rows 0-15 and
+    16-31 of the block (a 640-byte record: 1.25 bytes a weight).
     ``half_scales`` (4 bits only): ``d`` and ``m`` stored as fp16 numbers, 32 bytes each, where
     every scale and offset of the weight is one (GGUF Q4_1's are; Q4_K's fp32 scales are not):
     a 320-byte record instead of 384, converted back exactly by the kernels.
@@ -286,6 +288,11 @@ class BlockPanels:
     def nbytes(self) -> int:
         return self.blob.numel()
 
+    @property
+    def q_bytes(self) -> int:
+        """Bytes of a record's ``q`` (after its scales): 16 a k row, 8 for 4 bits."""
+        return BLOCK * PANEL * (4 if self.bits == 4 else 8) // 8
+
 
 def _fp16_steps(x: torch.Tensor, steps: int) -> torch.Tensor:
     """``x`` (float32, fp16-representable) moved ``steps`` fp16 ulps, as float32."""
@@ -300,6 +307,14 @@ _SCALE_STEPS = (0, -1, 1, -2, 2)
 def _fp32_steps(x: torch.Tensor, steps: int) -> torch.Tensor:
     """``x`` (positive float32) moved ``steps`` fp32 ulps."""
     return (x.view(torch.int32) + steps).view(torch.float32) if steps else x
+
+
+def _smallest_gap(blocks: torch.Tensor) -> torch.Tensor:
+    """[..., 1] the smallest gap between two distinct values of each block (0 for a constant one)."""
+    ordered = blocks.sort(-1).values
+    gaps = ordered[..., 1:] - ordered[..., :-1]
+    least = torch.where(gaps > 0, gaps, torch.full_like(gaps, float("inf"))).amin(-1, keepdim=True)
+    return torch.where(torch.isfinite(least), least, torch.zeros_like(least))
 
 
 def _level_scale(blocks: torch.Tensor, m: torch.Tensor, top: int) -> torch.Tensor:
@@ -322,25 +337,36 @@ def _q8_0_scale(blocks: torch.Tensor) -> torch.Tensor:
     return (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
 
 
-def _scale_candidates(blocks: torch.Tensor, bits: int, m: torch.Tensor):
-    """(scale [N, K/32, 1] float32, whether it is the first of its family) in the order tried."""
+def _scale_families(bits: int):
+    """The scale families tried for ``bits`` in order, each a function of (blocks [B, L], the
+    blocks' minimum [B, 1]) -> (scale, offset) [B, 1] each, and how a scale's neighbour is taken
+    (fp16 or fp32 ulps). Any scale and offset that rebuild every value exactly are right ones."""
     if bits == 4:
-        base = ((blocks.amax(-1, keepdim=True) - m) / 15).half().float()        # Q4_1: fp16 scale
-        for i, steps in enumerate(_SCALE_STEPS):
-            yield _fp16_steps(base, steps), i == 0
-        level = _level_scale(blocks, m, 15)                                     # Q4_K: fp32 scale
-        for i, steps in enumerate(_SCALE_STEPS):
-            yield _fp32_steps(level, steps), i == 0
+        yield (lambda b, lo: (((b.amax(-1, keepdim=True) - lo) / 15).half().float(), lo)), _fp16_steps  # Q4_1
+        yield (lambda b, lo: (_level_scale(b, lo, 15), lo)), _fp32_steps      # Q4_K: an fp32 scale
+        # Q4_K blocks of few distinct values (a smallest gap of several levels)
+        for level in range(2, 16):
+            yield (lambda b, lo, j=level: (_smallest_gap(b) / j, lo)), _fp32_steps
+    elif bits == 8:
+        zero = lambda b: torch.zeros_like(b[:, :1])                           # noqa: E731
+        yield (lambda b, lo: (_q8_0_scale(b), zero(b))), _fp16_steps          # Q8_0: fp16 scale
+        yield (lambda b, lo: ((b.abs().amax(-1, keepdim=True) / 16).half().float(), zero(b))), _fp16_steps  # Q5_0
+        yield (lambda b, lo: (_level_scale(b, zero(b), 31), zero(b))), _fp32_steps  # Q5_0 missing level -16
     else:
-        base = _q8_0_scale(blocks)                                              # Q8_0: fp16 scale
-        for i, steps in enumerate(_SCALE_STEPS):
-            yield _fp16_steps(base, steps), i == 0
-        base = (blocks.abs().amax(-1, keepdim=True) / 16).half().float()        # Q5_0: fp16 scale
-        for i, steps in enumerate(_SCALE_STEPS):
-            yield _fp16_steps(base, steps), i == 0
-        level = _level_scale(blocks, m, 31)                 # Q5_0 whose block misses level -16
-        for i, steps in enumerate(_SCALE_STEPS):
-            yield _fp32_steps(level, steps), i == 0
+        # blocks of 16 (one sub-block each; GGUF Q6_K: d = an fp16 number times an int8 sub-scale,
+        # q in -32..31): the level spacing first; then, for a block whose values are never one
+        # level apart, its smallest nonzero magnitude over each level it can be (1..32)
+        zero = lambda b: torch.zeros_like(b[:, :1])                           # noqa: E731
+        yield (lambda b, lo: (_level_scale(b, zero(b), 255), zero(b))), _fp32_steps
+        for level in range(1, 33):
+            yield (lambda b, lo, j=level: (_smallest_magnitude(b) / j, zero(b))), _fp32_steps
+
+
+def _smallest_magnitude(blocks: torch.Tensor) -> torch.Tensor:
+    """[B, 1] the smallest nonzero |value| of each block (0 for a zero block)."""
+    mag = blocks.abs()
+    least = torch.where(mag > 0, mag, torch.full_like(mag, float("inf"))).amin(-1, keepdim=True)
+    return torch.where(torch.isfinite(least), least, torch.zeros_like(least))
 
 
 def _fit_blocks(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -348,48 +374,58 @@ def _fit_blocks(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
 
     4 bits: q in 0..15, m = the block's minimum, d an fp16 number near range / 15 (GGUF Q4_1)
     or, for blocks that fit no such scale, an fp32 number from the block's level spacing (GGUF
-    Q4_K: d = d16 * sc with a 6-bit sc, so up to 17 significant bits). 8 bits: q in -128..127,
+    Q4_K: d = d16 * sc with a 6-bit sc, so up to 17 significant bits), or from its smallest gap
+    over 2..15 (a block of few distinct values). 8 bits: q in -128..127,
     m = 0, d from its largest magnitude / 127 (GGUF Q8_0), or / 16 (GGUF Q5_0: d (q - 16) with
     q in 0..31 and an fp16 d, which may be negative: |d| (16 - q) is the same value), or, for a
-    Q5_0 block whose values miss the extreme level, from its level spacing. Every candidate is
-    checked element by element: ``q * d`` must be exact in float32 and ``q * d + m`` (one
-    rounding, of the sum) must equal the weight bit for bit, so the blocks hold exactly the fp32
-    weights the kernel's sums stand for. GGUF Q6_K (a scale per 16 values) fits neither form.
+    Q5_0 block whose values miss the extreme level, from its level spacing. 6 bits: GGUF Q6_K's
+    form, q a signed byte (-32..31 in Q6_K) with m = 0 and an fp32 ``d`` per 16 values (Q6_K's
+    fp16 super-scale times an 8-bit sub-scale): d [N, K/32, 2], one per half block. Every
+    candidate is checked element by element: ``q * d`` must be exact in float32 and ``q * d + m``
+    (one rounding, of the sum) must equal the weight bit for bit, so the blocks hold exactly the
+    fp32 weights the kernel's sums stand for. Each candidate is tried on the blocks no earlier
+    one fitted.
     """
-    if bits == 4:
-        m = blocks.amin(-1, keepdim=True)
-        lo, hi = 0, 15
-    else:
-        m = torch.zeros_like(blocks[..., :1])
-        lo, hi = -128, 127
-    q_out = torch.zeros_like(blocks, dtype=torch.int16)
-    d_out = torch.zeros_like(m)
-    done = torch.zeros_like(m, dtype=torch.bool)
-    skip = False
-    for d, first in _scale_candidates(blocks, bits, m):
-        if not first and skip:
-            continue
-        if not torch.isfinite(d).all():
-            return None
-        safe = torch.where(d > 0, d, torch.ones_like(d))
-        q = torch.where(d > 0, torch.round((blocks - m) / safe), torch.zeros_like(blocks)).clamp_(lo, hi)
-        product = q * d
-        exact = (product.double() == q.double() * d.double()).all(-1, keepdim=True)
-        ok = exact & ((product + m) == blocks).all(-1, keepdim=True) & ~done
-        q_out = torch.where(ok, q.to(torch.int16), q_out)
-        d_out = torch.where(ok, d, d_out)
-        left = int((~done).sum())
-        done |= ok
-        if bool(done.all()):
-            return q_out, d_out, m
-        # a family whose own scale fits under half the blocks is not this format: its
-        # neighbours only mend a few rounding cases, so go on to the next family
-        skip = first and int(ok.sum()) < left / 2
+    n, nb, size = blocks.shape
+    per = 2 if bits == 6 else 1                       # scales a block of 32
+    flat = blocks.reshape(n * nb * per, size // per)
+    least = flat.amin(-1, keepdim=True)
+    lo, hi = (0, 15) if bits == 4 else (-128, 127)
+    q_out = torch.zeros_like(flat, dtype=torch.int16)
+    d_out = torch.zeros_like(least)
+    m_out = torch.zeros_like(least)
+    left = torch.arange(len(flat))
+    for family, step in _scale_families(bits):
+        sub = flat[left]
+        base, m = family(sub, least[left])
+        for i, steps in enumerate(_SCALE_STEPS):
+            d = step(base, steps)
+            if not torch.isfinite(d).all():
+                return None
+            safe = torch.where(d > 0, d, torch.ones_like(d))
+            q = torch.where(d > 0, torch.round((sub - m) / safe), torch.zeros_like(sub)).clamp_(lo, hi)
+            product = q * d
+            exact = (product.double() == q.double() * d.double()).all(-1)
+            ok = exact & ((product + m) == sub).all(-1)
+            fitted = int(ok.sum())
+            q_out[left[ok]] = q[ok].to(torch.int16)
+            d_out[left[ok]] = d[ok]
+            m_out[left[ok]] = m[ok]
+            if fitted == len(left):
+                return (q_out.reshape(n, nb, size), d_out.reshape(n, nb, per),
+                        m_out.reshape(n, nb, per)[..., :1])
+            keep = ~ok
+            left, sub, m, base = left[keep], sub[keep], m[keep], base[keep]
+            # a family whose own scale fits under half the blocks is not this format: its
+            # neighbours only mend a few rounding cases, so go on to the next family
+            if i == 0 and fitted < (fitted + len(left)) / 2:
+                break
     return None
 
 
 # Rows fitted at a time: the fit sorts and compares in float64, ~20 bytes of temporaries a weight.
 _FIT_ROWS = 2048
+_PROBE_ROWS = 16     # rows tried first: a format they miss is not the weight's
 
 
 def _aligned_cat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -404,7 +440,8 @@ def _aligned_cat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def pack_blocks(weight: torch.Tensor, half_scales: bool | None = None) -> BlockPanels | None:
     """``weight`` [N, K] float32 (CPU) -> :class:`BlockPanels` if it is exactly 4-bit (tried
-    first) or 8-bit block-quantized, else None. K must be a multiple of 32.
+    first), 8-bit or (a scale per 16 values, GGUF Q6_K) 6-bit block-quantized, else None. K must
+    be a multiple of 32.
 
     ``half_scales``: store a 4-bit weight's scales and offsets as fp16 numbers where every one
     is (``BlockPanels.half_scales``). None: where this CPU runs the AVX-512 code, which converts
@@ -423,7 +460,9 @@ def pack_blocks(weight: torch.Tensor, half_scales: bool | None = None) -> BlockP
     w = weight.detach()
     pad = -n % PANEL
     blocks = w.reshape(n, k // BLOCK, BLOCK)
-    for bits in (4, 8):
+    for bits in (4, 8, 6):
+        if _fit_blocks(blocks[:_PROBE_ROWS], bits) is None:    # every row must fit: a few tell most misses
+            continue
         fits = []
         for row in range(0, n, _FIT_ROWS):
             fit = _fit_blocks(blocks[row:row + _FIT_ROWS], bits)
@@ -447,8 +486,9 @@ def pack_blocks(weight: torch.Tensor, half_scales: bool | None = None) -> BlockP
         # -> bytes [P, K/32, 64 (32)]
         pair = (d, m) if bits == 4 else (d,)
         half = half_scales and bits == 4 and all(bool((t.half().float() == t).all()) for t in pair)
-        scales = [t.reshape(p, PANEL, nb).transpose(1, 2).contiguous().to(torch.float16 if half else torch.float32)
-                  .view(torch.uint8) for t in pair]
+        # [N', K/32, s] -> [P, K/32, s, 16]: s = 1 scale a block, or (6 bits) 2, one per half
+        scales = [t.reshape(p, PANEL, nb, -1).permute(0, 2, 3, 1).contiguous()
+                  .to(torch.float16 if half else torch.float32).view(torch.uint8).reshape(p, nb, -1) for t in pair]
         parts = [*scales, q.reshape(p, nb, -1)]
         return BlockPanels(_aligned_cat(parts), bits, n, half)
     return None
@@ -526,7 +566,7 @@ def x8_records(blocks: BlockPanels) -> BlockPanels:
     if blocks.layout != "vector":
         raise ValueError(f"x8_records takes pack_blocks' records (layout 'vector'), got layout {blocks.layout!r}")
     p, nb, size = blocks.blob.shape
-    head = size - BLOCK * PANEL * blocks.bits // 8
+    head = size - blocks.q_bytes
     q = blocks.blob[..., head:]
     if blocks.bits == 4:    # [P, nb, 16 pairs, 16 columns] -> [P, nb, 32 k, 16 columns]
         pairs = q.reshape(p, nb, BLOCK // 2, PANEL)

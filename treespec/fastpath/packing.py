@@ -21,7 +21,9 @@ Glossary
   weights exact, sums fp32, everything outside the linear layers fp32). A pass of 16 rows costs
   little more than one, where the vector kernels pay each row's multiply-adds. Not the fp32
   target: like bf16, a different target, compared with plain decoding on the same path. Asked
-  for by name only (``load_target(..., pack="amx")``), on a CPU with AMX-BF16.
+  for by name only (``load_target(..., pack="amx")``), on a CPU with AMX-BF16. 6-bit blocks
+  (GGUF Q6_K, a scale per 16 values) have no tile code: those layers run the vector block
+  kernel (fp32 inputs) in an amx model.
 - **x8** — ``kernel="x8"``: the integer blocks of ``"blocks"`` times each layer's input
   rounded to 8-bit integers per block of 32 (:func:`treespec.fastpath.kernels.x8_linear`, as
   llama.cpp multiplies its quantized weights): integer products, 32 a pair of instructions, on
@@ -139,8 +141,12 @@ def native_bf16(device: str | torch.device = "cpu", cpu: CpuInfo | None = None) 
 
 # GGUF weight types whose dequantized values the block kernel stores exactly as 4- or 8-bit
 # integer blocks (``kernels.pack_blocks``; tests/test_blocks.py checks each against the gguf
-# package's own dequantization; Q5_0 as 8-bit blocks). Q6_K, a scale per 16 values, is not.
-EXACT_BLOCK_GGUF_TYPES = frozenset({"Q4_1", "Q8_0", "Q4_K", "Q5_0"})
+# package's own dequantization; Q5_0 as 8-bit blocks, Q6_K as 6-bit ones: a scale per 16 values).
+EXACT_BLOCK_GGUF_TYPES = frozenset({"Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q6_K"})
+# The ones ``dtype="auto"`` runs in fp32 on the block kernel rather than in native bf16 (measured
+# with SmolLM2's Q4_1 / Q8_0). Q6_K's 6-bit blocks run the AVX2 code on every CPU and were not
+# measured against native bf16 there: a checkpoint with them (the Qwen2.5-Coder pair) keeps bf16.
+BLOCKS_BEFORE_BF16_TYPES = EXACT_BLOCK_GGUF_TYPES - {"Q6_K"}
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
@@ -196,7 +202,7 @@ def _target_dtype(dtype: torch.dtype, given: str) -> tuple[torch.dtype, str]:
 
 def _blocks_before_bf16(cpu: CpuInfo, weight_types: frozenset[str] | None) -> tuple[bool, str]:
     """Whether fp32 on the block kernel should replace native bf16 (see ``resolve_dtype``)."""
-    if not weight_types or not weight_types <= EXACT_BLOCK_GGUF_TYPES or not panel_status(cpu, build=False)[0]:
+    if not weight_types or not weight_types <= BLOCKS_BEFORE_BF16_TYPES or not panel_status(cpu, build=False)[0]:
         return False, ""
     units = "AMX" if "amx_bf16" in cpu.flags else "AVX-512 BF16"
     return True, (f"every weight matrix is an exact block type ({', '.join(sorted(weight_types))}): fp32 on "
@@ -277,10 +283,11 @@ class PackedLinear(nn.Module):
     ``kernel="onednn"``: oneDNN's blocked layout, used for inputs of at least ``min_rows`` rows in
     the packed dtype. ``kernel="panel"``: the fp32 panel GEMM (:mod:`treespec.fastpath.kernels`), used for
     ``min_rows`` to ``max_rows`` rows. ``kernel="blocks"``: the same GEMM reading the weight as
-    exact 4- or 8-bit integer blocks where it is one (a weight dequantized from a GGUF Q4_1 or
-    Q8_0 checkpoint is; :func:`treespec.fastpath.kernels.pack_blocks` checks every value), fp32 panels
-    where it is not; the same fp32 weights as ``"panel"``, summed block by block (a few ulp from
-    its outputs, closer to the exact product), from 5.3-6.4x (4-bit) or 3.6x (8-bit) fewer bytes.
+    exact 4-, 6- or 8-bit integer blocks where it is one (a weight dequantized from a GGUF Q4_1,
+    Q4_K, Q5_0, Q6_K or Q8_0 checkpoint is; :func:`treespec.fastpath.kernels.pack_blocks` checks
+    every value), fp32 panels where it is not; the same fp32 weights as ``"panel"``, summed block
+    by block (a few ulp from its outputs, closer to the exact product), from 5.3-6.4x (4-bit),
+    3.6x (8-bit) or 3.2x (6-bit) fewer bytes.
     ``kernel="amx"``: those blocks on the AMX tile unit, every pass, with x rounded to bf16 (the
     module's glossary: *amx*; a different target). ``kernel="x8"``: those blocks times x
     rounded to 8-bit integers per block of 32 (*x8*; a different target). ``isa`` picks the
@@ -378,7 +385,7 @@ class PackedLinear(nn.Module):
         if _fast_path_ok(x, weight, torch.float32, rows, self.min_rows, self.max_rows):
             packed = self._packed
             if isinstance(packed, BlockPanels):
-                if self.kernel == "amx":
+                if self.kernel == "amx" and packed.bits != 6:     # 6-bit records: the vector code
                     return amx_linear(x, packed, bias)
                 if self.kernel == "x8":
                     return x8_linear(x, packed, bias)
@@ -403,7 +410,7 @@ class PackedLinear(nn.Module):
         if self._isa_code is None:
             raise ValueError(f"isa={self.isa!r} cannot run on this CPU; set isa=None (the CPU's best)")
         if isinstance(packed, BlockPanels):
-            if self.kernel == "amx":
+            if self.kernel == "amx" and packed.bits != 6:
                 y = ops.amx_linear(x, packed.blob, packed.bits, packed.half_scales, packed.out_features)
             elif self.kernel == "x8":
                 y = ops.x8_linear(x, packed.blob, packed.bits, packed.half_scales, packed.out_features)

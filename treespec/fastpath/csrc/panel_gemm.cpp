@@ -125,10 +125,15 @@ int64_t panels(const float* x, int64_t M, int64_t K, const float* w, int64_t p0,
 // Block-quantized panels (see panel_linear_blocks): one record per panel and block of 32 k values,
 // d[16] and (4 bits) m[16], then the 32 rows of q. The scales are floats, or (4 bits, Half) fp16
 // numbers, 64 bytes fewer a record, where every scale of the weight is one (GGUF Q4_1's are).
+// Bits 6 is GGUF Q6_K's form: q a signed byte as for 8 bits, m = 0, and one scale per 16 k values
+// (a sub-block): d[16] of rows 0-15, then d[16] of rows 16-31.
 template <int Bits, bool Half>
-constexpr int64_t scale_bytes() { return Bits == 4 ? (Half ? 64 : 128) : 64; }
+constexpr int64_t scale_bytes() { return Bits == 4 ? (Half ? 64 : 128) : Bits == 6 ? 128 : 64; }
 template <int Bits, bool Half>
 constexpr int64_t record_bytes() { return scale_bytes<Bits, Half>() + kBlock * (Bits == 4 ? 8 : 16); }
+// k values per scale: the whole block, or (6 bits) half of it
+template <int Bits>
+constexpr int64_t sub_rows() { return Bits == 6 ? kBlock / 2 : kBlock; }
 
 // 8 fp16 numbers as floats, exactly, with integer operations (no F16C): a normal number moves its
 // exponent bias from 15 to 127; a subnormal one (mantissa m, exponent 0) is m 2^-24, an integer
@@ -205,7 +210,8 @@ inline void for_pair(F&& f) {
 //   y[r, j] = sum over blocks b of  d t[b] + m s[b],  t[b] = sum_k x[r, k] q[k],  s[b] = sum_k x[r, k].
 // t is one FMA chain over the block's k in order from 0 (the integers are exact floats), s the
 // row's plain sum over the block in k order (block_rows), and y starts at 0 and takes
-// y = fma(d, t, fma(m, s, y)) block after block (8 bits, m = 0: y = fma(d, t, y)). The weights
+// y = fma(d, t, fma(m, s, y)) block after block (8 bits, m = 0: y = fma(d, t, y); 6 bits: t of
+// rows 0-15 and t of rows 16-31 are two chains, y = fma(d[1], t[1], fma(d[0], t[0], y))). The weights
 // are the same fp32 numbers as the fp32 panels' (d q + m is exact in fp32); only the order of
 // the additions differs: each block's 32 integer products are summed before one scaling, which
 // saves the multiply-add that rebuilt every weight, and rounds less (tests/test_blocks.py).
@@ -257,12 +263,20 @@ inline void add_products(__m256 (&t)[R][2], const float* xk, __m256 q0, __m256 q
 }
 
 // The R rows' outputs y[r ldy ..] take the block whose record is rec: add_block with its scales;
-// s points at row 0's block sum of x, row r's is s[r blocks].
+// s points at row 0's block sum of x, row r's is s[r blocks]. 6 bits: sub-block `sub` (0 or 1)
+// with its own scale, y = fma(d[sub], t, y) (the first half's sums, then the second's).
 template <int R, int Bits, bool Half>
 inline void add_blocks(float* y, int64_t ldy, const __m256 (&t)[R][2], const uint8_t* rec, const float* s,
-                       int64_t blocks) {
+                       int64_t blocks, int sub = 0) {
   __m256 d0, d1, m0, m1;
-  load_scales<Bits, Half>(rec, d0, d1, m0, m1);
+  if constexpr (Bits == 6) {
+    const float* d = reinterpret_cast<const float*>(rec) + sub * kPanel;
+    d0 = _mm256_load_ps(d);
+    d1 = _mm256_load_ps(d + 8);
+    m0 = m1 = _mm256_setzero_ps();
+  } else {
+    load_scales<Bits, Half>(rec, d0, d1, m0, m1);
+  }
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) add_block<Bits>(y + r * ldy, t[r][0], t[r][1], d0, d1, m0, m1, s + r * blocks);
 }
@@ -291,19 +305,21 @@ void fused_panels(const float* xt, const float* sums, int64_t K, const uint8_t* 
         _mm_prefetch(reinterpret_cast<const char*>(rec + kAheadBytes + line), _MM_HINT_T0);
       const uint8_t* qb = rec + scale_bytes<Bits, Half>();
       const float* xb = xt + b * kBlock * R;
-      __m256 t[R][2];
+      for (int sub = 0; sub < kBlock / sub_rows<Bits>(); ++sub) {
+        __m256 t[R][2];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
+        for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
 #pragma GCC unroll 2
-      for (int64_t k = 0; k < kBlock; k += 2) {
-        for_pair([&](auto odd) {  // row k, then row k + 1: each chain stays in k order
-          constexpr int I = decltype(odd)::value;
-          __m256 q0, q1;
-          unpack_row<Bits, I>(qb, k, q0, q1);
-          add_products<R>(t, xb + (k + I) * R, q0, q1);
-        });
+        for (int64_t k = sub * sub_rows<Bits>(); k < (sub + 1) * sub_rows<Bits>(); k += 2) {
+          for_pair([&](auto odd) {  // row k, then row k + 1: each chain stays in k order
+            constexpr int I = decltype(odd)::value;
+            __m256 q0, q1;
+            unpack_row<Bits, I>(qb, k, q0, q1);
+            add_products<R>(t, xb + (k + I) * R, q0, q1);
+          });
+        }
+        add_blocks<R, Bits, Half>(yp, ldy, t, rec, sums + b, blocks, sub);
       }
-      add_blocks<R, Bits, Half>(yp, ldy, t, rec, sums + b, blocks);
     }
   }
 }
@@ -351,14 +367,16 @@ inline void buffered_rows(const float* __restrict xt, const float* __restrict su
   for (int64_t b = 0; b < nb; ++b, rec += kRec) {
     const float* xb = xt + (b0 + b) * kBlock * R;
     const float* qb = buf + b * kBlock * kPanel;
-    __m256 t[R][2];
+    for (int sub = 0; sub < kBlock / sub_rows<Bits>(); ++sub) {
+      __m256 t[R][2];
 #pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
 #pragma GCC unroll 4
-    for (int64_t k = 0; k < kBlock; ++k) {
-      add_products<R>(t, xb + k * R, _mm256_load_ps(qb + k * kPanel), _mm256_load_ps(qb + k * kPanel + 8));
+      for (int64_t k = sub * sub_rows<Bits>(); k < (sub + 1) * sub_rows<Bits>(); ++k) {
+        add_products<R>(t, xb + k * R, _mm256_load_ps(qb + k * kPanel), _mm256_load_ps(qb + k * kPanel + 8));
+      }
+      add_blocks<R, Bits, Half>(y, ldy, t, rec, sums + b0 + b, blocks, sub);
     }
-    add_blocks<R, Bits, Half>(y, ldy, t, rec, sums + b0 + b, blocks);
   }
 }
 
@@ -417,7 +435,8 @@ void block_panels_avx2(const float* xt, const float* sums, int64_t M, int64_t K,
 // Records: the header of panel_linear_blocks' (d, m), then q regrouped for VPMADDUBSW: 8 groups
 // of 4 k values; 4 bits: 32 bytes a group, byte 4 c + i holding q[4 g + i][c] in its low nibble
 // and q[4 g + i][8 + c] in its high one (c < 8); 8 bits: 64 bytes a group, byte 4 c + i =
-// q[4 g + i][c] for c < 16. One multiply-add of 4 k values' bytes by a row's 4 bytes of qx gives
+// q[4 g + i][c] for c < 16 (6 bits the same, groups 0-3 summed and scaled by the first d, then
+// groups 4-7 by the second). One multiply-add of 4 k values' bytes by a row's 4 bytes of qx gives
 // each column's pair sums (at most 2 * 128 * 127 < 2^15: no saturation), and one more the
 // column's 4-value sum as a 32-bit integer.
 namespace x8 {
@@ -480,11 +499,14 @@ inline void panel(const int8_t* qx, const float* dx, const float* sx, int64_t K,
     for (int64_t line = 0; line < kRec; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * kRec + line), _MM_HINT_T0);
     const uint8_t* q = rec + scale_bytes<Bits, Half>();
+    // 6 bits: groups 0-3 (k 0-15) are scaled by the first d, then groups 4-7 by the second
+    constexpr int kGroups = sub_rows<Bits>() / 4;
+    for (int sub = 0; sub < 8 / kGroups; ++sub) {
     __m256i t[R][2];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) {
+    for (int g = sub * kGroups; g < (sub + 1) * kGroups; ++g) {
       __m256i w0, w1, a0, a1;
       if constexpr (Bits == 4) {
         const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
@@ -518,7 +540,13 @@ inline void panel(const int8_t* qx, const float* dx, const float* sx, int64_t K,
       }
     }
     __m256 d0, d1, m0, m1;
-    load_scales<Bits, Half>(rec, d0, d1, m0, m1);
+    if constexpr (Bits == 6) {
+      const float* d = reinterpret_cast<const float*>(rec) + sub * kPanel;
+      d0 = _mm256_load_ps(d);
+      d1 = _mm256_load_ps(d + 8);
+    } else {
+      load_scales<Bits, Half>(rec, d0, d1, m0, m1);
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m256 e = _mm256_set1_ps(dx[r * nb + b]);
@@ -529,6 +557,7 @@ inline void panel(const int8_t* qx, const float* dx, const float* sx, int64_t K,
       }
       acc[r][0] = _mm256_fmadd_ps(d0, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][0])), acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(d1, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][1])), acc[r][1]);
+    }
     }
   }
 #pragma GCC unroll 4
@@ -1360,7 +1389,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& wp, int6
 // The arguments panel_linear_blocks and amx_linear_blocks share: x [M, K] float32 and a blob of
 // `bits`-bit records (see panel_linear_blocks) that matches it.
 void check_blocks(const char* name, const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, bool half_scales) {
-  TORCH_CHECK(bits == 4 || bits == 8, name, ": bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, name, ": bits must be 4, 6 or 8, got ", bits);
   TORCH_CHECK(bits == 4 || !half_scales, name, ": fp16 scales are a 4-bit record kind");
   TORCH_CHECK(x.dim() == 2 && blob.dim() == 3, name, ": x [M, K], blob [P, K / 32, record]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && blob.scalar_type() == at::kByte, name, ": x float32, blob uint8");
@@ -1368,7 +1397,8 @@ void check_blocks(const char* name, const torch::Tensor& x, const torch::Tensor&
   const int64_t K = x.size(1);
   TORCH_CHECK(K % kBlock == 0 && blob.size(1) == K / kBlock, name, ": x has K = ", K, ", the blob ", blob.size(1),
               " blocks of ", kBlock);
-  const int64_t rec = bits == 8 ? record_bytes<8, false>() : half_scales ? record_bytes<4, true>() : record_bytes<4, false>();
+  const int64_t rec = bits == 8 ? record_bytes<8, false>() : bits == 6 ? record_bytes<6, false>()
+                      : half_scales ? record_bytes<4, true>() : record_bytes<4, false>();
   TORCH_CHECK(blob.size(2) == rec, name, ": ", bits, "-bit records are ", rec, " bytes, got ", blob.size(2));
   TORCH_CHECK(reinterpret_cast<uintptr_t>(blob.data_ptr()) % 64 == 0, name, ": blob must be 64-byte aligned");
 }
@@ -1378,9 +1408,10 @@ void check_blocks(const char* name, const torch::Tensor& x, const torch::Tensor&
 // 32 rows (4 bits: 16 bytes a pair of rows k, k + 1 (k even), byte j = column j, row k in its
 // low nibble and row k + 1 in its high one; 8 bits: 16 signed bytes a row). half_scales (4 bits
 // only): d and m as 16 fp16 numbers each instead of floats (a 320-byte record, not 384).
-// W[16 p + j, k] = d[j] q[k][j] + m[j] exactly. Returns y [M, 16 P], with the arithmetic of
-// block_rows' comment: the same bits on the AVX2 and the AVX-512 code, for a row alone or among
-// any others.
+// W[16 p + j, k] = d[j] q[k][j] + m[j] exactly. 6 bits (GGUF Q6_K): q as for 8 bits, d[16] for
+// rows 0-15 and d[16] for rows 16-31 (a 640-byte record); the AVX2 code runs it on every CPU.
+// Returns y [M, 16 P], with the arithmetic of block_rows' comment: the same bits on the AVX2 and
+// the AVX-512 code, for a row alone or among any others.
 torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, int64_t isa,
                                   bool half_scales) {
   TORCH_CHECK(isa == 0 || isa == 1, "panel_linear_blocks: isa must be 0 (AVX2) or 1 (AVX-512), got ", isa);
@@ -1393,18 +1424,21 @@ torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& b
   std::unique_ptr<float[]> packed(new float[M * K + M * (K / kBlock)]);
   float* xt = packed.get();
   float* sums = xt + M * K;
-  block_rows(x.data_ptr<float>(), M, K, isa == 1 ? avx512::kFusedRows : avx2_group(M), xt, bits == 4 ? sums : nullptr);
+  const bool wide = isa == 1 && bits != 6;
+  block_rows(x.data_ptr<float>(), M, K, wide ? avx512::kFusedRows : avx2_group(M), xt, bits == 4 ? sums : nullptr);
   const uint8_t* bp = blob.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   auto run = [&](auto bits_tag, auto half_tag) {
     constexpr int B = decltype(bits_tag)::value;
     constexpr bool H = decltype(half_tag)::value;
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-      if (isa == 1) avx512::block_panels<B, H>(xt, sums, M, K, bp, p0, p1, yp, ldy);
+      if constexpr (B == 6) block_panels_avx2<B, H>(xt, sums, M, K, bp, p0, p1, yp, ldy);
+      else if (wide) avx512::block_panels<B, H>(xt, sums, M, K, bp, p0, p1, yp, ldy);
       else block_panels_avx2<B, H>(xt, sums, M, K, bp, p0, p1, yp, ldy);
     });
   };
   if (bits == 8) run(std::integral_constant<int, 8>{}, std::false_type{});
+  else if (bits == 6) run(std::integral_constant<int, 6>{}, std::false_type{});
   else if (half_scales) run(std::integral_constant<int, 4>{}, std::true_type{});
   else run(std::integral_constant<int, 4>{}, std::false_type{});
   return y;
@@ -1416,6 +1450,7 @@ torch::Tensor panel_linear_blocks(const torch::Tensor& x, const torch::Tensor& b
 // amx_bf16 and avx512_bf16 whose OS grants the tile state (amx_permitted(); the caller checks).
 torch::Tensor amx_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, bool half_scales) {
   check_blocks("amx_linear_blocks", x, blob, bits, half_scales);
+  TORCH_CHECK(bits != 6, "amx_linear_blocks: 6-bit records (a scale per 16 k values) run on panel_linear_blocks");
   const int64_t M = x.size(0), K = x.size(1), P = blob.size(0), ldy = kPanel * P;
   TORCH_CHECK(amx_permitted(), "amx_linear_blocks: the OS did not grant the AMX tile state to this process");
   auto y = torch::empty({M, ldy}, x.options());
@@ -1459,6 +1494,7 @@ torch::Tensor x8_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob
     });
   };
   if (bits == 8) run(std::integral_constant<int, 8>{}, std::false_type{});
+  else if (bits == 6) run(std::integral_constant<int, 6>{}, std::false_type{});
   else if (half_scales) run(std::integral_constant<int, 4>{}, std::true_type{});
   else run(std::integral_constant<int, 4>{}, std::false_type{});
   return y;
