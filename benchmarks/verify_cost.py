@@ -14,6 +14,11 @@ cached prefix of P tokens, then softmax) followed by ``compact`` back to the pre
 ``--reps`` is kept. Beside them, the machine's physical limit per dtype:
 max(weight bytes / measured bandwidth, 2 * linear params * n / measured GEMM peak).
 
+``--model`` takes several targets (one table each, e.g. ``smollm2-135m,qwen2.5-coder-1.5b``).
+``--llamacpp DIR`` adds llama.cpp's pass of n tokens after the same P cached ones on the same
+GGUF and thread count (``llama-bench -d P -p n -n 0``, one run of every n between treespec's
+repetitions), the engine a CPU user would run instead.
+
     python benchmarks/verify_cost.py --threads 1
 
 Writes benchmarks/results/verify_cost.{json,md,png} with the CPU model, its flags and threads.
@@ -38,6 +43,7 @@ from treespec.fastpath.packing import PackedLinear
 from treespec.core.sampling import SamplingConfig
 from treespec.core.tree import DraftTree
 from treespec.runtime.verifier import TreeVerifier
+from treespec.targets.loader import TARGET_LOADERS
 
 NS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -84,9 +90,82 @@ def main() -> None:
     ap.add_argument("--paths", default="", help="comma-separated subset of the paths (default: every one this CPU runs)")
     ap.add_argument("--out", default=str(RESULTS / "verify_cost"))
     ap.add_argument("--note", default="", help="a sentence for the result (what else ran on the host)")
+    ap.add_argument("--model", default="smollm2-135m", help="target name(s), comma-separated: one table each")
+    ap.add_argument("--llamacpp", default="", help="llama.cpp's build/bin (llama-bench): its pass of n tokens beside")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ns = [int(x) for x in args.ns.split(",")]
+    models = [m.strip() for m in args.model.split(",") if m.strip()]
+    if not models or set(models) - set(TARGET_LOADERS):
+        raise SystemExit(f"--model takes target names of {sorted(TARGET_LOADERS)}, comma-separated; got {args.model!r}")
+    t_start, load_start = time.time(), os.getloadavg()[0]
+    sections, results = [], {}
+    for model_name in models:
+        result, md_lines = measure_model(args, model_name, ns)
+        results[model_name] = result
+        sections += md_lines
+    result = {"load": [load_start, os.getloadavg()[0]], "machine": machine_info(), "args": vars(args),
+              "wall_s": time.time() - t_start, "models": results}
+    m = result["machine"]
+    lines = [
+        f"# Verify-pass cost t(n): {', '.join(models)}, prefix {args.prefix} tokens",
+        "",
+        f"CPU: {m['cpu_model']}; flags: {', '.join(m['cpu_flags'])}; torch {m['torch']} "
+        f"({m['torch_cpu_capability']}), {m['torch_threads']} thread(s). Medians of {args.reps} interleaved "
+        f"repetitions; one point = TreeVerifier.score over an n-node tree (tree mask, positions, softmax). "
+        f"Host load average (1 min) {result['load'][0]:.1f} at the start, {result['load'][1]:.1f} at the end. "
+        f"{args.note}".rstrip(),
+        "",
+        *sections,
+        f"Reproduce: `python benchmarks/verify_cost.py {reproduce_args(args)}`",
+    ]
+    md = "\n".join(lines) + "\n"
+    print(md)
+    js, _ = write_results(args.out, result, md)
+    try:
+        fig, axes = figure(1, len(models), size=(7.0 * len(models), 4.5))
+        for ax, (model_name, r) in zip(axes[0], results.items()):
+            for name, row in r["t_ms"].items():
+                ax.plot(ns, [row[str(n)] for n in ns], marker="o", label=name)
+            for k, row in r["limit_ms"].items():
+                ax.plot(ns, [row[str(n)] for n in ns], linestyle="--", label=f"physical limit {k}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tree nodes n")
+            ax.set_ylabel("verify pass (ms)")
+            ax.set_title(f"{model_name}, {m['torch_threads']} thread(s), {m['cpu_model'][:30]}")
+            ax.legend(fontsize=7)
+        save_figure(fig, js.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+def reproduce_args(args: argparse.Namespace) -> str:
+    """The command line's options as given (defaults left out)."""
+    defaults = {"threads": 1, "prefix": 300, "reps": 9, "ns": ",".join(map(str, NS)), "paths": "", "note": "",
+                "model": "smollm2-135m", "llamacpp": ""}
+    parts = []
+    for key, value in vars(args).items():
+        if key == "out" or defaults.get(key) == value:
+            continue
+        parts.append(f"--{key} {value!r}" if isinstance(value, str) and (" " in value or not value) else f"--{key} {value}")
+    return " ".join(parts + [f"--out {args.out}"])
+
+
+def llama_bench_pass_ms(bin_dir: str, gguf: str, ns: list[int], prefix: int, threads: int) -> dict[int, float]:
+    """llama.cpp's time for one pass of n tokens after ``prefix`` cached ones (``llama-bench -d``),
+    one run each, in ms."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    cmd = [str(Path(bin_dir) / "llama-bench"), "-m", gguf, "-t", str(threads), "-d", str(prefix),
+           "-p", ",".join(map(str, ns)), "-n", "0", "-r", "1", "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return {int(row["n_prompt"]): row["avg_ns"] / 1e6 for row in json.loads(out)}
+
+
+def measure_model(args: argparse.Namespace, model_name: str, ns: list[int]) -> tuple[dict, list[str]]:
+    """One model's paths, interleaved: (its result, its Markdown section)."""
 
     paths = {"fp32 stock": (torch.float32, False), "fp32 onednn": (torch.float32, "onednn")}
     if panel_status()[0]:
@@ -99,8 +178,6 @@ def main() -> None:
     if panel_status()[0]:
         paths["fp32 x8"] = (torch.float32, "x8")
     verifiers, described = {}, {}
-    rng = random.Random(0)
-    prompt = torch.tensor([rng.randrange(49152) for _ in range(args.prefix + 1)])
     if "fp32 blocks" in paths:   # the same kernel with HF's stock attention: what grouped sdpa saves
         paths["fp32 blocks, stock sdpa"] = (torch.float32, "blocks")
         if kernel_isa() == "avx512":   # the same bits from the AVX2 kernels: what AVX-512 saves
@@ -112,8 +189,13 @@ def main() -> None:
         if not asked or set(asked) - set(paths):
             raise SystemExit(f"--paths takes a subset of {list(paths)} on this CPU, got {args.paths!r}")
         paths = {k: v for k, v in paths.items() if k in asked}
+    if model_name != "smollm2-135m":   # larger targets: their fast paths only (the others are SmolLM2's study)
+        paths = {k: v for k, v in paths.items() if k in ("fp32 blocks", "fp32 x8", "fp32 amx", "bf16 packed")}
+    vocab = None
     for name, (dtype, pack) in paths.items():
-        target = treespec.load_target("smollm2-135m", dtype=dtype, pack=pack)
+        target = treespec.load_target(model_name, dtype=dtype, pack=pack)
+        vocab = vocab or target.model.config.vocab_size
+        prompt = torch.tensor([random.Random(0).randrange(vocab) for _ in range(args.prefix + 1)])
         if name.endswith("stock sdpa"):
             target.model.set_attn_implementation("sdpa")
             target = dataclasses.replace(target, speed_path=target.speed_path.split("; attention:")[0]
@@ -131,7 +213,6 @@ def main() -> None:
         v = TreeVerifier(target.model, SamplingConfig(temperature=1.0))
         v.prefill(prompt)
         verifiers[name] = v
-    vocab = 49152
     trees = {n: random_tree(random.Random(n), n, vocab) for n in ns}
 
     def score_and_undo(name: str, n: int) -> float:
@@ -145,10 +226,21 @@ def main() -> None:
         return dt
 
     points = {(name, n): (lambda name=name, n=n: score_and_undo(name, n)) for name in paths for n in ns}
+    llama: dict[int, list[float]] = {n: [] for n in ns}
+    gguf = None
+    if args.llamacpp:
+        from treespec.runtime.llamacpp import gguf_path
+
+        gguf = str(gguf_path(model_name))
+
+    def after_rep(rep: int) -> None:
+        if gguf is not None:     # llama.cpp's passes between treespec's repetitions
+            for n, t in llama_bench_pass_ms(args.llamacpp, gguf, ns, args.prefix, args.threads).items():
+                llama[n].append(t)
+        print(f"{model_name}: rep {rep + 1}/{args.reps} done", flush=True)
+
     t_start = time.time()                       # warm-up (every shape once), then interleaved reps
-    load_start = os.getloadavg()[0]
-    samples = interleaved(points, args.reps, warmup=1, self_timed=True,
-                          on_rep=lambda rep: print(f"rep {rep + 1}/{args.reps} done", flush=True))
+    samples = interleaved(points, args.reps, warmup=1, self_timed=True, on_rep=after_rep)
     for name, v in verifiers.items():
         assert v.prefix_len == args.prefix and v.cache.layers[0].keys.shape[-2] == args.prefix, name
 
@@ -169,31 +261,30 @@ def main() -> None:
             limit[name] = roofline(stored_bytes(verifiers[name].model), peaks[peak])
 
     ms = {name: {n: median_ms(samples[(name, n)]) for n in ns} for name in paths}
+    if gguf is not None:
+        ms["llama.cpp"] = {n: sorted(v)[len(v) // 2] for n, v in llama.items()}
+        described["llama.cpp"] = (f"llama.cpp's llama-bench on {os.path.basename(gguf)}: one pass of n tokens "
+                                  f"after {args.prefix} cached (-d {args.prefix} -p n -n 0), the median of one run "
+                                  f"per repetition")
     result = {
-        "load": [load_start, os.getloadavg()[0]],
-        "machine": machine_info(),
-        "args": vars(args),
         "paths": described,
         "wall_s": time.time() - t_start,
         "bandwidth_GBps": bandwidth / 1e9,
         "gemm_peak_GFLOPs": {k: v / 1e9 for k, v in peaks.items()},
         "linear_params": params,
+        "stored_bytes": {name: stored_bytes(v.model) for name, v in verifiers.items()},
         "t_ms": {name: {str(n): t for n, t in row.items()} for name, row in ms.items()},
         "limit_ms": {k: {str(n): t * 1e3 for n, t in row.items()} for k, row in limit.items()},
         **{f"ratio_{k}_1": {name: row[k] / row[1] for name, row in ms.items() if k in row and 1 in row}
            for k in (4, 8, 16)},
     }
-    m = result["machine"]
     lines = [
-        f"# Verify-pass cost t(n), SmolLM2-135M, prefix {args.prefix} tokens",
+        f"## {model_name}",
         "",
-        f"CPU: {m['cpu_model']}; flags: {', '.join(m['cpu_flags'])}; torch {m['torch']} "
-        f"({m['torch_cpu_capability']}), {m['torch_threads']} thread(s). Medians of {args.reps} interleaved "
-        f"repetitions; one point = TreeVerifier.score over an n-node tree (tree mask, positions, softmax).",
         f"Measured here: streaming read {bandwidth / 1e9:.1f} GB/s; GEMM peak "
         + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in peaks.items())
-        + f"; {params / 1e6:.1f} M linear weights per forward. Host load average (1 min) "
-        f"{result['load'][0]:.1f} at the start, {result['load'][1]:.1f} at the end. {args.note}".rstrip(),
+        + f"; {params / 1e6:.1f} M linear weights per forward; bytes a pass reads: "
+        + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in result["stored_bytes"].items() if v) + ".",
         "",
         "Paths: " + "; ".join(f"**{k}** = {v}" for k, v in described.items()),
         "",
@@ -210,25 +301,10 @@ def main() -> None:
             lines.append(f"t({n}) / t(1): " + ", ".join(f"{k} **{v:.2f}**" for k, v in ratios.items())
                          + "; physical limit: " + ", ".join(f"{k} {row[n] / row[1]:.2f}" for k, row in limit.items())
                          + "  ")
-    lines += ["", "Times in ms."]
-    md = "\n".join(lines) + "\n"
-    print(md)
-    js, _ = write_results(args.out, result, md)
-    try:
-        fig, ((ax,),) = figure()
-        for name, row in ms.items():
-            ax.plot(ns, [row[n] for n in ns], marker="o", label=name)
-        for k, row in limit.items():
-            ax.plot(ns, [row[n] * 1e3 for n in ns], linestyle="--", label=f"physical limit {k}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tree nodes n")
-        ax.set_ylabel("verify pass (ms)")
-        ax.set_title(f"SmolLM2-135M verify cost, {m['torch_threads']} thread(s), {m['cpu_model'][:40]}")
-        ax.legend(fontsize=8)
-        save_figure(fig, js.with_suffix(".png"))
-    except ImportError:
-        print("matplotlib not installed: no plot")
-
+    lines += ["", "Times in ms.", ""]
+    for v in verifiers.values():     # free the model before the next one loads
+        v.model = None
+    return result, lines
 
 if __name__ == "__main__":
     main()

@@ -524,3 +524,38 @@ def test_the_exact_block_types_that_dtype_auto_reads_are_those_pack_blocks_store
                **{kind: gguf_k_quant(kind, 32, 512) for kind in ("Q4_K", "Q6_K", "Q5_0")}}
     stored = {kind for kind, weight in weights.items() if pack_blocks(weight) is not None}
     assert stored == EXACT_BLOCK_GGUF_TYPES
+
+
+def test_block_store_keeps_records_and_reads_them_back(tmp_path, monkeypatch) -> None:
+    """Inside ``block_store`` a weight's records are kept in a file named by its bytes and read
+    back for the same weight without fitting again (the same bits); a weight that is not blocks
+    is kept as such; another weight gets its own file; small weights and a torn file are fitted
+    anew."""
+    torch.manual_seed(0)
+    q6 = gguf_q6_k(torch.randn(512, 512))               # 2^18 values: kept
+    fp32 = torch.randn(512, 512)                        # not blocks: kept as such
+    with kernels.block_store(tmp_path):
+        first = pack_blocks(q6)
+        assert pack_blocks(fp32) is None
+        assert pack_blocks(gguf_q4_1(torch.randn(16, 64))).bits == 4   # small: not kept
+    files = sorted(tmp_path.iterdir())
+    assert len(files) == 2 and all("512x512" in f.name for f in files)
+
+    def refit(*args):
+        raise AssertionError("fitted again")
+
+    with monkeypatch.context() as m, kernels.block_store(tmp_path):
+        m.setattr(kernels, "_pack_blocks", refit)
+        again = pack_blocks(q6)
+        assert pack_blocks(fp32) is None
+    assert (again.bits, again.out_features, again.half_scales) == (6, 512, first.half_scales)
+    assert torch.equal(again.blob, first.blob) and again.blob.data_ptr() % 64 == 0
+    x = torch.randn(3, 512)
+    assert torch.equal(block_linear(x, again), block_linear(x, first))
+    with kernels.block_store(tmp_path):
+        other = gguf_q6_k(torch.randn(512, 512))
+        assert torch.equal(pack_blocks(other).blob, kernels._pack_blocks(other, first.half_scales).blob)
+        assert len(list(tmp_path.iterdir())) == 3
+        for f in tmp_path.iterdir():
+            f.write_bytes(b"torn")
+        assert torch.equal(pack_blocks(q6).blob, first.blob)

@@ -63,11 +63,18 @@ def load_drafter(name: str, target, **options) -> Drafter:
 def _pack_like_target(drafter, target) -> None:
     """Give a drafter's own linear layers the target's fast path (``treespec.fastpath.packing``):
     packed when the target's are. Drafters run in the target's dtype, so the same rule holds."""
+    from contextlib import nullcontext
+
+    from treespec.fastpath.kernels import block_store
     from treespec.fastpath.packing import PackedLinear, pack_linears
+    from treespec.targets.loader import blocks_store_dir
 
     if not any(isinstance(m, PackedLinear) for m in target.model.modules()):
         return
     for attr in ("head", "model", "vocab_head"):
         module = getattr(drafter, attr, None)
         if isinstance(module, torch.nn.Module) and module is not target.model:
-            pack_linears(module)
+            # an independent drafter model's blocks are kept for the next load (the 0.5B's take
+            # a minute to check); a trained head is small and changes as it trains
+            with block_store(blocks_store_dir()) if attr == "model" else nullcontext():
+                pack_linears(module)

@@ -59,10 +59,13 @@ says why and callers keep PyTorch's own path.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -438,6 +441,55 @@ def _aligned_cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts, -1, out=out)
 
 
+# Records kept on disk (``block_store``): pack_blocks checks every value of a weight, about 2.5
+# minutes for Qwen2.5-Coder-1.5B on one core, and a later load of the same weights reads its
+# records back in seconds. Bumped whenever a record's layout changes: older files are never read.
+_RECORD_FORMAT = 1
+_STORE: list[Path] = []        # the directories block_store opened, innermost last
+_STORE_MIN_WEIGHTS = 1 << 18   # smaller weights are fitted anew (faster than a file; test models)
+
+
+@contextmanager
+def block_store(directory: str | os.PathLike) -> Iterator[Path]:
+    """Within this block :func:`pack_blocks` keeps its result for each weight in ``directory``
+    (one file per weight of at least 2^18 values, named by a hash of the weight's bytes, its
+    shape, the record format and the scale kind) and reads it back for the same weight: the
+    loaders open it around packing a target or a drafter. A weight that is not blocks is
+    remembered as such too."""
+    path = Path(directory)
+    _STORE.append(path)
+    try:
+        yield path
+    finally:
+        _STORE.pop()
+
+
+def _stored_blocks(weight: torch.Tensor, half_scales: bool, pack) -> BlockPanels | None:
+    """``pack()`` (pack_blocks' own work) for ``weight``, through the innermost block store."""
+    w = weight.detach().contiguous()
+    digest = hashlib.blake2b(w.numpy().data, digest_size=16).hexdigest()
+    name = f"{digest}-{'x'.join(map(str, w.shape))}-v{_RECORD_FORMAT}{'-half' if half_scales else ''}.pt"
+    path = _STORE[-1] / name
+    try:
+        kept = torch.load(path, weights_only=True)
+    except Exception:                         # not kept yet, or a torn or foreign file (the unpickler
+        kept = None                           # raises what it meets): pack again
+    if kept is not None:
+        if kept["bits"] == 0:
+            return None
+        return BlockPanels(_aligned_cat([kept["blob"]]), int(kept["bits"]), int(kept["out_features"]),
+                           bool(kept["half_scales"]))
+    blocks = pack()
+    record = ({"bits": 0} if blocks is None else
+              {"blob": blocks.blob, "bits": blocks.bits, "out_features": blocks.out_features,
+               "half_scales": blocks.half_scales})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+        torch.save(record, f)                 # written whole, then renamed: a reader never sees half
+    os.replace(f.name, path)
+    return blocks
+
+
 def pack_blocks(weight: torch.Tensor, half_scales: bool | None = None) -> BlockPanels | None:
     """``weight`` [N, K] float32 (CPU) -> :class:`BlockPanels` if it is exactly 4-bit (tried
     first), 8-bit or (a scale per 16 values, GGUF Q6_K) 6-bit block-quantized, else None. K must
@@ -454,6 +506,12 @@ def pack_blocks(weight: torch.Tensor, half_scales: bool | None = None) -> BlockP
                          f"{weight.dtype} on {weight.device}")
     if half_scales is None:
         half_scales = kernel_isa() == "avx512"
+    if _STORE and weight.numel() >= _STORE_MIN_WEIGHTS:
+        return _stored_blocks(weight, half_scales, lambda: _pack_blocks(weight, half_scales))
+    return _pack_blocks(weight, half_scales)
+
+
+def _pack_blocks(weight: torch.Tensor, half_scales: bool) -> BlockPanels | None:
     n, k = weight.shape
     if k % BLOCK or n == 0:
         return None

@@ -139,7 +139,7 @@ def native_bf16(device: str | torch.device = "cpu", cpu: CpuInfo | None = None) 
     return False, f"CPU has neither {' nor '.join(BF16_FLAGS)} ({cpu.model}): bf16 would be emulated"
 
 
-# GGUF weight types whose dequantized values the block kernel stores exactly as 4- or 8-bit
+# GGUF weight types whose dequantized values the block kernel stores exactly as 4-, 6- or 8-bit
 # integer blocks (``kernels.pack_blocks``; tests/test_blocks.py checks each against the gguf
 # package's own dequantization; Q5_0 as 8-bit blocks, Q6_K as 6-bit ones: a scale per 16 values).
 EXACT_BLOCK_GGUF_TYPES = frozenset({"Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q6_K"})
@@ -479,7 +479,7 @@ def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
         ok, why = (amx_status if kernel == "amx" else panel_status)(cpu)
         if not ok:
             raise ValueError(f"kernel={kernel!r} is not available here: {why}")
-        return _Plan(kernel, 1, None, f"exact 4/8-bit integer blocks times each layer's input {_ROUNDING[kernel]}, "
+        return _Plan(kernel, 1, None, f"exact 4/6/8-bit integer blocks times each layer's input {_ROUNDING[kernel]}, "
                      "every pass; fp32 panels on the vector kernels for weights that are not blocks")
     # The block GEMM wins wherever a pass is bound by reading the weights: measured on an AVX2-only
     # EPYC and on an AVX-512-BF16 EPYC (SmolLM2, one thread: a 1-token pass 32 ms against 80 ms for
@@ -491,7 +491,7 @@ def _packing_plan(dtype: torch.dtype, device: torch.device, cpu: CpuInfo,
         ok, why = panel_status(cpu)
         if ok:
             chosen = kernel or "blocks"
-            stored = ("as exact 4/8-bit integer blocks where the weights are ones, else as fp32 "
+            stored = ("as exact 4/6/8-bit integer blocks where the weights are ones, else as fp32 "
                       "16-column panels" if chosen == "blocks" else "as 16-column panels")
             return _Plan(chosen, 1, PANEL_MAX_ROWS, f"fp32 weights stored {stored}, read once per pass "
                          f"of 1..{PANEL_MAX_ROWS} rows by the {_ISA_NAMES[kernel_isa(cpu)]} kernels "
@@ -549,7 +549,8 @@ def pack_linears(model: nn.Module, enabled: bool = True, cpu: CpuInfo | None = N
                 setattr(parent, name, layer)
                 layers.append(layer)
     if plan.kernel in FP32_KERNELS:
-        kind = f"fp32, {plan.min_rows}..{plan.max_rows} rows" if plan.max_rows else "fp32 weights, x as bf16"
+        kind = (f"fp32, {plan.min_rows}..{plan.max_rows} rows" if plan.max_rows
+                else f"fp32 weights, x {'as bf16' if plan.kernel == 'amx' else 'as 8-bit integers'}")
         if plan.kernel in BLOCK_KERNELS:
             stored = Counter(layer.storage for layer in layers)
             kind += "; " + ", ".join(f"{n} as {what}" for what, n in sorted(stored.items()))
@@ -570,7 +571,7 @@ def linear_kernel(model: nn.Module) -> str:
 
 def stores_blocks(model: nn.Module) -> bool:
     """Whether any linear layer of ``model`` is stored as integer blocks (the block kernel found
-    exact 4/8-bit blocks: a target dequantized from a GGUF Q4_1 / Q8_0 checkpoint)."""
+    exact 4/6/8-bit blocks: a target dequantized from a GGUF Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 checkpoint)."""
     return any(isinstance(m, PackedLinear) and isinstance(m._packed, BlockPanels) for m in model.modules())
 
 

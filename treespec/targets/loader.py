@@ -473,16 +473,28 @@ def load_target(
     resolved, why = resolve_dtype(dtype, device, weight_types=types)
     target = TARGET_LOADERS[name](dtype=resolved, device=device, cache_dir=cache_dir)
     dtype_name = str(resolved).removeprefix("torch.")
-    return dataclasses.replace(target, speed_path=f"{dtype_name} ({why}); {apply_fast_path(target.model, pack)}")
+    path = apply_fast_path(target.model, pack, store=blocks_store_dir(cache_dir))
+    return dataclasses.replace(target, speed_path=f"{dtype_name} ({why}); {path}")
 
 
-def apply_fast_path(model: PreTrainedModel, pack: bool | str) -> str:
+def blocks_store_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the registered targets and drafters keep their packed integer blocks
+    (:func:`treespec.fastpath.kernels.block_store`)."""
+    return _cache_root(cache_dir) / "blocks"
+
+
+def apply_fast_path(model: PreTrainedModel, pack: bool | str, store: str | os.PathLike | None = None) -> str:
     """Pack ``model``'s linear layers and set its attention path (in place) as ``pack`` says
-    (``load_target``'s argument); returns the speed path in words."""
+    (``load_target``'s argument); returns the speed path in words. ``store``: a directory in
+    which integer blocks are kept and read back by later loads (``kernels.block_store``)."""
+    from contextlib import nullcontext
+
     from treespec.fastpath.attention import use_grouped_attention, use_row_attention
+    from treespec.fastpath.kernels import block_store
     from treespec.fastpath.packing import pack_linears
 
-    report = pack_linears(model, enabled=pack is not False, kernel=pack if isinstance(pack, str) else None)
+    with block_store(store) if store is not None else nullcontext():
+        report = pack_linears(model, enabled=pack is not False, kernel=pack if isinstance(pack, str) else None)
     if pack is False:
         attention = "stock (packing turned off)"
     elif pack in ("amx", "x8"):   # inputs rounded: tree rows must be the one-token steps' bits

@@ -1795,7 +1795,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "y = x @ W^T with W stored as 16-column panels",
         pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("isa") = 0);
   m.def("panel_linear_blocks", &panel_linear_blocks,
-        "y = x @ W^T with W stored as 16-column panels of 4- or 8-bit integers and per-32 scales",
+        "y = x @ W^T with W stored as 16-column panels of 4-, 6- or 8-bit integers and per-32 (6: per-16) scales",
         pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("bits"), pybind11::arg("isa") = 0,
         pybind11::arg("half_scales") = false);
   m.def("amx_linear_blocks", &amx_linear_blocks,
