@@ -173,6 +173,9 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                     help="the target's and the drafter's dtype (auto: bf16 where the CPU has native bf16)")
+    ap.add_argument("--kernel", default=None, choices=("blocks", "x8"),
+                    help="the target's linear kernel (default: the CPU's choice; x8: inputs rounded to 8-bit "
+                         "integers a block, a target of its own, its 0.5B drafter on x8 too)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "qwen"))
@@ -226,7 +229,7 @@ def main() -> None:
     llama = llamacpp_modes(args)
     run = options(args, [*chosen, *(m.label for m in llama)])
 
-    target = treespec.load_target(TARGET, dtype=args.dtype)           # packed where the CPU gains
+    target = treespec.load_target(TARGET, dtype=args.dtype, pack=args.kernel or True)   # packed where the CPU gains
     eos = list(target.eos_token_ids)
     methods: dict[str, object] = {
         # up to 10 drafts, as HF prompt lookup takes; the chain stops where no suffix recurs (q is
@@ -416,7 +419,8 @@ def options(args, methods: list[str]) -> dict:
     themselves (a default method set can change between commits), the shard and the CPU kind
     (model and flags: pooled seconds from two kinds of machine would be one meaningless rate)."""
     info = machine_info()
-    return {**{k: getattr(args, k) for k in ("max_new_tokens", "temperatures", "dtype", "threads", "seed", "shard")},
+    return {**{k: getattr(args, k) for k in ("max_new_tokens", "temperatures", "dtype", "kernel", "threads", "seed",
+                                             "shard")},
             "methods": list(methods), "cpu": f"{info['cpu_model']} ({', '.join(info['cpu_flags'])})"}
 
 
@@ -588,7 +592,7 @@ def goals(rows: list[dict]) -> list[str]:
              "| ratio with free drafting |", "|---|---|---|---|---|---|---|---|"]
     for label, temp, kind, ref_name, need in GOALS:
         at = {r["method"]: r for r in rows if r["temperature"] == temp and r["kind"] == kind}
-        ours = [r for name, r in at.items() if not name.startswith("hf")]
+        ours = [r for name, r in at.items() if not name.startswith(("hf", "llama.cpp"))]   # treespec's rows
         ref = at.get(ref_name)
         if not ours or ref is None:
             lines.append(f"| {label} | not measured | - | - | - | - | - | - |")

@@ -220,3 +220,30 @@ def test_greedy_on_the_compiled_x8_path_equals_plain_decoding_there() -> None:
     comp = TreeVerifier(fast.model, SamplingConfig(0.0), passes=fast.passes)
     comp.prefill(prefix)
     torch.testing.assert_close(comp.score(tree).probs, eager.score(tree).probs, rtol=0, atol=0.02)
+
+
+def test_an_independent_drafter_of_an_x8_target_runs_x8_and_changes_no_token() -> None:
+    """``load_drafter`` packs a drafter like its target; an independent model drafting for an x8
+    target takes the x8 kernel too (its drafts need no exact product), a block target's drafter
+    the CPU's default; greedy speculation with it still emits plain decoding's tokens on the x8
+    path."""
+    import copy
+
+    from treespec import SpeculativeGenerator
+    from treespec.drafters import _pack_like_target
+    from treespec.drafters.model import ModelDrafter
+    from treespec.fastpath.packing import linear_kernel
+
+    stock = quantized_llama(seed=3)
+    ids = torch.tensor([5, 17, 200, 42, 7])
+    for kernel in ("x8", "blocks"):
+        target = Target.from_hf(copy.deepcopy(stock), tokenizer=None, name="small", pack=kernel)
+        drafter = ModelDrafter(quantized_llama(seed=4), target.vocab_size)
+        _pack_like_target(drafter, target)
+        assert linear_kernel(drafter.model) == kernel
+        if kernel == "x8":
+            plain = SpeculativeGenerator(target, drafter, ChainBuilder(budget=1)).generate(
+                ids, max_new_tokens=24, temperature=0.0).token_ids.tolist()
+            for builder in (ChainBuilder(budget=4), DynamicTreeBuilder(budget=6, depth=3, top_k=2)):
+                out = SpeculativeGenerator(target, drafter, builder).generate(ids, max_new_tokens=24, temperature=0.0)
+                assert out.token_ids.tolist() == plain, builder

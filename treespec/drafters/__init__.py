@@ -66,7 +66,7 @@ def _pack_like_target(drafter, target) -> None:
     from contextlib import nullcontext
 
     from treespec.fastpath.kernels import block_store
-    from treespec.fastpath.packing import PackedLinear, pack_linears
+    from treespec.fastpath.packing import PackedLinear, linear_kernel, pack_linears
     from treespec.targets.loader import blocks_store_dir
 
     if not any(isinstance(m, PackedLinear) for m in target.model.modules()):
@@ -75,6 +75,8 @@ def _pack_like_target(drafter, target) -> None:
         module = getattr(drafter, attr, None)
         if isinstance(module, torch.nn.Module) and module is not target.model:
             # an independent drafter model's blocks are kept for the next load (the 0.5B's take
-            # a minute to check); a trained head is small and changes as it trains
+            # a minute to check; a trained head is small and changes as it trains), and it takes
+            # an x8 target's kernel: its drafts need no exact product, and x8 halves its passes
+            kernel = "x8" if attr == "model" and linear_kernel(target.model) == "x8" else None
             with block_store(blocks_store_dir()) if attr == "model" else nullcontext():
-                pack_linears(module)
+                pack_linears(module, kernel=kernel)
