@@ -351,18 +351,21 @@ def _scale_families(bits: int):
         for level in range(2, 16):
             yield (lambda b, lo, j=level: (_smallest_gap(b) / j, lo)), _fp32_steps
     elif bits == 8:
-        zero = lambda b: torch.zeros_like(b[:, :1])                           # noqa: E731
-        yield (lambda b, lo: (_q8_0_scale(b), zero(b))), _fp16_steps          # Q8_0: fp16 scale
-        yield (lambda b, lo: ((b.abs().amax(-1, keepdim=True) / 16).half().float(), zero(b))), _fp16_steps  # Q5_0
-        yield (lambda b, lo: (_level_scale(b, zero(b), 31), zero(b))), _fp32_steps  # Q5_0 missing level -16
+        yield (lambda b, lo: (_q8_0_scale(b), _zeros(b))), _fp16_steps        # Q8_0: fp16 scale
+        yield (lambda b, lo: ((b.abs().amax(-1, keepdim=True) / 16).half().float(), _zeros(b))), _fp16_steps  # Q5_0
+        yield (lambda b, lo: (_level_scale(b, _zeros(b), 31), _zeros(b))), _fp32_steps  # Q5_0 missing level -16
     else:
         # blocks of 16 (one sub-block each; GGUF Q6_K: d = an fp16 number times an int8 sub-scale,
         # q in -32..31): the level spacing first; then, for a block whose values are never one
         # level apart, its smallest nonzero magnitude over each level it can be (1..32)
-        zero = lambda b: torch.zeros_like(b[:, :1])                           # noqa: E731
-        yield (lambda b, lo: (_level_scale(b, zero(b), 255), zero(b))), _fp32_steps
+        yield (lambda b, lo: (_level_scale(b, _zeros(b), 255), _zeros(b))), _fp32_steps
         for level in range(1, 33):
-            yield (lambda b, lo, j=level: (_smallest_magnitude(b) / j, zero(b))), _fp32_steps
+            yield (lambda b, lo, j=level: (_smallest_magnitude(b) / j, _zeros(b))), _fp32_steps
+
+
+def _zeros(blocks: torch.Tensor) -> torch.Tensor:
+    """[B, 1] zero offsets (the symmetric formats)."""
+    return torch.zeros_like(blocks[:, :1])
 
 
 def _smallest_magnitude(blocks: torch.Tensor) -> torch.Tensor:
