@@ -95,7 +95,7 @@ def test_greedy_equals_hf_generate(target, cases, config) -> None:
 def test_the_pair_runs_on_exact_integer_blocks(target, cases) -> None:
     """``pack="blocks"``: every linear layer of the 1.5B (Q4_K as 4-bit blocks, Q6_K as 6-bit
     ones) and of its 0.5B drafter stored as exact integer blocks, a pass reading 1.37 GB instead
-    of the 1.96 GB it read when the Q6_K layers stayed fp32 panels; the same fp32 target summed
+    of the 3.15 GB it read when the Q6_K layers stayed fp32 panels; the same fp32 target summed
     block by block, so the 0.5B tree's greedy output on it equals HF ``generate`` of the stock
     model (up to a near-tie)."""
     from treespec import load_target
