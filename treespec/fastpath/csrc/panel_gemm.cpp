@@ -502,62 +502,62 @@ inline void panel(const int8_t* qx, const float* dx, const float* sx, int64_t K,
     // 6 bits: groups 0-3 (k 0-15) are scaled by the first d, then groups 4-7 by the second
     constexpr int kGroups = sub_rows<Bits>() / 4;
     for (int sub = 0; sub < 8 / kGroups; ++sub) {
-    __m256i t[R][2];
+      __m256i t[R][2];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int g = sub * kGroups; g < (sub + 1) * kGroups; ++g) {
-      __m256i w0, w1, a0, a1;
-      if constexpr (Bits == 4) {
-        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
-        a0 = w0 = _mm256_and_si256(v, low);
-        a1 = w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      } else {
-        w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * g));
-        w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32));
-        a0 = _mm256_abs_epi8(w0);
-        a1 = _mm256_abs_epi8(w1);
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, qx + r * K + b * kBlock + 4 * g, 4);
-        const __m256i xv = _mm256_set1_epi32(four);
+      for (int g = sub * kGroups; g < (sub + 1) * kGroups; ++g) {
+        __m256i w0, w1, a0, a1;
         if constexpr (Bits == 4) {
-          t[r][0] = _mm256_add_epi16(t[r][0], dot4<Bits>(w0, a0, xv, ones));
-          t[r][1] = _mm256_add_epi16(t[r][1], dot4<Bits>(w1, a1, xv, ones));
+          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
+          a0 = w0 = _mm256_and_si256(v, low);
+          a1 = w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         } else {
-          t[r][0] = _mm256_add_epi32(t[r][0], dot4<Bits>(w0, a0, xv, ones));
-          t[r][1] = _mm256_add_epi32(t[r][1], dot4<Bits>(w1, a1, xv, ones));
+          w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * g));
+          w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32));
+          a0 = _mm256_abs_epi8(w0);
+          a1 = _mm256_abs_epi8(w1);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, qx + r * K + b * kBlock + 4 * g, 4);
+          const __m256i xv = _mm256_set1_epi32(four);
+          if constexpr (Bits == 4) {
+            t[r][0] = _mm256_add_epi16(t[r][0], dot4<Bits>(w0, a0, xv, ones));
+            t[r][1] = _mm256_add_epi16(t[r][1], dot4<Bits>(w1, a1, xv, ones));
+          } else {
+            t[r][0] = _mm256_add_epi32(t[r][0], dot4<Bits>(w0, a0, xv, ones));
+            t[r][1] = _mm256_add_epi32(t[r][1], dot4<Bits>(w1, a1, xv, ones));
+          }
         }
       }
-    }
-    if constexpr (Bits == 4) {   // each column's two 16-bit lanes into its 32-bit sum
+      if constexpr (Bits == 4) {   // each column's two 16-bit lanes into its 32-bit sum
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          t[r][0] = _mm256_madd_epi16(t[r][0], ones);
+          t[r][1] = _mm256_madd_epi16(t[r][1], ones);
+        }
+      }
+      __m256 d0, d1, m0, m1;
+      if constexpr (Bits == 6) {
+        const float* d = reinterpret_cast<const float*>(rec) + sub * kPanel;
+        d0 = _mm256_load_ps(d);
+        d1 = _mm256_load_ps(d + 8);
+      } else {
+        load_scales<Bits, Half>(rec, d0, d1, m0, m1);
+      }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        t[r][0] = _mm256_madd_epi16(t[r][0], ones);
-        t[r][1] = _mm256_madd_epi16(t[r][1], ones);
+        const __m256 e = _mm256_set1_ps(dx[r * nb + b]);
+        if constexpr (Bits == 4) {
+          const __m256 s = _mm256_set1_ps(sx[r * nb + b]);
+          acc[r][0] = _mm256_fmadd_ps(m0, s, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(m1, s, acc[r][1]);
+        }
+        acc[r][0] = _mm256_fmadd_ps(d0, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][0])), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(d1, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][1])), acc[r][1]);
       }
-    }
-    __m256 d0, d1, m0, m1;
-    if constexpr (Bits == 6) {
-      const float* d = reinterpret_cast<const float*>(rec) + sub * kPanel;
-      d0 = _mm256_load_ps(d);
-      d1 = _mm256_load_ps(d + 8);
-    } else {
-      load_scales<Bits, Half>(rec, d0, d1, m0, m1);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m256 e = _mm256_set1_ps(dx[r * nb + b]);
-      if constexpr (Bits == 4) {
-        const __m256 s = _mm256_set1_ps(sx[r * nb + b]);
-        acc[r][0] = _mm256_fmadd_ps(m0, s, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(m1, s, acc[r][1]);
-      }
-      acc[r][0] = _mm256_fmadd_ps(d0, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][0])), acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(d1, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][1])), acc[r][1]);
-    }
     }
   }
 #pragma GCC unroll 4
