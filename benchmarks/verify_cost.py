@@ -30,6 +30,8 @@ import argparse
 import dataclasses
 import os
 import random
+import shlex
+import sys
 import time
 
 import torch
@@ -117,7 +119,7 @@ def main() -> None:
         f"{args.note}".rstrip(),
         "",
         *sections,
-        f"Reproduce: `python benchmarks/verify_cost.py {reproduce_args(args)}`",
+        f"Reproduce: `python benchmarks/verify_cost.py {shlex.join(sys.argv[1:])}`",
     ]
     md = "\n".join(lines) + "\n"
     print(md)
@@ -137,18 +139,6 @@ def main() -> None:
         save_figure(fig, js.with_suffix(".png"))
     except ImportError:
         print("matplotlib not installed: no plot")
-
-
-def reproduce_args(args: argparse.Namespace) -> str:
-    """The command line's options as given (defaults left out)."""
-    defaults = {"threads": 1, "prefix": 300, "reps": 9, "ns": ",".join(map(str, NS)), "paths": "", "note": "",
-                "model": "smollm2-135m", "llamacpp": ""}
-    parts = []
-    for key, value in vars(args).items():
-        if key == "out" or defaults.get(key) == value:
-            continue
-        parts.append(f"--{key} {value!r}" if isinstance(value, str) and (" " in value or not value) else f"--{key} {value}")
-    return " ".join(parts + [f"--out {args.out}"])
 
 
 def llama_bench_pass_ms(bin_dir: str, gguf: str, ns: list[int], prefix: int, threads: int) -> dict[int, float]:
