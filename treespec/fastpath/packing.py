@@ -350,6 +350,8 @@ class PackedLinear(nn.Module):
         if packed is None:
             packed = pack_weight(self.weight) if self.kernel == "onednn" else pack_panels(self.weight)
         self._packed = packed
+        # the records the AMX tiles multiply: 4- and 8-bit ones (6-bit ones run the vector code)
+        self._on_tiles = self.kernel == "amx" and isinstance(packed, BlockPanels) and packed.bits != 6
         self._version = self.weight._version
 
     @property
@@ -385,7 +387,7 @@ class PackedLinear(nn.Module):
         if _fast_path_ok(x, weight, torch.float32, rows, self.min_rows, self.max_rows):
             packed = self._packed
             if isinstance(packed, BlockPanels):
-                if self.kernel == "amx" and packed.bits != 6:     # 6-bit records: the vector code
+                if self._on_tiles:
                     return amx_linear(x, packed, bias)
                 if self.kernel == "x8":
                     return x8_linear(x, packed, bias)
@@ -410,7 +412,7 @@ class PackedLinear(nn.Module):
         if self._isa_code is None:
             raise ValueError(f"isa={self.isa!r} cannot run on this CPU; set isa=None (the CPU's best)")
         if isinstance(packed, BlockPanels):
-            if self.kernel == "amx" and packed.bits != 6:
+            if self._on_tiles:
                 y = ops.amx_linear(x, packed.blob, packed.bits, packed.half_scales, packed.out_features)
             elif self.kernel == "x8":
                 y = ops.x8_linear(x, packed.blob, packed.bits, packed.half_scales, packed.out_features)
