@@ -98,6 +98,27 @@ def test_a_compiled_pass_agrees_with_the_eager_one_and_dummy_rows_change_nothing
     assert torch.equal(first[0, :3], second[0, :3])
 
 
+def test_each_compiled_model_runs_its_own_graph(compiled):
+    """The guards on the model's modules are skipped (``_skip_model_guards``): a second compiled
+    model of the same shapes, whose norms' epsilon (a constant inside the graph) differs, must
+    still run its own graph, and the first one its own after it. On a CPU the graphs have
+    Inductor's C++ wrapper."""
+    target, fast = compiled
+    twin = peaky_target(V, seed=3, hidden_size=32, num_layers=2, max_position_embeddings=1024)
+    for module in twin.model.modules():
+        if hasattr(module, "variance_epsilon"):
+            module.variance_epsilon = 0.5
+    other = compile_target(twin, buckets=(1, 4), max_len=256)
+    assert fast.passes.cpp_wrapper and other.passes.cpp_wrapper
+    prompt, root = torch.tensor([1, 5, 7, 2]), tree_of([3], [-1])
+    for eager_model, t in ((twin.model, other), (target.model, fast), (twin.model, other)):
+        eager = TreeVerifier(eager_model, SamplingConfig(1.0))      # T = 1: the whole softmax compared
+        eager.prefill(prompt)
+        comp = TreeVerifier(t.model, SamplingConfig(1.0), passes=t.passes)
+        comp.prefill(prompt)
+        torch.testing.assert_close(comp.score(root).probs, eager.score(root).probs, rtol=1e-5, atol=1e-6)
+
+
 def test_keep_moves_accepted_rows_like_the_growing_cache(compiled):
     _, fast = compiled
     passes = fast.passes
