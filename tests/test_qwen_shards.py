@@ -20,8 +20,8 @@ def shard_result(qwen, k: int, n: int = 2, seed: int = 0, done: int | None = Non
     tokens in (1 + k) and k seconds, a speculative row 8 tokens in 2 steps with depth counts."""
     from harness import Pool
 
-    args = argparse.Namespace(max_new_tokens=8, temperatures="0", dtype="float32", kernel=None, threads=1,
-                              seed=seed, shard=f"{k}/{n}", note="test", prompts=None, per_kind=2)
+    args = argparse.Namespace(max_new_tokens=8, temperatures="0", dtype="float32", kernel=None, compile=None,
+                              threads=1, seed=seed, shard=f"{k}/{n}", note="test", prompts=None, per_kind=2)
     mine = qwen.select(qwen.prompts(None, 2), (k, n))[:done]
     pools = {}
     for kind, _ in mine:
