@@ -139,8 +139,10 @@ def test_bad_input_is_one_error_line_not_a_traceback(capsys, monkeypatch):
 
 def test_demo_and_generate_default_to_the_fastest_measured_configuration():
     """With no --drafter / --tree / --budget, ``generate`` runs the target's preset for this CPU
-    kind (SmolLM2: the hybrid with builder="auto", its fastest row on every kind measured; Qwen:
-    the 0.5B chain of 4); a flag given always wins, and a tree without a budget keeps budget 16."""
+    kind (SmolLM2: the hybrid with builder="auto" where a native-bf16 CPU measured it fastest;
+    on AVX2 only, plain decoding on the x8 target with compiled passes, for Qwen too; Qwen
+    elsewhere: the 0.5B chain of 4); a flag given always wins, and a tree without a budget keeps
+    budget 16."""
     from treespec.cli.main import build_parser
     from treespec.cli.presets import PRESETS, apply_preset
     from treespec.fastpath.cpu import CpuInfo
@@ -148,20 +150,54 @@ def test_demo_and_generate_default_to_the_fastest_measured_configuration():
     parser = build_parser()
     assert parser.parse_args(["demo"]).drafter == "hybrid"
     assert parser.parse_args(["demo", "--drafter", "eagle3"]).drafter == "eagle3"
-    for flags in (("avx2", "fma"), ("avx2", "avx512f", "avx512_bf16"), ("avx2", "avx512_bf16", "amx_bf16")):
+    for flags in (("avx2", "avx512f", "avx512_bf16"), ("avx2", "avx512_bf16", "amx_bf16")):
         cpu = CpuInfo("test", flags, "AVX2")
         args = parser.parse_args(["generate", "--prompt", "Hi"])
         assert apply_preset(args, cpu) is PRESETS["smollm2-135m"][cpu.kind]
-        assert (args.drafter, args.tree, args.budget) == ("hybrid", "dynamic", "auto")
+        assert (args.drafter, args.tree, args.budget, args.kernel, args.compile) == (
+            "hybrid", "dynamic", "auto", "auto", False)
     cpu = CpuInfo("test", ("avx2", "fma"), "AVX2")
+    for model in ("smollm2-135m", "qwen2.5-coder-1.5b"):
+        args = parser.parse_args(["generate", "--prompt", "Hi", "--model", model])
+        assert apply_preset(args, cpu).plain
+        assert (args.tree, args.budget, args.kernel, args.compile) == ("chain", "1", "x8", True)
     args = parser.parse_args(["generate", "--prompt", "Hi", "--model", "qwen2.5-coder-1.5b"])
-    apply_preset(args, cpu)
+    apply_preset(args, CpuInfo("test", ("avx2", "avx512f", "avx512_bf16"), "AVX2"))
     assert (args.drafter, args.tree, args.budget) == ("qwen2.5-coder-0.5b", "chain", "5")
     args = parser.parse_args(["generate", "--prompt", "Hi", "--drafter", "eagle3", "--tree", "chain"])
     apply_preset(args, cpu)
     assert (args.drafter, args.tree, args.budget) == ("eagle3", "chain", "16")
+    assert (args.kernel, args.compile) == ("x8", True)        # the path is the preset's still
     args = parser.parse_args(["generate", "--prompt", "Hi", "--budget", "8"])
-    assert apply_preset(args, cpu) is not None and (args.drafter, args.tree, args.budget) == ("hybrid", "dynamic", "8")
+    assert apply_preset(args, cpu) is not None and (args.drafter, args.tree, args.budget) == ("lookup", "dynamic", "8")
+
+
+@pytest.mark.parametrize("flags, path", [
+    (["--kernel", "blocks"], ("blocks", False)),             # one of the two given: the other's default
+    (["--no-compile"], ("auto", False)),
+    (["--compile"], ("auto", True)),
+    (["--no-pack"], ("auto", False)),                         # paths the x8 kernel cannot take
+    (["--dtype", "bfloat16"], ("auto", False)),
+    (["--device", "cuda"], ("auto", False)),
+])
+def test_a_path_flag_given_keeps_the_preset_path_away(flags, path):
+    """The preset's --kernel / --compile fill only what the user left out, and only where the
+    user's flags leave the packed CPU path free; the demo keeps the CPU's default path."""
+    from treespec.cli.main import build_parser
+    from treespec.cli.plan import target_pack
+    from treespec.cli.presets import apply_preset
+    from treespec.fastpath.cpu import CpuInfo
+
+    parser = build_parser()
+    cpu = CpuInfo("test", ("avx2", "fma"), "AVX2")
+    args = parser.parse_args(["generate", "--prompt", "Hi", *flags])
+    apply_preset(args, cpu)
+    assert (args.kernel, args.compile) == path
+    demo = parser.parse_args(["demo"])
+    apply_preset(demo, cpu)
+    assert (demo.kernel, demo.compile) == ("auto", False)
+    with pytest.raises(ValueError, match="apply_preset"):
+        target_pack(parser.parse_args(["generate", "--prompt", "Hi"]))   # the preset not applied yet
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "Hi", "--budget", "auto"], ["demo"]])

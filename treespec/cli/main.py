@@ -35,7 +35,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="a registered drafter (treespec.registered_drafters()), a drafter of your own as "
                         "package.module:factory, or an entry point of the treespec.drafters group "
                         "(docs/drafters.md); default: the target's fastest measured configuration on this kind "
-                        "of CPU (treespec.cli.presets: smollm2-135m hybrid with --budget auto), else eagle3")
+                        "of CPU (treespec.cli.presets: smollm2-135m hybrid with --budget auto; on AVX2-only CPUs plain "
+                        "decoding on --kernel x8 --compile), else eagle3")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the drafter's factory, repeatable (e.g. lookup: min_ngram=3)")
     p.add_argument("--tree", default=None, choices=BUILDERS,
@@ -314,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the stats table (tau, acceptance by depth, time split, tokens/s with and "
                         "without the prefill)")
     g.add_argument("--show-tree", default=None, metavar="DIR", help="save a PNG of every step's tree")
-    g.set_defaults(func=cmd_generate)
+    # --kernel / --compile left out: the target's preset for this CPU kind (treespec.cli.presets)
+    g.set_defaults(func=cmd_generate, kernel=None, compile=None)
 
     d = sub.add_parser("demo", help="MT-bench question, speed against plain decoding")
     _add_generation_args(d)
@@ -324,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The hybrid drafter (prompt lookup mixed into eagle3's q): with auto's tree it reached a
     # higher tau at T = 0 than eagle3 alone for a little more drafting, on the exact fp32 target
     # and the amx path alike (benchmarks/results/engine_fp32_hybrid.md, engine_amx_hybrid.md).
+    # Its path is the CPU's default, eager: the demo compares with HF generate on that same path.
     d.set_defaults(func=cmd_demo, budget="auto", threads=1, drafter="hybrid")
 
     try:

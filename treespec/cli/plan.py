@@ -129,7 +129,8 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pack", action="store_true",
                    help="keep HF's stock linear layers (default: weights packed once for the CPU's GEMM)")
     p.add_argument("--kernel", default="auto", choices=("auto",) + KERNELS,
-                   help="the packed linear layers' kernel; auto (default): picked from the CPU. amx: exact "
+                   help="the packed linear layers' kernel; auto (default; generate: the target's preset for "
+                        "this CPU kind, treespec.cli.presets): picked from the CPU. amx: exact "
                         "integer blocks on the AMX tile unit with each linear input rounded to bf16 (its own "
                         "target, like bfloat16; CPUs with AMX-BF16). x8: exact integer blocks times each linear "
                         "input rounded to 8-bit integers per block of 32, as llama.cpp multiplies (its own "
@@ -139,7 +140,7 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 
 def add_compile_arg(p: argparse.ArgumentParser) -> None:
     """--compile: the target's verify passes as compiled graphs (``Target.compiled``)."""
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="run the target's passes as torch.compile'd fixed-shape graphs over a preallocated cache "
                         "(node counts padded to 1, 2, 4, ..., 64; each graph compiles once, about a minute, then "
                         "comes from Inductor's disk cache)")
@@ -147,6 +148,8 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
 
 def target_pack(args: argparse.Namespace) -> bool | str:
     """``load_target``'s ``pack`` from --no-pack and --kernel."""
+    if args.kernel is None:   # generate: filled from the target's preset (treespec.cli.presets) before loading
+        raise ValueError("--kernel was left for the preset to fill: call apply_preset(args) first")
     if args.no_pack and args.kernel != "auto":
         raise ValueError(f"--no-pack keeps the stock linear layers; it cannot run --kernel {args.kernel}")
     return False if args.no_pack else (True if args.kernel == "auto" else args.kernel)

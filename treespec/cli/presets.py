@@ -3,6 +3,13 @@ tree: per target, the fastest treespec configuration measured on this kind of CP
 result file that measured it. A flag the user gives always wins; only the missing ones come from
 here.
 
+``generate`` also takes the preset's linear kernel and whether the target's passes run compiled,
+where the user gave no --kernel / --compile / --no-compile (nor --no-pack, a --dtype or a device
+that the path cannot take): on an AVX2-only CPU the fastest path is the x8 target (each linear
+input rounded to 8-bit integers per block of 32, as llama.cpp multiplies) with compiled passes,
+and there no drafter pays, so its preset is plain decoding. ``demo`` keeps the CPU's default
+path: it compares with HF ``generate`` on the same path, which runs eagerly.
+
 ``serve`` takes only the drafter from here (``SERVE_PRESETS``): its tree is always ``--budget
 auto`` unless given, the one tree choice that follows a batch size changing from step to step
 (a fixed tree that pays at batch 1 loses at batch 8).
@@ -31,10 +38,20 @@ class Preset:
     tree: str
     budget: str
     source: str
+    kernel: str = "auto"        # the target's linear kernel (--kernel); auto: the CPU's choice
+    compile: bool = False       # the target's passes compiled (--compile)
+
+    @property
+    def plain(self) -> bool:
+        """Plain decoding: every tree the root alone (no drafter pays on this CPU)."""
+        return self.budget == "1"
 
     def describe(self) -> str:
         tree = "builder='auto'" if self.budget == "auto" else f"{self.tree}:{self.budget}"
-        return f"--drafter {self.drafter}, {tree} (the fastest measured: {self.source})"
+        what = "plain decoding (budget 1)" if self.plain else f"--drafter {self.drafter}, {tree}"
+        path = [f"--kernel {self.kernel}"] if self.kernel != "auto" else []
+        path += ["--compile"] if self.compile else []
+        return f"{what}{''.join(', ' + p for p in path)} (the fastest measured: {self.source})"
 
 
 _SMOLLM2 = Preset("hybrid", "dynamic", "auto",
@@ -46,14 +63,25 @@ _QWEN = Preset("qwen2.5-coder-0.5b", "chain", "5",
 
 
 
-def _on_every_kind(preset: Preset) -> dict[str, Preset]:
-    """One preset for every CPU kind (``CpuInfo.kind``) measured so far."""
-    return {kind: preset for kind in ("amx", "avx512bf16", "avx2")}
+# AVX2 only (no native bf16): the x8 target with compiled passes decodes faster than llama.cpp
+# plainly, and a drafted row costs about 60 % of a whole pass there, so no tree pays
+_SMOLLM2_AVX2 = Preset("lookup", "chain", "1",
+                       "llamacpp_avx2.md: plain decoding on the x8 target with compiled passes, 1.20x llama.cpp's "
+                       "plain decoding at T = 0 and 1.26x at T = 1; hybrid auto on the same path plans plain "
+                       "decoding (1.00x)", kernel="x8", compile=True)
+_QWEN_AVX2 = Preset("lookup", "chain", "1",
+                    "qwen_avx2.md: plain decoding on the x8 target with compiled passes, the fastest row; every "
+                    "speculative row (the 0.5B chain, lookup) is slower there", kernel="x8", compile=True)
+
+
+def _on_every_kind(preset: Preset, **kinds: Preset) -> dict[str, Preset]:
+    """One preset for every CPU kind (``CpuInfo.kind``) measured so far, ``kinds`` excepted."""
+    return {kind: kinds.get(kind, preset) for kind in ("amx", "avx512bf16", "avx2")}
 
 
 PRESETS: dict[str, dict[str, Preset]] = {
-    "smollm2-135m": _on_every_kind(_SMOLLM2),
-    "qwen2.5-coder-1.5b": _on_every_kind(_QWEN),
+    "smollm2-135m": _on_every_kind(_SMOLLM2, avx2=_SMOLLM2_AVX2),
+    "qwen2.5-coder-1.5b": _on_every_kind(_QWEN, avx2=_QWEN_AVX2),
 }
 
 _SERVE_SMOLLM2 = Preset("eagle3", "dynamic", "auto",
@@ -81,9 +109,11 @@ FALLBACK = {"drafter": "eagle3", "tree": "dynamic", "budget": "16"}   # a target
 def apply_preset(args, cpu: CpuInfo | None = None) -> Preset | None:
     """Fill the --drafter / --tree / --budget the user left out (None) from the target's preset:
     no tree flag and no budget: the preset's tree and budget; a tree without a budget: budget 16,
-    as before presets. Returns the preset where it supplied something."""
+    as before presets. The --kernel and --compile left out (None) come from the preset too,
+    where the path can take them (see the module docstring). Returns the preset where it supplied
+    something."""
     preset = best_preset(args.model, cpu)
-    used = False
+    used = _apply_path(args, preset)
     if args.drafter is None:
         args.drafter, used = (preset.drafter, True) if preset else (FALLBACK["drafter"], used)
     if args.budget is None:
@@ -94,6 +124,22 @@ def apply_preset(args, cpu: CpuInfo | None = None) -> Preset | None:
     if args.tree is None:
         args.tree = FALLBACK["tree"]
     return preset if used else None
+
+
+def _apply_path(args, preset: Preset | None) -> bool:
+    """Fill --kernel / --compile where the user gave neither (None): the preset's where the
+    user's --no-pack, --dtype and --device leave the path free (the packed CPU kernels run fp32
+    on the CPU), else the command's own defaults. Whether the preset supplied them."""
+    if getattr(args, "kernel", "auto") is not None or getattr(args, "compile", False) is not None:
+        for name, default in (("kernel", "auto"), ("compile", False)):
+            if getattr(args, name, default) is None:
+                setattr(args, name, default)
+        return False
+    free = (preset is not None and not args.no_pack and args.dtype in ("auto", "float32")
+            and str(args.device) == "cpu")
+    args.kernel = preset.kernel if free else "auto"
+    args.compile = preset.compile if free else False
+    return free and (preset.kernel != "auto" or preset.compile)
 
 
 def apply_serve_preset(args, cpu: CpuInfo | None = None) -> Preset | None:
