@@ -62,7 +62,7 @@ from treespec.data import chat_prompt, mtbench_questions
 from treespec.fastpath.kernels import amx_status, panel_status
 from treespec.fastpath.packing import cpu_info
 from treespec.builders import BestFirstBuilder
-from treespec.runtime.compiled import compile_target
+from treespec.runtime.compiled import DEFAULT_BUCKETS, compile_target
 from treespec.runtime.llamacpp import LlamaCppMode, LlamaCppTools, gguf_path, run_llamacpp_mode, same_greedy_text
 
 # plain decoding rows: HF generate (stock, and on the packed path) and treespec's own loop with a
@@ -111,7 +111,7 @@ def build(args):
             pack = True
         packed = treespec.load_target("smollm2-135m", dtype=dtype, pack=pack)
         if d in ("compiled", "x8-compiled"):
-            packed = compile_target(packed)
+            packed = compile_target(packed, buckets=args.buckets)
         paths[d] = {"packed": packed.speed_path} if d in ("amx", "compiled") + X8 else {"stock": stock.speed_path,
                                                                       "packed": packed.speed_path}
         if d == "fp32":
@@ -464,6 +464,10 @@ def main() -> None:
     ap.add_argument("--min-confidence", type=float, default=0.5,
                     help="lookup adaptive: the chain stops where its draft confidence falls below this")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)),
+                    type=lambda text: tuple(int(b) for b in text.split(",")),
+                    help="node counts the compiled rows' graphs are compiled for (each takes minutes the first "
+                         "time with Inductor's C++ wrapper; auto plans no tree past the largest)")
     ap.add_argument("--fp32-kernel", default="auto", choices=("auto", "blocks", "panel", "onednn"),
                     help="the fp32 packed rows' linear kernel (auto: the CPU decides: the block kernel "
                          "wherever there is AVX2)")
