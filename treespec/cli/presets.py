@@ -64,7 +64,8 @@ _QWEN = Preset("qwen2.5-coder-0.5b", "chain", "5",
 
 
 # AVX2 only (no native bf16): the x8 target with compiled passes decodes faster than llama.cpp
-# plainly, and a drafted row costs about 60 % of a whole pass there, so no tree pays
+# plainly, and each drafted row costs a third (SmolLM2) to two thirds (Qwen) of a whole pass
+# there, so no tree pays
 _SMOLLM2_AVX2 = Preset("lookup", "chain", "1",
                        "llamacpp_avx2.md: plain decoding on the x8 target with compiled passes, 1.52x llama.cpp's "
                        "plain decoding at T = 0 and 1.59x at T = 1; hybrid auto on the same path plans plain "
