@@ -170,6 +170,10 @@ def test_demo_and_generate_default_to_the_fastest_measured_configuration():
     assert (args.kernel, args.compile) == ("x8", True)        # the path is the preset's still
     args = parser.parse_args(["generate", "--prompt", "Hi", "--budget", "8"])
     assert apply_preset(args, cpu) is not None and (args.drafter, args.tree, args.budget) == ("lookup", "dynamic", "8")
+    # a tree flag given: the user's tree shape, not the preset's plain decoding
+    args = parser.parse_args(["generate", "--prompt", "Hi", "--top-k-draft", "3"])
+    apply_preset(args, cpu)
+    assert (args.tree, args.budget, args.depth, args.top_k_draft) == ("dynamic", "16", 5, 3)
 
 
 @pytest.mark.parametrize("flags, path", [

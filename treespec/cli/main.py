@@ -44,8 +44,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", default=None,
                    help="tree nodes incl. root, or 'auto' (cost model); default: the target's preset with neither "
                         "--tree nor --budget, else 16")
-    p.add_argument("--depth", type=int, default=5, help="max draft depth (dynamic/sequoia)")
-    p.add_argument("--top-k-draft", type=int, default=4, help="children per expanded node")
+    # None: left out (a tree flag given keeps the preset's tree away; treespec.cli.presets fills these)
+    p.add_argument("--depth", type=int, default=None, help="max draft depth (dynamic/sequoia; default 5)")
+    p.add_argument("--top-k-draft", type=int, default=None, help="children per expanded node (default 4)")
     p.add_argument("--acceptance", default=None,
                    help="sequoia: positional acceptance vector a0,a1,... (default: the drafter's vector "
                         "measured by `treespec calibrate --drafter NAME`, else Sequoia's default)")

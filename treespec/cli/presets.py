@@ -105,20 +105,27 @@ def best_preset(model: str, cpu: CpuInfo | None = None) -> Preset | None:
 
 
 FALLBACK = {"drafter": "eagle3", "tree": "dynamic", "budget": "16"}   # a target without a preset
+TREE_FLAGS = {"depth": 5, "top_k_draft": 4}    # --depth / --top-k-draft where the user gave none
 
 
 def apply_preset(args, cpu: CpuInfo | None = None) -> Preset | None:
     """Fill the --drafter / --tree / --budget the user left out (None) from the target's preset:
-    no tree flag and no budget: the preset's tree and budget; a tree without a budget: budget 16,
+    no tree flag (--tree, --depth, --top-k-draft) and no budget: the preset's tree and budget;
+    a tree without a budget: dynamic (where no --tree) with budget 16,
     as before presets. The --kernel and --compile left out (None) come from the preset too,
     where the path can take them (see the module docstring). Returns the preset where it supplied
     something."""
     preset = best_preset(args.model, cpu)
     used = _apply_path(args, preset)
+    # a tree flag given asks for a tree of the user's shape: the preset's tree is not applied
+    shaped = any(getattr(args, name, None) is not None for name in TREE_FLAGS)
+    for name, default in TREE_FLAGS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
     if args.drafter is None:
         args.drafter, used = (preset.drafter, True) if preset else (FALLBACK["drafter"], used)
     if args.budget is None:
-        if args.tree is None and preset is not None:
+        if args.tree is None and not shaped and preset is not None:
             args.tree, args.budget, used = preset.tree, preset.budget, True
         else:
             args.budget = FALLBACK["budget"]
