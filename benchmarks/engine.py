@@ -62,7 +62,7 @@ from treespec.data import chat_prompt, mtbench_questions
 from treespec.fastpath.kernels import amx_status, panel_status
 from treespec.fastpath.packing import cpu_info
 from treespec.builders import BestFirstBuilder
-from treespec.runtime.compiled import DEFAULT_BUCKETS, compile_target
+from treespec.runtime.compiled import DEFAULT_BUCKETS, compile_target, parse_buckets
 from treespec.runtime.llamacpp import LlamaCppMode, LlamaCppTools, gguf_path, run_llamacpp_mode, same_greedy_text
 
 # plain decoding rows: HF generate (stock, and on the packed path) and treespec's own loop with a
@@ -464,8 +464,7 @@ def main() -> None:
     ap.add_argument("--min-confidence", type=float, default=0.5,
                     help="lookup adaptive: the chain stops where its draft confidence falls below this")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)),
-                    type=lambda text: tuple(int(b) for b in text.split(",")),
+    ap.add_argument("--buckets", default=DEFAULT_BUCKETS, type=parse_buckets,
                     help="node counts the compiled rows' graphs are compiled for (each takes minutes the first "
                          "time with Inductor's C++ wrapper; auto plans no tree past the largest)")
     ap.add_argument("--fp32-kernel", default="auto", choices=("auto", "blocks", "panel", "onednn"),

@@ -79,7 +79,7 @@ from treespec.data import CODE_EDIT_PROMPTS, chat_prompt, mtbench_questions
 from treespec.drafters import HybridDrafter, ModelDrafter, SwitchDrafter
 from treespec.drafters.model import frequent_vocab
 from treespec.fastpath.packing import PackedLinear, machine_info, machine_line
-from treespec.runtime.compiled import compile_target
+from treespec.runtime.compiled import compile_target, parse_buckets
 from treespec.runtime.llamacpp import LlamaCppMode, LlamaCppTools, gguf_path, run_llamacpp_mode
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -435,17 +435,6 @@ def options(args, methods: list[str]) -> dict:
     return {**{k: getattr(args, k) for k in ("max_new_tokens", "temperatures", "dtype", "kernel", "compile",
                                              "threads", "seed", "shard")},
             "methods": list(methods), "cpu": f"{info['cpu_model']} ({', '.join(info['cpu_flags'])})"}
-
-
-def parse_buckets(text: str) -> tuple[int, ...]:
-    """``"1,5"`` -> (1, 5): the node counts ``--compile`` compiles graphs for."""
-    try:
-        buckets = tuple(sorted({int(part) for part in text.split(",")}))
-    except ValueError:
-        raise ValueError(f"--compile {text!r}: expected comma-separated node counts, e.g. 1,5") from None
-    if buckets[0] < 1:
-        raise ValueError(f"--compile {text!r}: node counts start at 1")
-    return buckets
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:

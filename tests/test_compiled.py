@@ -18,7 +18,7 @@ from treespec.core.tree import DraftTree
 from treespec.drafters import ModelDrafter
 from treespec.planning import Curve
 from treespec.fastpath.kernels import block_linear, pack_blocks, pack_panels, panel_linear, panel_status
-from treespec.runtime.compiled import CompiledPasses, compile_target
+from treespec.runtime.compiled import CompiledPasses, compile_target, parse_buckets
 from treespec.runtime.verifier import TreeVerifier
 
 from _engine_helpers import NGramDrafter, one_thread, peaky_target  # noqa: F401
@@ -54,6 +54,14 @@ def test_bad_buckets_and_lengths_are_refused():
         CompiledPasses(model, buckets=(0, 4))
     with pytest.raises(ValueError, match="max_len must be an int > the largest bucket"):
         CompiledPasses(model, buckets=(1, 64), max_len=64)
+
+
+def test_bucket_lists_from_a_command_line():
+    assert parse_buckets("4,1,2,2") == (1, 2, 4)
+    with pytest.raises(ValueError, match="expected comma-separated node counts"):
+        parse_buckets("1,x")
+    with pytest.raises(ValueError, match="node counts start at 1"):
+        parse_buckets("0,2")
 
 
 @pytest.fixture(scope="module")

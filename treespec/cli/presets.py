@@ -135,18 +135,15 @@ def apply_preset(args, cpu: CpuInfo | None = None) -> Preset | None:
 
 
 def _apply_path(args, preset: Preset | None) -> bool:
-    """Fill --kernel / --compile where the user gave neither (None): the preset's where the
-    user's --no-pack, --dtype and --device leave the path free (the packed CPU kernels run fp32
+    """Fill --kernel / --compile left out (None): the preset's where the user gave neither and
+    their --no-pack, --dtype and --device leave the path free (the packed CPU kernels run fp32
     on the CPU), else the command's own defaults. Whether the preset supplied them."""
-    if getattr(args, "kernel", "auto") is not None or getattr(args, "compile", False) is not None:
-        for name, default in (("kernel", "auto"), ("compile", False)):
-            if getattr(args, name, default) is None:
-                setattr(args, name, default)
-        return False
-    free = (preset is not None and not args.no_pack and args.dtype in ("auto", "float32")
-            and str(args.device) == "cpu")
-    args.kernel = preset.kernel if free else "auto"
-    args.compile = preset.compile if free else False
+    free = (args.kernel is None and args.compile is None and preset is not None and not args.no_pack
+            and args.dtype in ("auto", "float32") and str(args.device) == "cpu")
+    if args.kernel is None:
+        args.kernel = preset.kernel if free else "auto"
+    if args.compile is None:
+        args.compile = preset.compile if free else False
     return free and (preset.kernel != "auto" or preset.compile)
 
 

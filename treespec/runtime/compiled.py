@@ -32,10 +32,21 @@ import torch
 
 from treespec.core.tree import DraftTree
 
-__all__ = ["DEFAULT_BUCKETS", "CompiledPasses", "compile_target"]
+__all__ = ["DEFAULT_BUCKETS", "CompiledPasses", "compile_target", "parse_buckets"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _LEN_STEP = 256          # the cache grows in whole steps of this many positions (each size recompiles)
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    """``"1,5"`` -> (1, 5): node counts to compile graphs for, from a command line."""
+    try:
+        buckets = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise ValueError(f"buckets {text!r}: expected comma-separated node counts, e.g. 1,2,4") from None
+    if buckets[0] < 1:
+        raise ValueError(f"buckets {text!r}: node counts start at 1")
+    return buckets
 
 
 def compile_target(target, buckets: Sequence[int] = DEFAULT_BUCKETS, max_len: int = 512):
