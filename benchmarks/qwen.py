@@ -79,7 +79,7 @@ from treespec.data import CODE_EDIT_PROMPTS, chat_prompt, mtbench_questions
 from treespec.drafters import HybridDrafter, ModelDrafter, SwitchDrafter
 from treespec.drafters.model import frequent_vocab
 from treespec.fastpath.packing import PackedLinear, machine_info, machine_line
-from treespec.runtime.compiled import compile_target, parse_buckets
+from treespec.runtime.compiled import compile_drafter, compile_target, drafter_passes, model_drafter, parse_buckets
 from treespec.runtime.llamacpp import LlamaCppMode, LlamaCppTools, gguf_path, run_llamacpp_mode
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -343,6 +343,10 @@ def main() -> None:
         except (ValueError, FileNotFoundError) as e:
             missing["0.5b auto"] = str(e)
     methods = {name: gen for name, gen in methods.items() if name in chosen}
+    if args.compile:   # the 0.5B's calls compiled as the target's passes are (load_drafter did `small`'s)
+        for gen in methods.values():
+            if model_drafter(gen.drafter) is not None and drafter_passes(gen.drafter) is None:
+                compile_drafter(gen.drafter, max_len=target.passes.max_len)
     peers = [(name, extra) for name, extra in (("hf-packed", {}),
                                                 ("hf-assisted", {"assistant_model": getattr(small, "model", None)}),
                                                 ("hf-assisted int4", {"assistant_model": getattr(small4, "model", None)}),

@@ -18,7 +18,9 @@ from treespec.core.tree import DraftTree
 from treespec.drafters import ModelDrafter
 from treespec.planning import Curve
 from treespec.fastpath.kernels import block_linear, pack_blocks, pack_panels, panel_linear, panel_status
-from treespec.runtime.compiled import CompiledPasses, compile_target, parse_buckets
+from treespec.drafters.base import PartialTree
+from treespec.drafters.hybrid import HybridDrafter
+from treespec.runtime.compiled import CompiledPasses, compile_drafter, compile_target, drafter_passes, parse_buckets
 from treespec.runtime.verifier import TreeVerifier
 
 from _engine_helpers import NGramDrafter, one_thread, peaky_target  # noqa: F401
@@ -94,7 +96,7 @@ def test_a_compiled_pass_agrees_with_the_eager_one_and_dummy_rows_change_nothing
     # the same graph, the dummy row's token and slot content changed: the real rows' bits stay
     passes = fast.passes
     passes.prefill(prompt[:-1], ())
-    ids, pos, cache_pos, mask = passes.inputs(small, prompt.numel() - 1, 4)
+    ids, pos, cache_pos, mask = passes.inputs(*passes.tree_rows(small, prompt.numel() - 1), prompt.numel() - 1, 4)
     with torch.inference_mode():
         passes._set_length(prompt.numel() - 1)
         first, _ = passes._graph(ids, pos, cache_pos, mask, ())
@@ -152,9 +154,60 @@ def test_greedy_on_the_compiled_path_equals_plain_decoding(compiled, builder):
     want = plain.generate(prompt, 40, temperature=0.0).token_ids.tolist()
     eager = SpeculativeGenerator(target, NGramDrafter(V), DynamicTreeBuilder(budget=1, depth=1, top_k=1))
     assert eager.generate(prompt, 40, temperature=0.0).token_ids.tolist() == want
-    for drafter in (NGramDrafter(V, seed=1), ModelDrafter(fast.model, V)):   # ~nothing / everything accepted
+    # ~nothing / everything accepted; the model drafter's calls eager and compiled
+    for drafter in (NGramDrafter(V, seed=1), ModelDrafter(fast.model, V),
+                    compile_drafter(ModelDrafter(fast.model, V), buckets=(1, 4))):
         gen = SpeculativeGenerator(fast, drafter, builder)
         assert gen.generate(prompt, 40, temperature=0.0).token_ids.tolist() == want
+
+
+@pytest.mark.parametrize("draft_vocab", [None, list(range(0, V, 2))], ids=["full-head", "sliced-head"])
+def test_a_compiled_drafter_drafts_the_eager_drafters_q(compiled, draft_vocab):
+    """A model drafter's calls compiled (buckets 1 and 4; the prompt and a 5-node frontier run
+    eagerly on the same static cache) give the eager drafter's logits to fp32 rounding through
+    root calls of 1 and 2 pending tokens, frontiers of 1, 2 and 5 nodes and commits that keep
+    fed and unfed nodes; with a draft_vocab the graphs end at the decoder and the sliced head
+    runs after them."""
+    target, _ = compiled
+    eager = ModelDrafter(target.model, V, draft_vocab=draft_vocab)
+    fast = compile_drafter(ModelDrafter(target.model, V, draft_vocab=draft_vocab), buckets=(1, 4), max_len=256)
+    assert drafter_passes(fast).head is (draft_vocab is None) and drafter_passes(eager) is None
+    prompt = torch.tensor([(3 * i + 1) % V for i in range(30)])
+    for d in (eager, fast):
+        d.begin(prompt, None)
+
+    def both(tree, nodes):
+        want, got = eager.expand(tree, nodes), fast.expand(tree, nodes)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    root = int(prompt[-1])
+    # step 1: the prompt (past every bucket: eager), a 2-node frontier (the 4-node graph, 2 dummy
+    # rows), a 1-node one; node 3 accepted but never fed, so the next root call feeds 2 tokens
+    tree = PartialTree.rooted(root)
+    both(tree, [0])
+    n1, n2 = tree.add(0, 4), tree.add(0, 5)
+    both(tree, [n1, n2])
+    n3, n4 = tree.add(n1, 7), tree.add(n2, 8)
+    both(tree, [n4])
+    for d in (eager, fast):
+        d.commit(torch.tensor([n1, n3]), torch.tensor([4, 7, 9]), None)
+    # step 2: a root call of 2 pending tokens, then a 5-node frontier (past every bucket: eager)
+    tree = PartialTree.rooted(9)
+    both(tree, [0])
+    kids = [tree.add(0, t) for t in (1, 2, 3, 6, 8)]
+    both(tree, kids)
+    for d in (eager, fast):
+        d.commit(torch.tensor([kids[2]]), torch.tensor([3, 11]), None)
+    tree = PartialTree.rooted(11)
+    both(tree, [0])
+
+
+def test_compile_drafter_finds_the_model_inside_a_hybrid_and_refuses_drafters_without_one(compiled):
+    target, _ = compiled
+    hybrid = compile_drafter(HybridDrafter(ModelDrafter(target.model, V)), buckets=(1,))
+    assert isinstance(drafter_passes(hybrid), CompiledPasses) and drafter_passes(hybrid).role == "drafter"
+    with pytest.raises(TypeError, match="has no model of its own"):
+        compile_drafter(NGramDrafter(V))
 
 
 def test_two_requests_cannot_interleave_on_one_compiled_cache(compiled):

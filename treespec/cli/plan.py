@@ -142,7 +142,8 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
     """--compile: the target's verify passes as compiled graphs (``Target.compiled``)."""
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="run the target's passes as torch.compile'd fixed-shape graphs over a preallocated cache "
-                        "(node counts padded to 1, 2, 4, ..., 64; each graph compiles once, about three minutes with "
+                        "(node counts padded to 1, 2, 4, ..., 64), and a drafter model's calls likewise (1, 2, 4); "
+                        "each graph compiles once, about three minutes with "
                         "Inductor's C++ wrapper on a CPU, then comes from Inductor's disk cache)")
 
 

@@ -109,6 +109,8 @@ class ModelDrafter:
         self._decoder = model.get_decoder() if self.vocab_head is not None else None
         self.weights, self.quant_report = self._quantize(weights)
         self.cache: DynamicCache | None = None
+        # compiled passes over a static cache (treespec.runtime.compiled.compile_drafter), or None
+        self.passes = None
         self.prefix_len = 0           # committed tokens before the root that are cached
         self.pending: list[int] = []  # committed tokens not yet fed; the last one is the root
         self.slots: dict[int, int] = {}  # tree node -> cache position
@@ -116,7 +118,11 @@ class ModelDrafter:
 
     # ------------------------------------------------------------------ protocol
     def begin(self, prompt_ids: torch.Tensor, features: TargetFeatures) -> None:
-        self.cache = growing_cache(self.model.config)   # new rows written in place, no torch.cat a layer
+        if self.passes is None:
+            self.cache = growing_cache(self.model.config)   # new rows written in place, no torch.cat a layer
+        else:   # the static cache, sized for the prompt (later passes grow it where they must)
+            self.passes._ensure(prompt_ids.numel() + self.passes.buckets[-1] + 1, keep=False)
+            self.cache = self.passes.cache
         self.prefix_len = 0
         self.pending = [int(t) for t in prompt_ids.tolist()]
         self.slots = {}
@@ -141,7 +147,7 @@ class ModelDrafter:
         pos = torch.tensor([self.prefix_len + tree.depth[n] for n in nodes], device=self.device)[None]
         # [F, base + F]: prefix ‖ ancestor slots ‖ self
         allowed = tree_slot_mask(tree, nodes, self.slots, self.prefix_len, base, self.device)
-        logits = self._forward(ids, pos, self._mask(allowed))
+        logits = self._forward(ids, pos, allowed, base)
         for row, n in enumerate(nodes):
             self.slots[n] = base + row
         return logits
@@ -182,7 +188,7 @@ class ModelDrafter:
         n = len(self.pending)
         ids = torch.tensor(self.pending, device=self.device)[None]
         pos = torch.arange(self.prefix_len, self.prefix_len + n, device=self.device)[None]
-        logits = self._forward(ids, pos, None, last_only=True)   # the prompt's rows need no logits
+        logits = self._forward(ids, pos, None, self.prefix_len, last_only=True)   # the prompt's rows need no logits
         self.prefix_len += n - 1
         self.slots = {0: self.prefix_len}
         self.pending = []
@@ -195,18 +201,32 @@ class ModelDrafter:
         out = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         return out.masked_fill_(~allowed, torch.finfo(self.dtype).min)
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None,
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor | None, start: int,
                  last_only: bool = False) -> torch.Tensor:
-        """[1, F] ids -> [F, V] float logits ([1, V], the last row's, with ``last_only``)."""
+        """[1, F] ids written at cache slots ``start``, ... -> [F, V] float logits ([1, V], the last
+        row's, with ``last_only``). ``allowed``: [F, start + F] the slots each row reads; None:
+        the whole prefix and the rows before it (causal)."""
         self.calls += 1
-        if self.vocab_head is None:
-            keep = {"logits_to_keep": 1} if last_only and self._slices_logits else {}
-            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                             cache=self.cache, use_cache=True, **keep)
-            return out.logits[0, -1:].float() if last_only else out.logits[0].float()
-        hidden = self._decoder(input_ids=ids, position_ids=pos, attention_mask=mask,
-                               cache=self.cache, use_cache=True).last_hidden_state
-        rows = hidden[0, -1:] if last_only else hidden[0]                                  # [F, D]
+        if self.passes is not None:
+            if allowed is None:
+                f = ids.shape[1]
+                allowed = torch.ones(f, start + f, dtype=torch.bool)
+                allowed[:, start:] = torch.ones(f, f, dtype=torch.bool).tril()
+            out, _ = self.passes.run(ids[0], pos[0], allowed, start, last_only=last_only)
+            self.cache = self.passes.cache                  # a pass past the cache's size grows it
+            if self.vocab_head is None:
+                return out.float()
+            rows = out                                                                     # [F, D]
+        else:
+            mask = None if allowed is None else self._mask(allowed)
+            if self.vocab_head is None:
+                keep = {"logits_to_keep": 1} if last_only and self._slices_logits else {}
+                out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                                 cache=self.cache, use_cache=True, **keep)
+                return out.logits[0, -1:].float() if last_only else out.logits[0].float()
+            hidden = self._decoder(input_ids=ids, position_ids=pos, attention_mask=mask,
+                                   cache=self.cache, use_cache=True).last_hidden_state
+            rows = hidden[0, -1:] if last_only else hidden[0]                              # [F, D]
         kept = self.vocab_head(rows).float()                                               # [F, K]
         extra = None
         if self._context_rows is not None:                                                 # [F, E]
@@ -301,7 +321,10 @@ class ModelDrafter:
 
     def _keep(self, slots: list[int]) -> None:
         """Keep cache positions ``slots`` (ascending, starting at the root slot) after the prefix."""
-        keep_rows(self.cache, self.prefix_len, slots)
+        if self.passes is None:
+            keep_rows(self.cache, self.prefix_len, slots)
+        else:
+            self.passes.keep(self.prefix_len, slots)
         self.prefix_len += len(slots)
 
 

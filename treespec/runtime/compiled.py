@@ -32,9 +32,13 @@ import torch
 
 from treespec.core.tree import DraftTree
 
-__all__ = ["DEFAULT_BUCKETS", "CompiledPasses", "compile_target", "parse_buckets"]
+__all__ = ["DEFAULT_BUCKETS", "DRAFTER_BUCKETS", "CompiledPasses", "compile_drafter", "compile_target",
+           "drafter_passes", "model_drafter", "parse_buckets"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# a drafter model's calls: a chain expands one node a call, and a root call feeds 1-2 tokens
+# (the bonus token, and the last draft where it was accepted unexpanded); a tree's frontier 4
+DRAFTER_BUCKETS = (1, 2, 4)
 _LEN_STEP = 256          # the cache grows in whole steps of this many positions (each size recompiles)
 
 
@@ -61,6 +65,38 @@ def compile_target(target, buckets: Sequence[int] = DEFAULT_BUCKETS, max_len: in
                                                      f"buckets {', '.join(map(str, passes.buckets))} nodes)")
 
 
+def model_drafter(drafter):
+    """The :class:`treespec.drafters.ModelDrafter` that ``drafter`` drafts with (itself, or a
+    hybrid or switch drafter's head), or None."""
+    from treespec.drafters.model import ModelDrafter
+
+    while drafter is not None and not isinstance(drafter, ModelDrafter):
+        drafter = getattr(drafter, "head", None)
+    return drafter
+
+
+def drafter_passes(drafter) -> "CompiledPasses | None":
+    """The compiled passes of ``drafter``'s model (:func:`model_drafter`), or None."""
+    return getattr(model_drafter(drafter), "passes", None)
+
+
+def compile_drafter(drafter, buckets: Sequence[int] = DRAFTER_BUCKETS, max_len: int = 512):
+    """``drafter`` (changed in place and returned) with its model's calls run as compiled,
+    fixed-shape graphs over a preallocated cache, as :func:`compile_target` runs a target's:
+    a :class:`treespec.drafters.ModelDrafter` (a small model of the target's family, an
+    early-exit model), or a hybrid or switch drafter that drafts with one. A call of more rows
+    than the largest bucket (the prompt) runs eagerly on the same cache. With a ``draft_vocab``
+    the graphs end at the decoder and the sliced head runs after them. The drafts' q is the
+    eager call's to fp32 rounding, and acceptance reads that q, so the output stays exact."""
+    inner = model_drafter(drafter)
+    if inner is None:
+        raise TypeError(f"compile_drafter compiles a drafter model's calls; a {type(drafter).__name__} has no "
+                        "model of its own (pass a ModelDrafter, e.g. load_drafter('qwen2.5-coder-0.5b', target), "
+                        "or a hybrid / switch drafter over one)")
+    inner.passes = CompiledPasses(inner.model, buckets, max_len, head=inner.vocab_head is None, role="drafter")
+    return drafter
+
+
 def _skip_model_guards(entries) -> list[bool]:
     """Which of Dynamo's guards a pass runs: all but those on the model's module tree (its
     submodules, their hooks and weights: about 800 checks, 2.4 ms of a SmolLM2 pass on AVX2);
@@ -79,13 +115,15 @@ class CompiledPasses:
     """
 
     def __init__(self, model: torch.nn.Module, buckets: Sequence[int] = DEFAULT_BUCKETS, max_len: int = 512,
-                 announce: bool = True, cpp_wrapper: bool | None = None):
+                 announce: bool = True, cpp_wrapper: bool | None = None, head: bool = True, role: str = "target"):
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"buckets must be node counts >= 1, e.g. {DEFAULT_BUCKETS}; got {buckets}")
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < buckets[-1] + 1:
             raise ValueError(f"max_len must be an int > the largest bucket ({buckets[-1]}), got {max_len!r}")
         self.model = model
+        self.head = bool(head)                  # False: passes end at the decoder's final norm (no LM head)
+        self.role = role                        # whose passes these are, in what they announce
         self.buckets = buckets
         self.max_len = -(-max_len // _LEN_STEP) * _LEN_STEP
         self.announce = announce
@@ -105,7 +143,8 @@ class CompiledPasses:
         options = {"guard_filter_fn": _skip_model_guards, **({"cpp_wrapper": True} if self.cpp_wrapper else {})}
         # Dynamo keeps graphs and their guards per code object: this instance compiles its own copy of
         # _forward's code, so no guard needs to tell its model from another CompiledPasses' model
-        forward = types.FunctionType(CompiledPasses._forward.__code__.replace(), globals(), "_forward")
+        forward = types.FunctionType(CompiledPasses._forward.__code__.replace(), globals(), "_forward",
+                                     CompiledPasses._forward.__defaults__)
         self._graph = torch.compile(types.MethodType(forward, self), fullgraph=True, dynamic=False, options=options)
 
     # -------------------------------------------------------------- the cache
@@ -157,59 +196,82 @@ class CompiledPasses:
         return {i: out.hidden_states[i][0] for i in layers}
 
     # -------------------------------------------------------------- passes
-    def _forward(self, ids, pos, cache_pos, mask, layers: tuple[int, ...]):
-        out = self.model(input_ids=ids, position_ids=pos, cache_position=cache_pos, attention_mask=mask,
-                         cache=self.cache, use_cache=True, output_hidden_states=bool(layers))
+    def _forward(self, ids, pos, cache_pos, mask, layers: tuple[int, ...], last_only: bool = False):
+        # the eager fallback's long passes (a drafter's prompt) ask for the last row's logits only
+        args = dict(input_ids=ids, position_ids=pos, cache_position=cache_pos, attention_mask=mask,
+                    cache=self.cache, use_cache=True, output_hidden_states=bool(layers))
+        if not self.head:
+            out = self.model.get_decoder()(**args)
+            return out.last_hidden_state, tuple(out.hidden_states[i] for i in layers)
+        out = self.model(**args, **({"logits_to_keep": 1} if last_only else {}))
         return out.logits, tuple(out.hidden_states[i] for i in layers)
 
     def bucket(self, nodes: int) -> int | None:
         """The smallest bucket holding ``nodes`` nodes, or None (the pass runs eagerly)."""
         return next((b for b in self.buckets if b >= nodes), None)
 
-    def inputs(self, tree: DraftTree, prefix_len: int, rows: int):
-        """(ids, positions, cache positions, bool mask [1, 1, rows, max_len]) of ``tree`` after
-        ``prefix_len`` cached positions, padded with dummy rows to ``rows``."""
-        n, p, dev = tree.num_nodes, prefix_len, self.device
-        ids = torch.zeros(1, rows, dtype=torch.long, device=dev)
-        ids[0, :n] = tree.tokens.to(dev)
-        pos = torch.full((1, rows), p, dtype=torch.long, device=dev)
-        pos[0, :n] += tree.depth.to(dev)
-        cache_pos = torch.arange(p, p + rows, device=dev)
+    def inputs(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, start: int, rows: int):
+        """(ids, positions, cache positions, bool mask [1, 1, rows, max_len]) of F rows written at
+        cache slots ``start``, ``start + 1``, ...: ``ids`` and ``pos`` LongTensor[F], ``allowed``
+        BoolTensor[F, start + F] (the slots each row reads), padded with dummy rows to ``rows``."""
+        n, dev = ids.numel(), self.device
+        padded_ids = torch.zeros(1, rows, dtype=torch.long, device=dev)
+        padded_ids[0, :n] = ids.to(dev)
+        padded_pos = torch.full((1, rows), start, dtype=torch.long, device=dev)
+        padded_pos[0, :n] = pos.to(dev)
+        cache_pos = torch.arange(start, start + rows, device=dev)
         mask = torch.zeros(1, 1, rows, self.max_len, dtype=torch.bool, device=dev)
-        mask[0, 0, :, :p] = True
-        mask[0, 0, :n, p:p + n] = tree.ancestor_mask.to(dev)
+        mask[0, 0, :n, :start + n] = allowed.to(dev)
         dummy = torch.arange(n, rows, device=dev)
-        mask[0, 0, dummy, p + dummy] = True                 # a dummy row sees its own slot only
-        mask[0, 0, dummy, :p] = False
-        return ids, pos, cache_pos, mask
+        mask[0, 0, dummy, start + dummy] = True             # a dummy row sees its own slot only
+        return padded_ids, padded_pos, cache_pos, mask
+
+    @staticmethod
+    def tree_rows(tree: DraftTree, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, positions, allowed) of ``tree``'s nodes after ``prefix_len`` cached positions:
+        each node reads the prefix and its ancestors."""
+        n = tree.num_nodes
+        allowed = torch.ones(n, prefix_len + n, dtype=torch.bool)
+        allowed[:, prefix_len:] = tree.ancestor_mask
+        return tree.tokens, prefix_len + tree.depth, allowed
 
     @torch.inference_mode()
     def score(self, tree: DraftTree, prefix_len: int, layers: tuple[int, ...]):
         """Logits [N, V] of every node and the hidden states of ``layers`` ([N, H] each); writes
         the tree's rows at cache slots P, P + 1, ... (and the dummy rows' after them)."""
-        n = tree.num_nodes
+        return self.run(*self.tree_rows(tree, prefix_len), prefix_len, layers)
+
+    @torch.inference_mode()
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, start: int,
+            layers: tuple[int, ...] = (), last_only: bool = False):
+        """One pass over F rows written at cache slots ``start``, ... (:meth:`inputs`): their
+        logits [F, V] (the final hidden states [F, H] when built with ``head=False``; the last
+        row's only, [1, ...], with ``last_only``) and the hidden states of ``layers`` ([F, H]
+        each). F up to the largest bucket runs in its bucket's graph, a longer pass eagerly."""
+        n = ids.numel()
         bucket = self.bucket(n)
         rows = bucket or n
-        if prefix_len + rows > self.max_len:
-            self._ensure(prefix_len + rows + self.buckets[-1] + 1, keep=True)
-        ids, pos, cache_pos, mask = self.inputs(tree, prefix_len, rows)
-        self._set_length(prefix_len)
+        if start + rows > self.max_len:
+            self._ensure(start + rows + self.buckets[-1] + 1, keep=True)
+        padded = self.inputs(ids, pos, allowed, start, rows)
+        self._set_length(start)
         if bucket is None:                                    # larger than every bucket: eager
-            logits, hidden = self._forward(ids, pos, cache_pos, mask, layers)
-        else:
-            key = (rows, layers, self.max_len)
-            fresh = key not in self._seen
-            if fresh and self.announce:
-                wrapper = "; its C++ wrapper takes minutes the first time" if self.cpp_wrapper else ""
-                print(f"treespec: compiling the target's {rows}-node pass (cache {self.max_len} positions{wrapper}; "
-                      "Inductor caches it on disk)...", file=sys.stderr, flush=True)
-            t0 = time.perf_counter()
-            logits, hidden = self._graph(ids, pos, cache_pos, mask, layers)
-            if fresh:
-                self._seen.add(key)
-                if self.announce:
-                    print(f"treespec: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        return logits[0, :n], {i: h[0, :n] for i, h in zip(layers, hidden)}
+            out, hidden = self._forward(*padded, layers, last_only)
+            out = out[0, -1:] if last_only else out[0]
+            return out, {i: h[0] for i, h in zip(layers, hidden)}
+        key = (rows, layers, self.max_len)
+        fresh = key not in self._seen
+        if fresh and self.announce:
+            wrapper = "; its C++ wrapper takes minutes the first time" if self.cpp_wrapper else ""
+            print(f"treespec: compiling the {self.role}'s {rows}-node pass (cache {self.max_len} positions{wrapper}; "
+                  "Inductor caches it on disk)...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        out, hidden = self._graph(*padded, layers)
+        if fresh:
+            self._seen.add(key)
+            if self.announce:
+                print(f"treespec: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        return out[0, n - 1:n] if last_only else out[0, :n], {i: h[0, :n] for i, h in zip(layers, hidden)}
 
     @torch.inference_mode()
     def warm(self, nodes: int, layers: tuple[int, ...] = (), length: int = 0) -> None:
