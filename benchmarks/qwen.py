@@ -15,6 +15,9 @@ all methods alike):
   ``hybrid`` (lookup + the 0.5B mixed in a best-first tree), ``switch`` (a lookup chain of up to
   16 where the text repeats, a 0.5B chain of up to 4 elsewhere) and ``builder="auto"`` with the 0.5B where
   the machine has a calibration of this target (else the row says why it is missing);
+- ``0.5b chain4 eager-draft`` (with ``--compile``): the chain of 4 with the 0.5B's calls left
+  eager, beside ``0.5b chain4`` whose calls run compiled as the target's passes do
+  (``compile_drafter``); not in the default set.
 - ``... vocab32k``: the 0.5B chain and ``switch`` with the 0.5B drafting over the 32,768 ids
   ShareGPT replies use most (``ModelDrafter(draft_vocab=...)``: its LM head reads a fifth of the
   rows); not in the default set.
@@ -93,7 +96,8 @@ EDIT_PROMPTS = list(CODE_EDIT_PROMPTS)   # treespec.data's code-edit prompt set 
 
 KINDS = ("coding", "reasoning", "code-edit")
 REFERENCES = ("hf", "hf-packed", "plain")   # greedy outputs compared with each of these at T = 0
-ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "plain", "0.5b chain4", "0.5b chain8 conf0.4", "0.5b tree16",
+ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "plain", "0.5b chain4", "0.5b chain4 eager-draft",
+               "0.5b chain8 conf0.4", "0.5b tree16",
                "lookup chain10 conf0.1", "hybrid best16", "switch chain16 head4", "0.5b auto",
                "0.5b chain4 vocab32k", "switch chain16 head4 vocab32k",
                "hf-assisted int4", "0.5b chain4 int4", "0.5b tree16 int4", "switch chain16 head4 int4",
@@ -101,7 +105,7 @@ ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "plain", "0.5b cha
                "switch best16 head8 int4", "switch best16 head8 int4 vocab32k", "0.5b auto int4",
                "switch best16 head8 int4 vocab32k ctx", "switch best12 head8 int4 vocab32k ctx",
                "switch best16 lookup32 head8 int4 vocab32k ctx")
-DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not {"vocab32k", "int4"} & set(m.split()))
+DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not {"vocab32k", "int4", "eager-draft"} & set(m.split()))
 
 
 def drafts_with_the_0_5b(method: str) -> bool:
@@ -255,6 +259,9 @@ def main() -> None:
         small = treespec.load_drafter(DRAFT, target)                  # ModelDrafter, in the target's dtype
         methods |= {
             "0.5b chain4": treespec.SpeculativeGenerator(target, small, treespec.ChainBuilder(budget=5)),
+            # with --compile: the same chain, the 0.5B's calls left eager (what compiling them saves)
+            "0.5b chain4 eager-draft": treespec.SpeculativeGenerator(
+                target, ModelDrafter(small.model, target.vocab_size), treespec.ChainBuilder(budget=5)),
             "0.5b tree16": treespec.SpeculativeGenerator(
                 target, ModelDrafter(small.model, target.vocab_size), treespec.DynamicTreeBuilder(16, 5, 4)),
             # a chain that stops where the 0.5B's own probability of its draft falls under 0.4 (what
@@ -344,8 +351,9 @@ def main() -> None:
             missing["0.5b auto"] = str(e)
     methods = {name: gen for name, gen in methods.items() if name in chosen}
     if args.compile:   # the 0.5B's calls compiled as the target's passes are (load_drafter did `small`'s)
-        for gen in methods.values():
-            if model_drafter(gen.drafter) is not None and drafter_passes(gen.drafter) is None:
+        for name, gen in methods.items():
+            if (model_drafter(gen.drafter) is not None and drafter_passes(gen.drafter) is None
+                    and not name.endswith("eager-draft")):
                 compile_drafter(gen.drafter, max_len=target.passes.max_len)
     peers = [(name, extra) for name, extra in (("hf-packed", {}),
                                                 ("hf-assisted", {"assistant_model": getattr(small, "model", None)}),
