@@ -121,7 +121,7 @@ class ModelDrafter:
         if self.passes is None:
             self.cache = growing_cache(self.model.config)   # new rows written in place, no torch.cat a layer
         else:   # the static cache, sized for the prompt (later passes grow it where they must)
-            self.passes._ensure(prompt_ids.numel() + self.passes.buckets[-1] + 1, keep=False)
+            self.passes.reserve(prompt_ids.numel() + self.passes.buckets[-1] + 1)
             self.cache = self.passes.cache
         self.prefix_len = 0
         self.pending = [int(t) for t in prompt_ids.tolist()]
@@ -207,26 +207,9 @@ class ModelDrafter:
         row's, with ``last_only``). ``allowed``: [F, start + F] the slots each row reads; None:
         the whole prefix and the rows before it (causal)."""
         self.calls += 1
-        if self.passes is not None:
-            if allowed is None:
-                f = ids.shape[1]
-                allowed = torch.ones(f, start + f, dtype=torch.bool)
-                allowed[:, start:] = torch.ones(f, f, dtype=torch.bool).tril()
-            out, _ = self.passes.run(ids[0], pos[0], allowed, start, last_only=last_only)
-            self.cache = self.passes.cache                  # a pass past the cache's size grows it
-            if self.vocab_head is None:
-                return out.float()
-            rows = out                                                                     # [F, D]
-        else:
-            mask = None if allowed is None else self._mask(allowed)
-            if self.vocab_head is None:
-                keep = {"logits_to_keep": 1} if last_only and self._slices_logits else {}
-                out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                                 cache=self.cache, use_cache=True, **keep)
-                return out.logits[0, -1:].float() if last_only else out.logits[0].float()
-            hidden = self._decoder(input_ids=ids, position_ids=pos, attention_mask=mask,
-                                   cache=self.cache, use_cache=True).last_hidden_state
-            rows = hidden[0, -1:] if last_only else hidden[0]                              # [F, D]
+        rows = self._run(ids, pos, allowed, start, last_only)
+        if self.vocab_head is None:
+            return rows.float()                                                            # [F, V]
         kept = self.vocab_head(rows).float()                                               # [F, K]
         extra = None
         if self._context_rows is not None:                                                 # [F, E]
@@ -238,6 +221,28 @@ class ModelDrafter:
         if extra is not None:
             out[:, self._context_index] = extra
         return out
+
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor | None, start: int,
+             last_only: bool) -> torch.Tensor:
+        """The model's call (``_forward``'s arguments): its logits [F, V] or, with a sliced head,
+        the decoder's output [F, D]; compiled where the drafter has passes, else eager."""
+        if self.passes is not None:
+            if allowed is None:
+                f = ids.shape[1]
+                allowed = torch.ones(f, start + f, dtype=torch.bool)
+                allowed[:, start:] = torch.ones(f, f, dtype=torch.bool).tril()
+            out, _ = self.passes.run(ids[0], pos[0], allowed, start, last_only=last_only)
+            self.cache = self.passes.cache                  # a pass past the cache's size grows it
+            return out
+        mask = None if allowed is None else self._mask(allowed)
+        if self.vocab_head is None:
+            keep = {"logits_to_keep": 1} if last_only and self._slices_logits else {}
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache,
+                             use_cache=True, **keep).logits
+        else:
+            out = self._decoder(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache,
+                                use_cache=True).last_hidden_state
+        return out[0, -1:] if last_only else out[0]
 
     def _add_context_ids(self, tokens: list[int]) -> None:
         """Add the ids of ``tokens`` that neither ``draft_vocab`` nor the context holds yet."""

@@ -164,6 +164,10 @@ class CompiledPasses:
                 new.keys[..., :n, :].copy_(prev.keys)
                 new.values[..., :n, :].copy_(prev.values)
 
+    def reserve(self, length: int) -> None:
+        """A cache of at least ``length`` positions for a new request (its content undefined)."""
+        self._ensure(length, keep=False)
+
     def _materialize(self) -> None:
         """Allocate every layer's tensors now (HF does it on the first write), so the compiled
         graphs always see the same tensors."""
