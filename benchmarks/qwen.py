@@ -82,7 +82,7 @@ from treespec.data import CODE_EDIT_PROMPTS, chat_prompt, mtbench_questions
 from treespec.drafters import HybridDrafter, ModelDrafter, SwitchDrafter
 from treespec.drafters.model import frequent_vocab
 from treespec.fastpath.packing import PackedLinear, machine_info, machine_line
-from treespec.runtime.compiled import compile_drafter, compile_target, drafter_passes, model_drafter, parse_buckets
+from treespec.runtime.compiled import compile_drafter_for, compile_target, parse_buckets
 from treespec.runtime.llamacpp import LlamaCppMode, LlamaCppTools, gguf_path, run_llamacpp_mode
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -350,11 +350,9 @@ def main() -> None:
         except (ValueError, FileNotFoundError) as e:
             missing["0.5b auto"] = str(e)
     methods = {name: gen for name, gen in methods.items() if name in chosen}
-    if args.compile:   # the 0.5B's calls compiled as the target's passes are (load_drafter did `small`'s)
-        for name, gen in methods.items():
-            if (model_drafter(gen.drafter) is not None and drafter_passes(gen.drafter) is None
-                    and not name.endswith("eager-draft")):
-                compile_drafter(gen.drafter, max_len=target.passes.max_len)
+    for name, gen in methods.items():   # --compile: the 0.5B's calls compiled as the target's passes are
+        if not name.endswith("eager-draft"):
+            compile_drafter_for(target, gen.drafter)
     peers = [(name, extra) for name, extra in (("hf-packed", {}),
                                                 ("hf-assisted", {"assistant_model": getattr(small, "model", None)}),
                                                 ("hf-assisted int4", {"assistant_model": getattr(small4, "model", None)}),

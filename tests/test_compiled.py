@@ -20,7 +20,8 @@ from treespec.planning import Curve
 from treespec.fastpath.kernels import block_linear, pack_blocks, pack_panels, panel_linear, panel_status
 from treespec.drafters.base import PartialTree
 from treespec.drafters.hybrid import HybridDrafter
-from treespec.runtime.compiled import CompiledPasses, compile_drafter, compile_target, drafter_passes, parse_buckets
+from treespec.runtime.compiled import (CompiledPasses, compile_drafter, compile_drafter_for, compile_target, drafter_passes,
+                                       parse_buckets)
 from treespec.runtime.verifier import TreeVerifier
 
 from _engine_helpers import NGramDrafter, one_thread, peaky_target  # noqa: F401
@@ -203,11 +204,19 @@ def test_a_compiled_drafter_drafts_the_eager_drafters_q(compiled, draft_vocab):
 
 
 def test_compile_drafter_finds_the_model_inside_a_hybrid_and_refuses_drafters_without_one(compiled):
-    target, _ = compiled
+    target, fast = compiled
     hybrid = compile_drafter(HybridDrafter(ModelDrafter(target.model, V)), buckets=(1,))
     assert isinstance(drafter_passes(hybrid), CompiledPasses) and drafter_passes(hybrid).role == "drafter"
     with pytest.raises(TypeError, match="has no model of its own"):
         compile_drafter(NGramDrafter(V))
+    # what --compile does: a model drafter of a compiled target only, once, its cache sized as the target's
+    assert drafter_passes(compile_drafter_for(target, ModelDrafter(target.model, V))) is None
+    lookup = NGramDrafter(V)
+    assert compile_drafter_for(fast, lookup) is lookup
+    drafter = compile_drafter_for(fast, ModelDrafter(target.model, V))
+    passes = drafter_passes(drafter)
+    assert passes.max_len == fast.passes.max_len and compile_drafter_for(fast, drafter) is drafter
+    assert drafter_passes(drafter) is passes
 
 
 def test_two_requests_cannot_interleave_on_one_compiled_cache(compiled):

@@ -425,11 +425,12 @@ def _rows(target, drafters, specs, temperatures, hf_plain, binary, depth, top_k,
     from treespec.builders import DynamicTreeBuilder
     from treespec.drafters import load_drafter
     from treespec.runtime import SpeculativeGenerator
+    from treespec.runtime.compiled import compile_drafter_for
 
     loaded = {}
     for name in drafters:
         try:
-            loaded[name] = load_drafter(name, target)
+            loaded[name] = compile_drafter_for(target, load_drafter(name, target))   # --compile: its calls too
         except KeyError as e:
             raise ValueError(f"--drafters: {e.args[0]}") from None
     first = loaded[drafters[0]]

@@ -106,6 +106,7 @@ def _build_generator(args):
     from treespec.cli.trees import check_tree_flags, parse_budget
 
     from treespec.cli.presets import apply_preset
+    from treespec.runtime.compiled import compile_drafter_for
 
     preset = apply_preset(args)                         # the flags left out: the target's fastest measured
     options = drafter_options(args.drafter_option)     # malformed flags fail before the model loads
@@ -125,7 +126,7 @@ def _build_generator(args):
     target = _load_target(args)
     if preset is not None:
         print(f"[no --drafter / --tree / --budget given: {preset.describe()}]", file=sys.stderr)
-    drafter = load_drafter(args.drafter, target, **options)
+    drafter = compile_drafter_for(target, load_drafter(args.drafter, target, **options))   # --compile: its calls too
     if args.budget == "auto":
         ensure_calibration(target, key)   # measures the drafter once where the cached file lacks it
         gen = SpeculativeGenerator(target, drafter, "auto", verify=args.verify)

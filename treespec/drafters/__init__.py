@@ -39,9 +39,9 @@ def load_drafter(name: str, target, **options) -> Drafter:
     ``"qwen2.5-coder-0.5b[weights=int4]"``. What the factory returns must be a Drafter: a
     TypeError names each protocol member it lacks.
 
-    A drafter with a model of its own gets the target's fast path: its linear layers packed as
-    the target's are and, for a target with compiled passes, its calls compiled
-    (:func:`treespec.runtime.compiled.compile_drafter`).
+    A drafter with a model of its own gets the target's linear layers' path (packed as the
+    target's are); for a target with compiled passes,
+    :func:`treespec.runtime.compiled.compile_drafter_for` compiles its calls too.
 
     The drafter remembers ``drafter_key(name, options)`` as ``registry_name``: calibrations
     are keyed by it, so a drafter loaded with other options is measured on its own."""
@@ -57,11 +57,6 @@ def load_drafter(name: str, target, **options) -> Drafter:
     drafter = factory(target, **options)
     check_drafter_protocol(drafter, f"drafter {name!r}")
     _pack_like_target(drafter, target)
-    if getattr(target, "passes", None) is not None:
-        from treespec.runtime.compiled import compile_drafter, model_drafter
-
-        if model_drafter(drafter) is not None:   # a drafter model's calls compiled like the target's passes
-            compile_drafter(drafter, max_len=target.passes.max_len)
     try:
         drafter.registry_name = drafter_key(name, options)
     except AttributeError:  # a drafter with __slots__ or a read-only name: keyed by cost kind

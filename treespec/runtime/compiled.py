@@ -32,7 +32,8 @@ import torch
 
 from treespec.core.tree import DraftTree
 
-__all__ = ["DEFAULT_BUCKETS", "DRAFTER_BUCKETS", "CompiledPasses", "compile_drafter", "compile_target",
+__all__ = ["DEFAULT_BUCKETS", "DRAFTER_BUCKETS", "CompiledPasses", "compile_drafter", "compile_drafter_for",
+           "compile_target",
            "drafter_passes", "model_drafter", "parse_buckets"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -94,6 +95,15 @@ def compile_drafter(drafter, buckets: Sequence[int] = DRAFTER_BUCKETS, max_len: 
                         "model of its own (pass a ModelDrafter, e.g. load_drafter('qwen2.5-coder-0.5b', target), "
                         "or a hybrid / switch drafter over one)")
     inner.passes = CompiledPasses(inner.model, buckets, max_len, head=inner.vocab_head is None, role="drafter")
+    return drafter
+
+
+def compile_drafter_for(target, drafter):
+    """``drafter`` with its model's calls compiled (:func:`compile_drafter`, the cache sized as
+    the target's) where ``target``'s passes are compiled and the drafter has a model of its own
+    not compiled yet; else ``drafter`` as it is. What ``--compile`` does to a drafter."""
+    if target.passes is not None and model_drafter(drafter) is not None and drafter_passes(drafter) is None:
+        compile_drafter(drafter, max_len=target.passes.max_len)
     return drafter
 
 
