@@ -19,6 +19,10 @@ disk, so a later process compiles in seconds. A prompt's prefill stays eager (on
 Every real row's logits equal the eager pass's to fp32 rounding (fused norms may round
 differently), and the block kernels are batch-invariant, so greedy decoding on the compiled
 path equals plain decoding on the compiled path token for token (``tests/test_compiled.py``).
+
+A drafter model's calls (:func:`compile_drafter`) run through the same class: each call is F
+rows written at the next cache slots under a bool mask (:meth:`CompiledPasses.run`), padded to
+:data:`DRAFTER_BUCKETS`; with a sliced draft vocabulary the graph ends at the decoder.
 """
 
 from __future__ import annotations
