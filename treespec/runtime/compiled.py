@@ -37,8 +37,7 @@ import torch
 from treespec.core.tree import DraftTree
 
 __all__ = ["DEFAULT_BUCKETS", "DRAFTER_BUCKETS", "CompiledPasses", "compile_drafter", "compile_drafter_for",
-           "compile_target",
-           "drafter_passes", "model_drafter", "parse_buckets"]
+           "compile_target", "drafter_passes", "model_drafter", "parse_buckets"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # a drafter model's calls: a chain expands one node a call, and a root call feeds 1-2 tokens
