@@ -293,3 +293,25 @@ def test_a_compiled_target_is_calibrated_on_its_graphs_in_its_own_file(compiled,
     free = dataclasses.replace(cal, target=Curve.fit([1, 64], [1.0, 1.0]), acceptance={})
     assert auto_builder(target, NGramDrafter(V), free, acceptance=0.9).budget > 4
     assert auto_builder(fast, NGramDrafter(V), free, acceptance=0.9).budget <= 4
+
+
+def test_a_drafter_is_calibrated_as_a_compiled_target_runs_it(compiled, monkeypatch):
+    """``calibrate_drafter`` on a compiled target times the model drafter's compiled calls (what
+    ``--compile`` runs), not its eager ones: every timed call goes through the drafter's passes."""
+    from treespec.calibrate.drafters import calibrate_drafter
+    from treespec.calibrate.passes import calibrate
+
+    target, fast = compiled
+    roles = []
+    run = CompiledPasses.run
+
+    def spy(self, *args, **kwargs):
+        roles.append(self.role)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompiledPasses, "run", spy)
+    cal = calibrate(target.model, "tiny", ns=(1, 4), context=4, early_exit_layers=1, n_warmup=0, n_rep=1)
+    out = calibrate_drafter(cal, "target", fast, [[1, 2, 3, 4, 5]], widths=(2,), acceptance_width=2,
+                            max_new_tokens=4, temperatures=(0.0,))
+    assert out.drafters["target"].ns == (1, 2)
+    assert "drafter" in roles and "target" in roles

@@ -28,6 +28,7 @@ from treespec.planning.calibration import PLAIN_LOOP, Calibration, Curve, LoopCo
 from treespec.calibrate.passes import DRAFT_WIDTHS, _shuffled_curve
 from treespec.drafters import load_drafter
 from treespec.drafters.base import Drafter, TargetFeatures, TimedDrafter, capabilities
+from treespec.runtime.compiled import compile_drafter_for
 from treespec.runtime.generator import SpeculativeGenerator
 from treespec.builders.base import DraftMode, TreeBuilder, check_int
 from treespec.builders.chain import ChainBuilder
@@ -142,7 +143,8 @@ def calibrate_drafter(
     if not widths or any(not isinstance(w, int) or w < 1 for w in widths):
         raise ValueError(f"widths must be positive ints, got {list(widths)}")
     say = progress or (lambda message: None)
-    drafter = TimedDrafter(load_drafter(name, target), clock)
+    # timed as the generator runs it: a model drafter of a compiled target compiled too
+    drafter = TimedDrafter(compile_drafter_for(target, load_drafter(name, target)), clock)
     samples: dict[int, list[float]] = {}
     for w in sorted(set(widths)):
         builder = StaticTreeBuilder([(i,) for i in range(w)] + [(i, 0) for i in range(w)])
@@ -200,7 +202,7 @@ def calibrate_loop(
     check_int("max_new_tokens", max_new_tokens)
     say = progress or (lambda message: None)
     if isinstance(drafter, str):
-        drafter = load_drafter(drafter, target)
+        drafter = compile_drafter_for(target, load_drafter(drafter, target))
     timed = TimedDrafter(drafter.inner if isinstance(drafter, TimedDrafter) else drafter, time.perf_counter)
 
     def run(builder: TreeBuilder) -> tuple[float, float, int, int]:
