@@ -193,6 +193,17 @@ class BatchVerifier:
         (their ``features`` are empty)."""
         if self.cache is None:
             raise RuntimeError("call prefill() before score()")
+        self._check_batch(batch)
+        s, sizes = self.cache_len, batch.sizes
+        ids, pos = self._rows(batch)
+        # [B, M, S + M]
+        mask = padded_tree_masks(batch.trees, self.prefix_lens, s, self.device)
+        logits, hidden = self._forward(ids, pos, mask, self.cache, features=features)
+        self._pending = (s, sizes)
+        return self._outputs(batch, logits, hidden)
+
+    def _check_batch(self, batch: TreeBatch) -> None:
+        """TypeError / ValueError / RuntimeError where ``batch`` cannot be scored now."""
         if not isinstance(batch, TreeBatch):
             raise TypeError(f"batch must be a TreeBatch, got {type(batch).__name__}")
         if batch.batch_size != self.batch_size:
@@ -203,18 +214,21 @@ class BatchVerifier:
         vocab = self.model.config.vocab_size
         if batch.vocab_size is not None and batch.vocab_size != vocab:
             raise ValueError(f"the batch's vocab is {batch.vocab_size} but the target's is {vocab}")
-        s, sizes, trees = self.cache_len, batch.sizes, batch.trees
-        m = max(sizes)
-        # [B, M] tokens and positions, right-padded (padding: token 0 at the row's P_b)
-        ids = torch.zeros(len(trees), m, dtype=torch.long, device=self.device)
+
+    def _rows(self, batch: TreeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, M] tokens and positions of the batch's nodes, right-padded (padding: token 0 at
+        the row's P_b)."""
+        m = max(batch.sizes)
+        ids = torch.zeros(batch.batch_size, m, dtype=torch.long, device=self.device)
         pos = torch.tensor(self.prefix_lens, device=self.device)[:, None].repeat(1, m)
-        for b, (tree, p) in enumerate(zip(trees, self.prefix_lens)):
+        for b, tree in enumerate(batch.trees):
             ids[b, :tree.num_nodes] = tree.tokens.to(self.device)
             pos[b, :tree.num_nodes] += tree.depth.to(self.device)
-        # [B, M, S + M]
-        mask = padded_tree_masks(trees, self.prefix_lens, s, self.device)
-        logits, hidden = self._forward(ids, pos, mask, self.cache, features=features)
-        self._pending = (s, sizes)
+        return ids, pos
+
+    def _outputs(self, batch: TreeBatch, logits: torch.Tensor, hidden) -> BatchVerifyOutput:
+        """The flat outputs of a pass's logits [B, M, V] and hidden states (by layer)."""
+        sizes = batch.sizes
         # [T, V]
         flat = torch.cat([logits[b, :n] for b, n in enumerate(sizes)])
         probs = torch.cat([process(logits[b, :n].float(), cfg)
@@ -227,20 +241,8 @@ class BatchVerifier:
         """Keep, per request, the tree rows ``keeps[b]`` (LongTensor[K_b]: node indices, the root
         first, e.g. ``RequestAcceptance.keep_src``) at slots P_b .. P_b + K_b - 1; afterwards row
         b holds P_b + K_b valid slots, zeros after them, and the shared length is the longest."""
-        if self._pending is None:
-            raise RuntimeError("call score() before compact()")
-        s, sizes = self._pending
-        if not isinstance(keeps, (list, tuple)) or len(keeps) != len(sizes):
-            raise ValueError(f"keeps must be a list of {len(sizes)} LongTensors (one per request)")
-        rows = []
-        for b, (keep, n) in enumerate(zip(keeps, sizes)):
-            if not isinstance(keep, torch.Tensor) or keep.dtype != torch.long or keep.dim() != 1:
-                raise TypeError(f"keeps[{b}] must be a 1-D LongTensor of node indices")
-            kl = keep.tolist()
-            if not kl or kl[0] != 0 or any(not 0 < j < n for j in kl[1:]) or kl[1:] != sorted(set(kl[1:])):
-                raise ValueError(f"keeps[{b}] must be the root (0) then increasing node indices < "
-                                 f"N={n}, got {kl}")
-            rows.append(kl)
+        rows = self._kept(keeps)
+        s = self._pending[0]
         new_lens = [p + len(k) for p, k in zip(self.prefix_lens, rows)]
         s_new = max(new_lens)
         # Only the kept tree slots move (row b: slot s + kl[i] -> p_b + i); the prefixes stay where
@@ -265,6 +267,24 @@ class BatchVerifier:
             _shorten(layer, s_new)
         self.prefix_lens = new_lens
         self._pending = None
+
+    def _kept(self, keeps: Sequence[torch.Tensor]) -> list[list[int]]:
+        """``compact``'s ``keeps`` checked against the last scores, as lists."""
+        if self._pending is None:
+            raise RuntimeError("call score() before compact()")
+        s, sizes = self._pending
+        if not isinstance(keeps, (list, tuple)) or len(keeps) != len(sizes):
+            raise ValueError(f"keeps must be a list of {len(sizes)} LongTensors (one per request)")
+        rows = []
+        for b, (keep, n) in enumerate(zip(keeps, sizes)):
+            if not isinstance(keep, torch.Tensor) or keep.dtype != torch.long or keep.dim() != 1:
+                raise TypeError(f"keeps[{b}] must be a 1-D LongTensor of node indices")
+            kl = keep.tolist()
+            if not kl or kl[0] != 0 or any(not 0 < j < n for j in kl[1:]) or kl[1:] != sorted(set(kl[1:])):
+                raise ValueError(f"keeps[{b}] must be the root (0) then increasing node indices < "
+                                 f"N={n}, got {kl}")
+            rows.append(kl)
+        return rows
 
     @torch.inference_mode()
     def discard(self) -> None:

@@ -128,13 +128,17 @@ class CompiledPasses:
     """
 
     def __init__(self, model: torch.nn.Module, buckets: Sequence[int] = DEFAULT_BUCKETS, max_len: int = 512,
-                 announce: bool = True, cpp_wrapper: bool | None = None, head: bool = True, role: str = "target"):
+                 announce: bool = True, cpp_wrapper: bool | None = None, head: bool = True, role: str = "target",
+                 batch: int = 1):
         buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not buckets or buckets[0] < 1:
             raise ValueError(f"buckets must be node counts >= 1, e.g. {DEFAULT_BUCKETS}; got {buckets}")
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < buckets[-1] + 1:
             raise ValueError(f"max_len must be an int > the largest bucket ({buckets[-1]}), got {max_len!r}")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be an int >= 1 (requests the cache holds), got {batch!r}")
         self.model = model
+        self.batch = batch                      # rows of the cache: 1 = one request (run / score / prefill)
         self.head = bool(head)                  # False: passes end at the decoder's final norm (no LM head)
         self.role = role                        # whose passes these are, in what they announce
         self.buckets = buckets
@@ -144,7 +148,7 @@ class CompiledPasses:
         self.owner = None                       # the TreeVerifier whose request the cache holds
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self._seen: set[tuple] = set()          # (bucket, layers, max_len) graphs compiled in this process
+        self._seen: set[tuple] = set()          # (batch, bucket, layers, max_len) graphs compiled in this process
         import torch._dynamo
 
         # one graph per bucket x feature-layer set x cache size; never fall back to eager silently
@@ -187,7 +191,7 @@ class CompiledPasses:
         cfg = self.model.config
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        like = torch.zeros(1, heads, 1, dim, dtype=self.dtype, device=self.device)
+        like = torch.zeros(self.batch, heads, 1, dim, dtype=self.dtype, device=self.device)
         for layer in self.cache.layers:
             if not layer.is_initialized:
                 layer.lazy_initialization(like, like)
@@ -203,6 +207,7 @@ class CompiledPasses:
     def prefill(self, body: torch.Tensor, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
         """Cache the prompt ``body`` (LongTensor[P], eagerly: one long pass); returns the hidden
         states of ``layers`` [P, H]."""
+        self._one_request("prefill")
         self._ensure(body.numel() + self.buckets[-1] + 1, keep=False)
         self._set_length(0)
         if body.numel() == 0:
@@ -213,6 +218,11 @@ class CompiledPasses:
         return {i: out.hidden_states[i][0] for i in layers}
 
     # -------------------------------------------------------------- passes
+    def _one_request(self, what: str) -> None:
+        if self.batch != 1:
+            raise RuntimeError(f"{what} runs one request's passes; this cache holds {self.batch} requests "
+                               "(run_batch, as CompiledBatchVerifier does)")
+
     def _forward(self, ids, pos, cache_pos, mask, layers: tuple[int, ...], last_only: bool = False):
         # the eager fallback's long passes (a drafter's prompt) ask for the last row's logits only
         args = dict(input_ids=ids, position_ids=pos, cache_position=cache_pos, attention_mask=mask,
@@ -265,6 +275,7 @@ class CompiledPasses:
         logits [F, V] (the final hidden states [F, H] when built with ``head=False``; the last
         row's only, [1, ...], with ``last_only``) and the hidden states of ``layers`` ([F, H]
         each). F up to the largest bucket runs in its bucket's graph, a longer pass eagerly."""
+        self._one_request("run")
         n = ids.numel()
         bucket = self.bucket(n)
         rows = bucket or n
@@ -276,11 +287,21 @@ class CompiledPasses:
             out, hidden = self._forward(*padded, layers, last_only)
             out = out[0, -1:] if last_only else out[0]
             return out, {i: h[0] for i, h in zip(layers, hidden)}
-        key = (rows, layers, self.max_len)
+        out, hidden = self.call(padded, layers)
+        return out[0, n - 1:n] if last_only else out[0, :n], {i: h[0, :n] for i, h in zip(layers, hidden)}
+
+    def call(self, padded, layers: tuple[int, ...]):
+        """The graph of ``padded`` (ids, positions, cache positions, mask; :meth:`inputs` or
+        :meth:`batch_inputs`) shapes: (logits or final hidden states [batch, rows, ...], the
+        hidden states of ``layers``), compiled on first use (announced: a C++ wrapper takes
+        minutes the first time)."""
+        rows = padded[0].shape[1]
+        key = (self.batch, rows, layers, self.max_len)
         fresh = key not in self._seen
         if fresh and self.announce:
             wrapper = "; its C++ wrapper takes minutes the first time" if self.cpp_wrapper else ""
-            print(f"treespec: compiling the {self.role}'s {rows}-node pass (cache {self.max_len} positions{wrapper}; "
+            what = f"{rows}-node pass" if self.batch == 1 else f"pass of {self.batch} requests x {rows} nodes"
+            print(f"treespec: compiling the {self.role}'s {what} (cache {self.max_len} positions{wrapper}; "
                   "Inductor caches it on disk)...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         out, hidden = self._graph(*padded, layers)
@@ -288,7 +309,44 @@ class CompiledPasses:
             self._seen.add(key)
             if self.announce:
                 print(f"treespec: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        return out[0, n - 1:n] if last_only else out[0, :n], {i: h[0, :n] for i, h in zip(layers, hidden)}
+        return out, hidden
+
+    def batch_inputs(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, start: int, rows: int):
+        """:meth:`inputs` for B <= ``batch`` requests of M rows each, written at cache slots
+        ``start``, ... of their own cache rows: ``ids``, ``pos`` LongTensor[B, M], ``allowed``
+        BoolTensor[B, M, start + M]; padded to ``rows`` nodes and ``batch`` requests (a dummy
+        row, of a request or of a missing request, sees its own slot only)."""
+        b, m = ids.shape
+        dev = self.device
+        padded_ids = torch.zeros(self.batch, rows, dtype=torch.long, device=dev)
+        padded_ids[:b, :m] = ids.to(dev)
+        padded_pos = torch.full((self.batch, rows), start, dtype=torch.long, device=dev)
+        padded_pos[:b, :m] = pos.to(dev)
+        cache_pos = torch.arange(start, start + rows, device=dev)
+        mask = torch.zeros(self.batch, 1, rows, self.max_len, dtype=torch.bool, device=dev)
+        own = torch.arange(rows, device=dev)
+        mask[:, 0, own, start + own] = True                   # dummy rows: their own slot only
+        mask[:b, 0, :m, :start + m] = allowed.to(dev)
+        return padded_ids, padded_pos, cache_pos, mask
+
+    @torch.inference_mode()
+    def run_batch(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, start: int,
+                  layers: tuple[int, ...] = ()):
+        """One pass over B requests' M rows each (:meth:`batch_inputs`), written at slots
+        ``start``, ... of cache rows 0 .. B - 1: logits [B, M, V] and the hidden states of
+        ``layers`` ([B, M, H] each). M up to the largest bucket runs in its bucket's graph, a
+        longer pass eagerly."""
+        b, m = ids.shape
+        if b > self.batch:
+            raise ValueError(f"{b} requests in a pass of a cache of {self.batch} rows")
+        bucket = self.bucket(m)
+        rows = bucket or m
+        if start + rows > self.max_len:
+            self._ensure(start + rows + self.buckets[-1] + 1, keep=True)
+        padded = self.batch_inputs(ids, pos, allowed, start, rows)
+        self._set_length(start)
+        out, hidden = self._forward(*padded, layers) if bucket is None else self.call(padded, layers)
+        return out[:b, :m], {i: h[:b, :m] for i, h in zip(layers, hidden)}
 
     @torch.inference_mode()
     def warm(self, nodes: int, layers: tuple[int, ...] = (), length: int = 0) -> None:
@@ -299,7 +357,7 @@ class CompiledPasses:
         an empty prefix. The cache's content is left undefined: call before a request's prefill."""
         self._ensure(length + self.buckets[-1] + 1, keep=False)
         top = self.bucket(nodes) or self.buckets[-1]
-        todo = [b for b in self.buckets if b <= top and (b, tuple(layers), self.max_len) not in self._seen]
+        todo = [b for b in self.buckets if b <= top and (self.batch, b, tuple(layers), self.max_len) not in self._seen]
         if not todo:
             return
         # one eager pass first: transformers installs its hidden-state hooks on the first call

@@ -66,6 +66,7 @@ from treespec.builders.base import TreeBuilder
 from treespec.builders.batch import BuildJob, build_batch
 from treespec.builders.dynamic import DynamicTreeBuilder
 from treespec.core.acceptance import VERIFY_RULES, VerifyRule
+from treespec.runtime.batch_compiled import CompiledBatchVerifier, batch_passes
 from treespec.runtime.batch_verifier import BatchVerifier
 
 AUTO_MAX_BUDGET = 65          # the largest tree (nodes, root incl.) budget="auto" may pick; context is reserved for it
@@ -161,7 +162,7 @@ class SpeculativeServer:
         self.calibration = calibration
         self.builder = self._check_builder(builder) if builder is not None else DynamicTreeBuilder()
         self.layers = tuple(self.drafter.target_layers) if self.drafter.needs_target_hidden else ()
-        self.verifier = BatchVerifier(target.model, self.layers)
+        self.verifier = self._new_verifier()
         self.eos = set(target.eos_token_ids)
         self.stats = ServerStats()
         self.finished: dict[int, RequestResult] = {}
@@ -408,7 +409,13 @@ class SpeculativeServer:
         if keep:
             self.verifier.retain(keep)
         else:
-            self.verifier = BatchVerifier(self.target.model, self.layers)
+            self.verifier = self._new_verifier()
+
+    def _new_verifier(self) -> BatchVerifier:
+        """An empty batched verifier: on the target's compiled passes where it has them."""
+        if self.target.passes is not None:
+            return CompiledBatchVerifier(batch_passes(self.target), self.layers)
+        return BatchVerifier(self.target.model, self.layers)
 
 
 class PlainDrafter:
