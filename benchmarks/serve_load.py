@@ -250,6 +250,19 @@ def wait_idle(server: ServerProcess, timeout: float = 30.0) -> bool:
     return False
 
 
+def serving_path(kernel: str | None, compile: bool | None) -> tuple[str, bool]:
+    """(--kernel, --compile) of the servers and the generator: those given, the rest as
+    `treespec serve` fills them from its serving preset for this CPU kind."""
+    from treespec.cli.main import build_parser
+    from treespec.cli.presets import apply_serve_preset
+
+    flags = ["serve", "--drafter", "none"] + (["--kernel", kernel] if kernel else [])
+    flags += [] if compile is None else ["--compile" if compile else "--no-compile"]
+    served = build_parser().parse_args(flags)
+    apply_serve_preset(served)
+    return served.kernel, served.compile
+
+
 def compare_c1(server: ServerProcess, args, prompts: list[str], deadline: float) -> dict:
     """HTTP (c = 1, greedy, streamed) against SpeculativeGenerator in this process on the same
     prompts with the same tree, prompt by prompt, alternating which goes first."""
@@ -258,7 +271,11 @@ def compare_c1(server: ServerProcess, args, prompts: list[str], deadline: float)
     from treespec import DynamicTreeBuilder, SpeculativeGenerator, load_drafter, load_target
 
     torch.set_num_threads(args.threads)
-    target = load_target("smollm2-135m")
+    target = load_target("smollm2-135m", pack=True if args.kernel == "auto" else args.kernel)
+    if args.compile:
+        from treespec.runtime.compiled import compile_target
+
+        target = compile_target(target)
     builder = ("auto" if args.budget == "auto"
                else DynamicTreeBuilder(budget=int(args.budget), depth=args.depth, top_k=args.top_k_draft))
     gen = SpeculativeGenerator(target, load_drafter(args.drafter, target), builder)
@@ -311,6 +328,11 @@ def main() -> int:
     p.add_argument("--depth", type=int, default=4, help="depth of a numeric --budget's dynamic tree")
     p.add_argument("--top-k-draft", type=int, default=2, help="children per node of a numeric --budget's tree")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server and of the generator")
+    p.add_argument("--kernel", default=None,
+                   help="the target's linear kernel on every treespec server and the generator; default: the "
+                        "serving preset for this CPU kind (treespec.cli.presets), as `treespec serve` picks it")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compiled passes on every treespec server and the generator; default: the serving preset")
     p.add_argument("--compare-prompts", type=int, default=20, help="greedy prompts of the c = 1 comparison")
     p.add_argument("--minutes", type=float, default=40.0,
                    help="time bound of the levels: later requests are skipped (reported)")
@@ -326,6 +348,7 @@ def main() -> int:
 
     if args.blocks < 1 or args.blocks > args.requests:
         p.error(f"--blocks must be between 1 and --requests ({args.requests}), got {args.blocks}")
+    args.kernel, args.compile = serving_path(args.kernel, args.compile)
     started = time.monotonic()
     levels = [int(c) for c in args.concurrency.split(",")]
     rng = random.Random(args.seed)
@@ -335,7 +358,8 @@ def main() -> int:
     seeds = [rng.randrange(2**31) for _ in range(n)]
     cancels = [rng.randint(1, 3) if rng.random() < args.cancel else None for _ in range(n)]
     common = ["--max-batch", str(max(levels)), "--max-queue", str(max(levels) * 2 + 8),
-              "--max-tokens-default", str(args.max_tokens)]
+              "--max-tokens-default", str(args.max_tokens), "--kernel", args.kernel,
+              "--compile" if args.compile else "--no-compile"]
     spec_flags = ["--drafter", args.drafter, "--budget", args.budget]
     if args.budget != "auto":
         spec_flags += ["--depth", str(args.depth), "--top-k-draft", str(args.top_k_draft)]
@@ -464,7 +488,9 @@ def write(result: dict, args) -> None:
     la0, la1 = result["load_average_start"], result["load_average_end"]
     lines = ["# Load test of `treespec serve` (loopback, openai client, server in its own process)", "",
              machine_line(info), "",
-             f"SmolLM2-135M ({args.drafter}, budget {args.budget}), {args.requests} chat requests per level, "
+             f"SmolLM2-135M ({args.drafter}, budget {args.budget}; --kernel {args.kernel}, passes "
+             f"{'compiled' if args.compile else 'eager'}, on every treespec server and the generator), "
+             f"{args.requests} chat requests per level, "
              f"max_tokens {args.max_tokens}, T = 0 / 1 alternating (seeded), {args.cancel:.0%} closed mid-stream; "
              f"server and generator on {args.threads} torch thread(s). Host load average (1 min) "
              f"{la0[0]:.1f} at the start, {la1[0]:.1f} at the end, on {os.cpu_count()} cores shared with other work.",

@@ -16,6 +16,7 @@ import torch
 
 from treespec import ChainBuilder, SpeculativeGenerator, SpeculativeServer
 from treespec.core.sampling import SamplingConfig
+from treespec.planning import Curve
 from treespec.core.tree import DraftTree
 from treespec.core.tree_batch import TreeBatch
 from treespec.runtime.batch_compiled import BatchPasses, CompiledBatchVerifier, batch_bucket, batch_passes
@@ -134,3 +135,32 @@ def test_a_server_on_a_compiled_target_decodes_each_request_as_the_generator_doe
         rids.append(server.add_request(torch.tensor(prompts[3]), max_new_tokens=limits[3]))
         done = server.run()
         assert [list(done[r].tokens) for r in rids] == want
+
+
+def test_a_compiled_target_is_calibrated_on_its_batch_graphs(compiled, monkeypatch):
+    """``calibrate_batches(passes=...)`` times the batch graphs the server runs, at their node
+    buckets (n nodes cost their bucket's time), and auto plans no tree past those buckets when
+    requests share a step."""
+    from treespec.calibrate.passes import calibrate_batches
+    from treespec.planning import Calibration, model_shape
+    from treespec.runtime.server import AUTO_MAX_BUDGET, auto_max_budget
+
+    target, fast = compiled
+    seen = []
+    real = CompiledPasses.run_batch
+
+    def spy(self, ids, *a, **k):
+        seen.append((self.batch, ids.shape[1]))
+        return real(self, ids, *a, **k)
+
+    monkeypatch.setattr(CompiledPasses, "run_batch", spy)
+    base = Calibration(model="toy", shape=model_shape("smollm2-135m", bytes_per_weight=4), context=6,
+                       target=Curve.fit([1, 2], [1.0, 1.0]))
+    cal = calibrate_batches(base, target.model, (3,), ns=(1, 2, 3, 4), n_warmup=0, n_rep=1,
+                            passes=batch_passes(fast))
+    assert cal.batch_target[3].ns == (1, 2)               # the batch graphs' node buckets
+    assert {s for s in seen} == {(4, 1), (4, 2)}          # three requests in the cache of four
+    with pytest.raises(ValueError, match="compiled batch passes of model"):
+        calibrate_batches(base, peaky_target(V).model, (2,), passes=batch_passes(fast))
+    assert auto_max_budget(fast, 1) == AUTO_MAX_BUDGET and auto_max_budget(target, 8) == AUTO_MAX_BUDGET
+    assert auto_max_budget(fast, 2) == 2

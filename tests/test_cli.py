@@ -227,8 +227,10 @@ def test_auto_measures_the_drafter_under_its_key_before_planning(command, monkey
 
 def test_serve_defaults_to_the_targets_serving_drafter_with_budget_auto():
     """With no --drafter, ``serve`` takes the drafter of the target's serving preset (SmolLM2:
-    eagle3, the load-tested row; Qwen: its 0.5B) and keeps --budget auto; a target without a
-    preset gets eagle3, and a --drafter given always wins (none included)."""
+    eagle3, the load-tested row; Qwen: its 0.5B) and keeps --budget auto; on an AVX2-only CPU
+    the preset's x8 kernel and compiled passes too, unless --kernel / --compile / --dtype say
+    otherwise. A target without a preset gets eagle3, and a --drafter given always wins (none
+    included)."""
     from treespec.cli.main import build_parser
     from treespec.cli.presets import SERVE_PRESETS, apply_serve_preset
     from treespec.fastpath.cpu import CpuInfo
@@ -236,16 +238,22 @@ def test_serve_defaults_to_the_targets_serving_drafter_with_budget_auto():
     parser = build_parser()
     for flags in (("avx2", "fma"), ("avx2", "avx512f", "avx512_bf16"), ("avx2", "avx512_bf16", "amx_bf16")):
         cpu = CpuInfo("test", flags, "AVX2")
+        path = ("x8", True) if cpu.kind == "avx2" else ("auto", False)
         args = parser.parse_args(["serve"])
         assert apply_serve_preset(args, cpu) is SERVE_PRESETS["smollm2-135m"][cpu.kind]
-        assert (args.drafter, args.budget) == ("eagle3", "auto")
+        assert (args.drafter, args.budget, args.kernel, args.compile) == ("eagle3", "auto", *path)
         args = parser.parse_args(["serve", "--model", "qwen2.5-coder-1.5b"])
         assert apply_serve_preset(args, cpu) is not None
-        assert (args.drafter, args.budget) == ("qwen2.5-coder-0.5b", "auto")
+        assert (args.drafter, args.budget, args.kernel, args.compile) == ("qwen2.5-coder-0.5b", "auto", *path)
     cpu = CpuInfo("test", ("avx2", "fma"), "AVX2")
     for given in ("none", "hybrid"):
         args = parser.parse_args(["serve", "--drafter", given, "--budget", "8"])
-        assert apply_serve_preset(args, cpu) is None and (args.drafter, args.budget) == (given, "8")
+        assert apply_serve_preset(args, cpu) is not None            # the path still comes from the preset
+        assert (args.drafter, args.budget, args.kernel, args.compile) == (given, "8", "x8", True)
+    for flags, path in ((["--no-compile"], ("auto", False)), (["--kernel", "x8"], ("x8", False)),
+                        (["--dtype", "bfloat16"], ("auto", False))):
+        args = parser.parse_args(["serve", "--drafter", "none", *flags])
+        assert apply_serve_preset(args, cpu) is None and (args.kernel, args.compile) == path
     args = parser.parse_args(["serve"])
     args.model = "no-such-preset"            # a target no measurement covers
     assert apply_serve_preset(args, cpu) is None and args.drafter == "eagle3"

@@ -54,7 +54,7 @@ def test_serve_auto_ensures_the_calibration_and_shrinks_the_tree_as_the_batch_gr
         return _compute_bound_calibration(_device_description(t.device), batches).save(path)
 
     monkeypatch.setattr(ensure, "ensure_calibration", measure)
-    args = build_parser().parse_args(["serve", "--drafter", "lookup", "--drafter-option", "min_ngram=2",
+    args = build_parser().parse_args(["serve", "--no-compile", "--drafter", "lookup", "--drafter-option", "min_ngram=2",
                                       "--max-batch", "8", "--threads", "1"])
     got, server = serve.build_server(args)
     assert got is target and isinstance(server, SpeculativeServer)
@@ -94,7 +94,7 @@ def test_where_auto_plans_no_tree_at_any_batch_the_server_runs_without_the_draft
         return _compute_bound_calibration(_device_description(t.device), batches, flat_tokens=1).save(path)
 
     monkeypatch.setattr(ensure, "ensure_calibration", measure)
-    args = build_parser().parse_args(["serve", "--drafter", "lookup", "--drafter-option", "min_ngram=2",
+    args = build_parser().parse_args(["serve", "--no-compile", "--drafter", "lookup", "--drafter-option", "min_ngram=2",
                                       "--max-batch", "4", "--threads", "1"])
     _, server = serve.build_server(args)
     err = capsys.readouterr().err

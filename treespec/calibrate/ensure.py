@@ -148,7 +148,10 @@ def _complete_calibration(cal, path, target, drafter_name: str, held_out, batche
     if missing_loop:
         cal = calibrate_loop(cal, drafter_name, drafter_name, target, held_out, progress=say)
     if missing_b:
-        cal = calibrate_batches(cal, target.model, missing_b, progress=say)
+        from treespec.runtime.batch_compiled import batch_passes
+
+        compiled = batch_passes(target) if target.passes is not None else None   # the graphs the server runs
+        cal = calibrate_batches(cal, target.model, missing_b, progress=say, passes=compiled)
     if missing_d:
         cal = calibrate_drafter_batches(cal, drafter_name, target, missing_d, progress=say)
     cal.save(path)

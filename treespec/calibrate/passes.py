@@ -275,10 +275,12 @@ BATCH_SIZES: tuple[int, ...] = (2, 4, 8, 16)
 
 
 def batch_verify_passes(model: Any, batch: int, ns: Sequence[int], context: int,
-                        seed: int = 0) -> list[Callable[[], None]]:
+                        seed: int = 0, passes: Any = None) -> list[Callable[[], None]]:
     """One callable per n: ONE batched verify pass (``BatchVerifier.score``: B chains of n nodes
     over B cached prefixes of ``context`` random tokens, ragged 4-D mask, per-row positions,
-    softmax per request), then ``discard`` back to the prefixes (built once here)."""
+    softmax per request), then ``discard`` back to the prefixes (built once here). ``passes``:
+    None (eager), or the target's ``BatchPasses`` (its compiled batch graphs, as the server
+    runs them)."""
     import torch
 
     from treespec.core.tree_batch import TreeBatch
@@ -290,7 +292,12 @@ def batch_verify_passes(model: Any, batch: int, ns: Sequence[int], context: int,
     param = next(model.parameters())
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    verifier = BatchVerifier(model)
+    if passes is None:
+        verifier = BatchVerifier(model)
+    else:
+        from treespec.runtime.batch_compiled import CompiledBatchVerifier
+
+        verifier = CompiledBatchVerifier(passes)
     verifier.prefill([torch.randint(vocab, (context + 1,), generator=gen) for _ in range(batch)])
     config = [SamplingConfig(1.0)] * batch   # the full softmax, as a T > 0 request pays
 
@@ -312,21 +319,29 @@ def batch_verify_passes(model: Any, batch: int, ns: Sequence[int], context: int,
 def calibrate_batches(calibration: Calibration, model: Any, batches: Sequence[int] = BATCH_SIZES,
                       ns: Sequence[int] = BATCH_NS, n_warmup: int = 1, n_rep: int = 5,
                       clock: Callable[[], float] = time.perf_counter,
-                      progress: Callable[[str], None] | None = None) -> Calibration:
+                      progress: Callable[[str], None] | None = None, passes: Any = None) -> Calibration:
     """``calibration`` plus the batched verify pass of ``model`` measured at every B in
     ``batches`` (> 1) and n nodes per request in ``ns`` (``Calibration.batch_target``), at the
     calibration's context; run it with the calibration's threads. Cost: about
     (n_warmup + n_rep) · Σ_B B · Σ n rows through the target (~1 min for the defaults on a
-    135M model on one CPU core)."""
+    135M model on one CPU core). ``passes``: the target's ``BatchPasses`` where its passes are
+    compiled: measured through its graphs at their node buckets up to ``ns[-1]`` (n nodes
+    cost what their bucket costs), each a graph of its own to compile first."""
     if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 2 for b in batches):
         raise ValueError(f"batches must be ints >= 2 (batch 1 is the target curve), got {list(batches)}")
     if not ns or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in ns) or list(ns) != sorted(set(ns)):
         raise ValueError(f"ns must be increasing ints >= 1, got {list(ns)}")
     say = progress or (lambda message: None)
     measured = dict(calibration.batch_target)
+    if passes is not None:
+        if passes.model is not model:
+            raise ValueError("passes must be the compiled batch passes of model (batch_passes(target))")
+        ns = tuple(n for n in passes.node_buckets if n <= ns[-1]) or passes.node_buckets[:1]
     for b in sorted(set(batches)):
-        measured[b] = _shuffled_curve(lambda order: batch_verify_passes(model, b, order, calibration.context),
-                                      ns, n_warmup, n_rep, clock, f"batch {b}", say)
+        curve = _shuffled_curve(lambda order: batch_verify_passes(model, b, order, calibration.context,
+                                                                  passes=passes),
+                                ns, n_warmup, n_rep, clock, f"batch {b}", say)
+        measured[b] = curve if passes is None else bucket_steps(curve, ns)
     return dataclasses.replace(calibration, batch_target=measured)
 
 

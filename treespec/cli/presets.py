@@ -10,9 +10,10 @@ input rounded to 8-bit integers per block of 32, as llama.cpp multiplies) with c
 and there no drafter pays, so its preset is plain decoding. ``demo`` keeps the CPU's default
 path: it compares with HF ``generate`` on the same path, which runs eagerly.
 
-``serve`` takes only the drafter from here (``SERVE_PRESETS``): its tree is always ``--budget
-auto`` unless given, the one tree choice that follows a batch size changing from step to step
-(a fixed tree that pays at batch 1 loses at batch 8).
+``serve`` takes the drafter, the linear kernel and whether the passes run compiled from here
+(``SERVE_PRESETS``; the kernel and compilation as ``generate`` takes them): its tree is always
+``--budget auto`` unless given, the one tree choice that follows a batch size changing from
+step to step (a fixed tree that pays at batch 1 loses at batch 8).
 
 Only configurations a user can name on the command line are listed (a registered drafter, a
 builder, a budget). The fastest Qwen row on AMX (``switch best12 head8 int4 vocab32k ctx`` in
@@ -92,9 +93,17 @@ _SERVE_QWEN = Preset("qwen2.5-coder-0.5b", "dynamic", "auto",
                      "the 0.5B is the drafter of the target's fastest nameable row (qwen_avx512bf16.md); --budget "
                      "auto sizes its tree for each batch size from this machine's calibration")
 
+# AVX2 only: the x8 target with compiled passes, as generate runs it (the batch verified through
+# compiled graphs of 1, 2, 4, 8 requests); eagle3 stays the drafter auto weighs at each batch size
+_SERVE_SMOLLM2_AVX2 = Preset("eagle3", "dynamic", "auto",
+                             "serve_load_avx2.md: the x8 target with compiled passes", kernel="x8", compile=True)
+_SERVE_QWEN_AVX2 = Preset("qwen2.5-coder-0.5b", "dynamic", "auto",
+                          "qwen_avx2.md: the x8 target with compiled passes is the fastest Qwen path on AVX2",
+                          kernel="x8", compile=True)
+
 SERVE_PRESETS: dict[str, dict[str, Preset]] = {
-    "smollm2-135m": _on_every_kind(_SERVE_SMOLLM2),
-    "qwen2.5-coder-1.5b": _on_every_kind(_SERVE_QWEN),
+    "smollm2-135m": _on_every_kind(_SERVE_SMOLLM2, avx2=_SERVE_SMOLLM2_AVX2),
+    "qwen2.5-coder-1.5b": _on_every_kind(_SERVE_QWEN, avx2=_SERVE_QWEN_AVX2),
 }
 
 
@@ -148,11 +157,12 @@ def _apply_path(args, preset: Preset | None) -> bool:
 
 
 def apply_serve_preset(args, cpu: CpuInfo | None = None) -> Preset | None:
-    """``treespec serve``: fill the --drafter the user left out (None) from the target's serving
-    preset for this CPU kind (else eagle3); --budget keeps its own default, auto. Returns the
-    preset where it supplied the drafter."""
-    if args.drafter is not None:
-        return None
+    """``treespec serve``: fill the --drafter, --kernel and --compile the user left out (None)
+    from the target's serving preset for this CPU kind (else eagle3 on the CPU's own path;
+    --kernel / --compile as for ``generate``); --budget keeps its own default, auto. Returns the
+    preset where it supplied something."""
     preset = SERVE_PRESETS.get(args.model, {}).get((cpu if cpu is not None else cpu_info()).kind)
-    args.drafter = preset.drafter if preset is not None else FALLBACK["drafter"]
-    return preset
+    used = _apply_path(args, preset)
+    if args.drafter is None:
+        args.drafter, used = (preset.drafter, True) if preset is not None else (FALLBACK["drafter"], used)
+    return preset if used else None

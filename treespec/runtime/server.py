@@ -66,11 +66,20 @@ from treespec.builders.base import TreeBuilder
 from treespec.builders.batch import BuildJob, build_batch
 from treespec.builders.dynamic import DynamicTreeBuilder
 from treespec.core.acceptance import VERIFY_RULES, VerifyRule
-from treespec.runtime.batch_compiled import CompiledBatchVerifier, batch_passes
+from treespec.runtime.batch_compiled import BATCH_NODE_BUCKETS, CompiledBatchVerifier, batch_passes
 from treespec.runtime.batch_verifier import BatchVerifier
 
 AUTO_MAX_BUDGET = 65          # the largest tree (nodes, root incl.) budget="auto" may pick; context is reserved for it
 AUTO_DETACH_STEPS = 8         # plain steps in a row after which an auto request leaves the drafter
+
+
+def auto_max_budget(target: Target, batch: int) -> int:
+    """The largest tree auto plans for a request among ``batch``: :data:`AUTO_MAX_BUDGET`, and
+    on compiled passes with others beside it the largest node bucket of the batched graphs
+    (``BATCH_NODE_BUCKETS``; the calibration measured nothing larger)."""
+    if target.passes is not None and batch > 1:
+        return min(AUTO_MAX_BUDGET, BATCH_NODE_BUCKETS[-1])
+    return AUTO_MAX_BUDGET
 
 
 @dataclass(frozen=True)
@@ -358,7 +367,8 @@ class SpeculativeServer:
         key = (len(self._live) if batch is None else batch, temperature)
         if key not in self._auto:
             self._auto[key] = auto_builder(self.target, self.drafter, self.calibration,
-                                           max_budget=AUTO_MAX_BUDGET, batch=key[0], temperature=temperature)
+                                           max_budget=auto_max_budget(self.target, key[0]), batch=key[0],
+                                           temperature=temperature)
         return self._auto[key]
 
     def _admit(self) -> None:

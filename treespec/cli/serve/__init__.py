@@ -16,12 +16,13 @@ import sys
 
 def register(sub) -> None:
     """Add the ``serve`` subcommand to the CLI's subparsers."""
-    from treespec.cli.plan import add_target_args
+    from treespec.cli.plan import add_compile_arg, add_target_args
     from treespec.targets.loader import TARGET_LOADERS
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, /metrics)")
     p.add_argument("--model", default="smollm2-135m", choices=sorted(TARGET_LOADERS), help="target")
     add_target_args(p)
+    add_compile_arg(p)
     p.add_argument("--drafter", default=None,
                    help="registered drafter name, or 'none': plain decoding, speculation off; default: the "
                         "target's serving preset for this kind of CPU (treespec.cli.presets: smollm2-135m "
@@ -46,7 +47,8 @@ def register(sub) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds live requests get to finish after SIGTERM")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.set_defaults(func=cmd_serve)
+    # --kernel / --compile left out: the target's serving preset for this CPU kind (treespec.cli.presets)
+    p.set_defaults(func=cmd_serve, kernel=None, compile=None)
 
 
 def build_server(args: argparse.Namespace):
@@ -62,7 +64,7 @@ def build_server(args: argparse.Namespace):
     from treespec.fastpath.device import resolve_device
     from treespec.runtime.server import SpeculativeServer
 
-    preset = apply_serve_preset(args)    # no --drafter: the target's serving preset
+    preset = apply_serve_preset(args)    # no --drafter / --kernel / --compile: the target's serving preset
     for name in ("max_batch", "max_queue", "max_tokens_default"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -93,12 +95,16 @@ def build_server(args: argparse.Namespace):
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     target = load_target(args.model, dtype=args.dtype, device=resolve_device(args.device), pack=target_pack(args))
+    if args.compile:
+        from treespec.runtime.compiled import compile_target
+
+        target = compile_target(target)
     print(f"[target: {target.speed_path}]", file=sys.stderr, flush=True)
     if preset is not None:
-        print(f"[no --drafter given: --drafter {preset.drafter} ({preset.source})]", file=sys.stderr, flush=True)
+        print(f"[the serving preset for this CPU: {preset.describe()}]", file=sys.stderr, flush=True)
     if args.drafter == "none":
-        return target, SpeculativeServer(target, None)
-    drafter = load_drafter(args.drafter, target, **options)
+        return target, warmed(SpeculativeServer(target, None), args.max_batch)
+    drafter = load_drafter(args.drafter, target, **options)    # batched calls, eager (not compiled)
     if budget is None:
         from treespec.calibrate.ensure import ensure_calibration
 
@@ -113,10 +119,26 @@ def build_server(args: argparse.Namespace):
             # the text): where auto plans no tree at all, the server decodes plainly without it.
             print(f"[auto: no tree pays on this machine at any batch size up to {args.max_batch}, greedy or "
                   f"sampled: serving plain decoding, {args.drafter} not run]", file=sys.stderr, flush=True)
-            return target, SpeculativeServer(target, None)
-        return target, server
+            return target, warmed(SpeculativeServer(target, None), args.max_batch)
+        return target, warmed(server, args.max_batch, max(builder.budget for _, _, builder in plan))
     builder = DynamicTreeBuilder(budget=budget, depth=args.depth, top_k=args.top_k_draft)
-    return target, SpeculativeServer(target, drafter, builder, verify=args.verify)
+    return target, warmed(SpeculativeServer(target, drafter, builder, verify=args.verify), args.max_batch, budget)
+
+
+def warmed(server, max_batch: int, nodes: int = 1):
+    """``server``, its compiled graphs (where the target's passes are compiled) built now, before
+    it listens: every batch bucket up to ``max_batch`` requests for trees of up to ``nodes``
+    nodes, with no hidden states (plain steps), and with the drafter's feature layers for one
+    request (other shapes compile when first met, announced)."""
+    if server.target.passes is None:
+        return server
+    from treespec.runtime.batch_compiled import batch_passes
+
+    passes = batch_passes(server.target)
+    passes.warm(max_batch, nodes)
+    if server.layers and nodes > 1:
+        passes.single.warm(nodes, server.layers)
+    return server
 
 
 def auto_batches(max_batch: int) -> tuple[int, ...]:
@@ -129,10 +151,10 @@ def auto_plan(server, max_batch: int, temperatures: tuple[float, ...] = (0.0, 1.
     """(batch size, temperature, the tree auto gives a request at that temperature when that
     many are decoded together) for batch 1, the measured sizes and ``max_batch``."""
     from treespec.runtime.generator import auto_builder
-    from treespec.runtime.server import AUTO_MAX_BUDGET
+    from treespec.runtime.server import auto_max_budget
 
-    return [(b, t, auto_builder(server.target, server.drafter, server.calibration, max_budget=AUTO_MAX_BUDGET,
-                                batch=b, temperature=t))
+    return [(b, t, auto_builder(server.target, server.drafter, server.calibration,
+                                max_budget=auto_max_budget(server.target, b), batch=b, temperature=t))
             for t in temperatures for b in sorted({1, *auto_batches(max_batch)})]
 
 
