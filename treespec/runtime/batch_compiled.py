@@ -145,10 +145,10 @@ class CompiledBatchVerifier(BatchVerifier):
 
     def _move(self, keep: list[int], batch: int, length: int) -> None:
         """The live rows ``keep`` (in that order) as rows 0, 1, ... of the cache of ``batch``
-        requests, which holds at least ``length`` positions plus a pass."""
+        requests, which holds at least ``length`` positions (a pass past its size grows it)."""
         dest = self.passes.of(batch)
         old = self.rows
-        need = length + dest.buckets[-1] + 1
+        need = length + 1
         if dest is old:
             dest._ensure(need, keep=True)
             if keep != list(range(len(keep))):
