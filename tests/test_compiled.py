@@ -155,9 +155,15 @@ def test_greedy_on_the_compiled_path_equals_plain_decoding(compiled, builder):
     want = plain.generate(prompt, 40, temperature=0.0).token_ids.tolist()
     eager = SpeculativeGenerator(target, NGramDrafter(V), DynamicTreeBuilder(budget=1, depth=1, top_k=1))
     assert eager.generate(prompt, 40, temperature=0.0).token_ids.tolist() == want
-    # ~nothing / everything accepted; the model drafter's calls eager and compiled
+    # ~nothing / everything accepted; the model drafter's calls eager and compiled; a feature
+    # head's calls compiled
+    from treespec.drafters.feature import random_feature_drafter
+    from treespec.drafters.feature_compiled import CompiledHeadCalls
+
+    head = random_feature_drafter(fast, "eagle3", seed=1)
+    head.compiled = CompiledHeadCalls(head.head, buckets=(1, 4), max_len=256, cpp_wrapper=False, announce=False)
     for drafter in (NGramDrafter(V, seed=1), ModelDrafter(fast.model, V),
-                    compile_drafter(ModelDrafter(fast.model, V), buckets=(1, 4))):
+                    compile_drafter(ModelDrafter(fast.model, V), buckets=(1, 4)), head):
         gen = SpeculativeGenerator(fast, drafter, builder)
         assert gen.generate(prompt, 40, temperature=0.0).token_ids.tolist() == want
 
@@ -203,11 +209,61 @@ def test_a_compiled_drafter_drafts_the_eager_drafters_q(compiled, draft_vocab):
     both(tree, [0])
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_a_compiled_feature_head_drafts_the_eager_heads_q(compiled, kind):
+    """A feature head's calls compiled (rows 1 and 4; the prompt's slots and a 5-node frontier
+    run eagerly on the same static cache) give the eager head's logits to fp32 rounding through
+    root calls of 1 and 2 pending slots, frontiers of 1, 2 and 5 nodes and commits that drop
+    the tree region; the committed cache equals the eager drafter's."""
+    from treespec.drafters.base import TargetFeatures
+    from treespec.drafters.feature import random_feature_drafter
+    from treespec.drafters.feature_compiled import CompiledHeadCalls
+
+    target, _ = compiled
+    eager = random_feature_drafter(target, kind, seed=1)
+    fast = random_feature_drafter(target, kind, seed=1)
+    fast.compiled = CompiledHeadCalls(fast.head, buckets=(1, 4), max_len=256, cpp_wrapper=False, announce=False)
+    gen = torch.Generator().manual_seed(0)
+
+    def feats(n):
+        return TargetFeatures({i: torch.randn(n, 32, generator=gen) for i in eager.target_layers})
+
+    prompt = torch.tensor([(3 * i + 1) % V for i in range(30)])
+    f = feats(29)
+    for d in (eager, fast):
+        d.begin(prompt, f)
+
+    def both(tree, nodes):
+        want, got = eager.expand(tree, nodes), fast.expand(tree, nodes)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    tree = PartialTree.rooted(int(prompt[-1]))
+    both(tree, [0])                                        # 29 slots: past every bucket, eagerly
+    n1, n2 = tree.add(0, 4), tree.add(0, 5)
+    both(tree, [n1, n2])                                   # the 4-row graph, 2 dummy rows
+    n3 = tree.add(n1, 7)
+    both(tree, [n3])
+    f = feats(3)
+    for d in (eager, fast):
+        d.commit(torch.tensor([0, n1, n3]), torch.tensor([4, 7, 9]), f)
+    tree = PartialTree.rooted(9)
+    both(tree, [0])                                        # 3 pending slots: the 4-row graph
+    kids = [tree.add(0, t) for t in (1, 2, 3, 6, 8)]
+    both(tree, kids)                                       # 5 rows: eagerly
+    f = feats(2)
+    for d in (eager, fast):
+        d.commit(torch.tensor([0, kids[2]]), torch.tensor([3, 11]), f)
+    tree = PartialTree.rooted(11)
+    both(tree, [0])
+    for want, got in zip(eager.committed_cache(), fast.committed_cache()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_compile_drafter_finds_the_model_inside_a_hybrid_and_refuses_drafters_without_one(compiled):
     target, fast = compiled
     hybrid = compile_drafter(HybridDrafter(ModelDrafter(target.model, V)), buckets=(1,))
     assert isinstance(drafter_passes(hybrid), CompiledPasses) and drafter_passes(hybrid).role == "drafter"
-    with pytest.raises(TypeError, match="has no model of its own"):
+    with pytest.raises(TypeError, match="has neither"):
         compile_drafter(NGramDrafter(V))
     # what --compile does: a model drafter of a compiled target only, once, its cache sized as the target's
     assert drafter_passes(compile_drafter_for(target, ModelDrafter(target.model, V))) is None
@@ -217,6 +273,20 @@ def test_compile_drafter_finds_the_model_inside_a_hybrid_and_refuses_drafters_wi
     passes = drafter_passes(drafter)
     assert passes.max_len == fast.passes.max_len and compile_drafter_for(fast, drafter) is drafter
     assert drafter_passes(drafter) is passes
+    # a feature head: compiled where its block does not run as fused C++ calls (AVX-512)
+    from treespec.drafters.feature import random_feature_drafter
+    from treespec.drafters.feature_compiled import head_compiles
+
+    eagle = random_feature_drafter(target, "eagle3", seed=1)
+    assert compile_drafter_for(target, eagle).compiled is None          # an eager target: left alone
+    hybrid = HybridDrafter(random_feature_drafter(target, "eagle3", seed=1))
+    if head_compiles(eagle.head):
+        assert compile_drafter_for(fast, eagle).compiled.max_len == fast.passes.max_len
+        assert compile_drafter(hybrid).head.compiled is not None
+    else:
+        assert compile_drafter_for(fast, eagle).compiled is None
+        with pytest.raises(ValueError, match="fused C.. calls already"):
+            compile_drafter(hybrid)
 
 
 def test_two_requests_cannot_interleave_on_one_compiled_cache(compiled):

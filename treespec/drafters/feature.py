@@ -338,10 +338,15 @@ class FeatureDrafter:
         d2t = head.draft_to_target
         self.d2t = None if d2t is None else d2t.to(self.device)
         self.calls = 0
+        # the head's calls compiled over a static cache (treespec.runtime.compiled.compile_drafter),
+        # or None: eager calls over a growing cache
+        self.compiled = None
         self._reset()
 
     def _reset(self) -> None:
         self.cache = GrowingLayer()
+        if self.compiled is not None:
+            self.compiled.length = 0
         self.committed = 0
         self.pending_tokens: list[int] = []
         self.pending_feats: torch.Tensor | None = None
@@ -408,7 +413,10 @@ class FeatureDrafter:
                              f"nodes ({len(toks)} rows), got {features.length}")
         # Stable cache: drop every tree slot (and a featureless temporary root slot).
         if (extra := self._cached() - self.committed) > 0:
-            self.cache.crop(-extra)
+            if self.compiled is not None:
+                self.compiled.length -= extra
+            else:
+                self.cache.crop(-extra)
         self.g, self.slot = {}, {}
         self.root_token = toks[-1]
         self._queue(toks, features)
@@ -449,11 +457,15 @@ class FeatureDrafter:
     def _run(self, toks, feat, pos, allowed) -> torch.Tensor:
         """One head forward over new slots appended to the cache; returns g [T, H]."""
         self.calls += 1
+        if self.compiled is not None:
+            return self.compiled.run(toks, feat, pos, allowed)
         g, _ = self.head(toks, feat, pos, self.cache, allowed[None, None])   # appends to the cache
         return g[0]
 
     def _cached(self) -> int:
         """Slots in the head's cache (committed, then the current tree's)."""
+        if self.compiled is not None:
+            return self.compiled.length
         return self.cache.keys.shape[2] if self.cache.is_initialized else 0
 
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -466,6 +478,9 @@ class FeatureDrafter:
 
     def committed_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of the committed slots, each [1, Hkv, S, d] (for tests)."""
+        if self.compiled is not None:
+            layer = self.compiled.layer
+            return layer.keys[:, :, :self.committed], layer.values[:, :, :self.committed]
         if not self.cache.is_initialized:
             b = self.head.block
             empty = torch.zeros(1, b.nkv, 0, b.d, device=self.device, dtype=self.dtype)

@@ -37,7 +37,7 @@ import torch
 from treespec.core.tree import DraftTree
 
 __all__ = ["DEFAULT_BUCKETS", "DRAFTER_BUCKETS", "CompiledPasses", "compile_drafter", "compile_drafter_for",
-           "compile_target", "drafter_passes", "model_drafter", "parse_buckets"]
+           "compile_target", "drafter_passes", "feature_drafter", "model_drafter", "parse_buckets", "warm_drafter"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # a drafter model's calls: a chain expands one node a call, and a root call feeds 1-2 tokens
@@ -79,34 +79,81 @@ def model_drafter(drafter):
     return drafter
 
 
+def feature_drafter(drafter):
+    """The :class:`treespec.drafters.feature.FeatureDrafter` (EAGLE, EAGLE-3, MTP) that
+    ``drafter`` drafts with (itself, or a hybrid or switch drafter's head), or None."""
+    from treespec.drafters.feature import FeatureDrafter
+
+    while drafter is not None and not isinstance(drafter, FeatureDrafter):
+        drafter = getattr(drafter, "head", None)
+    return drafter
+
+
 def drafter_passes(drafter) -> "CompiledPasses | None":
     """The compiled passes of ``drafter``'s model (:func:`model_drafter`), or None."""
     return getattr(model_drafter(drafter), "passes", None)
 
 
+def warm_drafter(drafter, length: int) -> None:
+    """Compile now (off any clock) every bucket of ``drafter``'s compiled calls, a model's or a
+    feature head's, for a cache of at least ``length`` positions; nothing where it has none.
+    Its cache content is left undefined: call before a request's ``begin``."""
+    if (passes := drafter_passes(drafter)) is not None:
+        passes.warm(passes.buckets[-1], (), length)
+    elif (head := getattr(feature_drafter(drafter), "compiled", None)) is not None:
+        head.warm(length)
+
+
 def compile_drafter(drafter, buckets: Sequence[int] = DRAFTER_BUCKETS, max_len: int = 512):
-    """``drafter`` (changed in place and returned) with its model's calls run as compiled,
-    fixed-shape graphs over a preallocated cache, as :func:`compile_target` runs a target's:
-    a :class:`treespec.drafters.ModelDrafter` (a small model of the target's family, an
-    early-exit model), or a hybrid or switch drafter that drafts with one. A call of more rows
-    than the largest bucket (the prompt) runs eagerly on the same cache. With a ``draft_vocab``
-    the graphs end at the decoder and the sliced head runs after them. The drafts' q is the
-    eager call's to fp32 rounding, and acceptance reads that q, so the output stays exact."""
+    """``drafter`` (changed in place and returned) with its calls run as compiled, fixed-shape
+    graphs over a preallocated cache, as :func:`compile_target` runs a target's:
+
+    - a :class:`treespec.drafters.ModelDrafter` (a small model of the target's family, an
+      early-exit model), or a hybrid or switch drafter that drafts with one: its model's calls,
+      padded to ``buckets`` rows; a call of more rows (the prompt) runs eagerly on the same
+      cache; with a ``draft_vocab`` the graphs end at the decoder and the sliced head runs after;
+    - a feature drafter (EAGLE, EAGLE-3, MTP; or a hybrid over one): its head's calls
+      (:class:`treespec.drafters.feature_compiled.CompiledHeadCalls`, rows padded to 1, 2, 4,
+      8). Where the CPU runs the head's block as two fused C++ calls (AVX-512), ValueError.
+
+    The drafts' q is the eager call's to fp32 rounding, and acceptance reads that q, so the
+    output stays exact."""
     inner = model_drafter(drafter)
-    if inner is None:
-        raise TypeError(f"compile_drafter compiles a drafter model's calls; a {type(drafter).__name__} has no "
-                        "model of its own (pass a ModelDrafter, e.g. load_drafter('qwen2.5-coder-0.5b', target), "
-                        "or a hybrid / switch drafter over one)")
-    inner.passes = CompiledPasses(inner.model, buckets, max_len, head=inner.vocab_head is None, role="drafter")
+    if inner is not None:
+        inner.passes = CompiledPasses(inner.model, buckets, max_len, head=inner.vocab_head is None, role="drafter")
+        return drafter
+    feature = feature_drafter(drafter)
+    if feature is None:
+        raise TypeError(f"compile_drafter compiles a drafter model's or a feature head's calls; a "
+                        f"{type(drafter).__name__} has neither (pass a ModelDrafter, e.g. "
+                        "load_drafter('qwen2.5-coder-0.5b', target), a feature drafter such as eagle3, or a "
+                        "hybrid / switch drafter over one)")
+    from treespec.drafters.feature_compiled import CompiledHeadCalls, head_compiles
+
+    if not head_compiles(feature.head):
+        raise ValueError("this CPU runs the feature head's block as two fused C++ calls already (AVX-512 row "
+                         "attention, integer-block linear layers); its calls are not compiled")
+    feature.compiled = CompiledHeadCalls(feature.head, max_len=max_len)
     return drafter
 
 
 def compile_drafter_for(target, drafter):
-    """``drafter`` with its model's calls compiled (:func:`compile_drafter`, the cache sized as
-    the target's) where ``target``'s passes are compiled and the drafter has a model of its own
-    not compiled yet; else ``drafter`` as it is. What ``--compile`` does to a drafter."""
-    if target.passes is not None and model_drafter(drafter) is not None and drafter_passes(drafter) is None:
-        compile_drafter(drafter, max_len=target.passes.max_len)
+    """``drafter`` with its calls compiled (:func:`compile_drafter`, the cache sized as the
+    target's) where ``target``'s passes are compiled and the drafter has a model or a feature
+    head of its own whose calls can be and are not compiled yet; else ``drafter`` as it is.
+    What ``--compile`` does to a drafter."""
+    if target.passes is None:
+        return drafter
+    if model_drafter(drafter) is not None:
+        if drafter_passes(drafter) is None:
+            compile_drafter(drafter, max_len=target.passes.max_len)
+        return drafter
+    feature = feature_drafter(drafter)
+    if feature is not None and feature.compiled is None:
+        from treespec.drafters.feature_compiled import head_compiles
+
+        if head_compiles(feature.head):
+            compile_drafter(drafter, max_len=target.passes.max_len)
     return drafter
 
 

@@ -38,7 +38,7 @@ from treespec.core.rejection import VERIFY_RULES, Acceptance, VerifyRule, accept
 # Called after every step with (built tree, acceptance, step index); e.g. to draw trees.
 StepHook = Callable[[BuiltTree, Acceptance, int], None]
 from treespec.runtime.verifier import TreeVerifier
-from treespec.runtime.compiled import drafter_passes
+from treespec.runtime.compiled import warm_drafter
 
 
 class DepthCounts:
@@ -500,9 +500,8 @@ class SpeculativeGenerator:
         budget = getattr(builder, "budget", 1)
         if self.target.passes is not None:   # compile what this request's trees may need, off the clock
             self.target.passes.warm(budget, layers, ids.numel() + max_new)
-        drafting = None if plain else drafter_passes(drafter)
-        if drafting is not None:             # every bucket of the drafter's calls, for the longest cache
-            drafting.warm(drafting.buckets[-1], (), ids.numel() + max_new + budget)
+        if not plain:                        # every bucket of the drafter's compiled calls, for the longest cache
+            warm_drafter(drafter, ids.numel() + max_new + budget)
 
         def clock() -> float:  # an accelerator's queued work is booked to the phase that ran it
             synchronize(device)
