@@ -142,7 +142,9 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
     """--compile: the target's verify passes as compiled graphs (``Target.compiled``)."""
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="run the target's passes as torch.compile'd fixed-shape graphs over a preallocated cache "
-                        "(node counts padded to 1, 2, 4, ..., 64), and a drafter model's calls likewise (1, 2, 4); "
+                        "(node counts padded to 1, 2, 4, ..., 64; serve: the batch too, 1, 2, 4, 8 requests), and "
+                        "the drafter's calls likewise in generate / bench (a model's 1, 2, 4 rows, a feature head's "
+                        "1, 2, 4, 8); "
                         "each graph compiles once, about three minutes with "
                         "Inductor's C++ wrapper on a CPU, then comes from Inductor's disk cache)")
 
