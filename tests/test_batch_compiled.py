@@ -164,3 +164,16 @@ def test_a_compiled_target_is_calibrated_on_its_batch_graphs(compiled, monkeypat
         calibrate_batches(base, peaky_target(V).model, (2,), passes=batch_passes(fast))
     assert auto_max_budget(fast, 1) == AUTO_MAX_BUDGET and auto_max_budget(target, 8) == AUTO_MAX_BUDGET
     assert auto_max_budget(fast, 2) == 2
+
+
+def test_a_generator_taking_the_targets_passes_from_a_server_is_refused(compiled):
+    """One request of a server sits in the target's own passes; a generator's request on the
+    same target prefills them: the server's next step is refused by name instead of reading the
+    generator's rows (and the generator's passes are left to it)."""
+    _, fast = compiled
+    server = SpeculativeServer(fast, None)
+    server.add_request(torch.tensor([1, 5, 7]), max_new_tokens=8)
+    server.step()
+    SpeculativeGenerator(fast, NGramDrafter(V), ChainBuilder(budget=2)).generate(torch.tensor([3, 4]), 4)
+    with pytest.raises(RuntimeError, match="a generator's request took the target's compiled passes"):
+        server.step()

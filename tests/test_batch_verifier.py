@@ -292,3 +292,28 @@ def test_discard_undoes_a_score() -> None:
     results = accept_batch(batch, again.probs, [None] * 3)
     bv.compact([r.keep_src for r in results])
     assert_rows_equal_sequential(model, bv, [c + r.tokens.tolist() for c, r in zip(committed, results)], 1e-5)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_requests_cache_does_not_depend_on_who_joined_with_it(attn: str) -> None:
+    """Prompts of different lengths prefilled together give each row the bits of its prompt
+    prefilled alone (no padded, masked prompt pass whose attention rounds differently): on
+    batch-invariant kernels (treespec's packed ones) greedy output then cannot depend on which
+    requests joined together."""
+    model = peaky_llama(V, seed=4, hidden_size=32, num_layers=2, attn_implementation=attn, std=0.3)
+    prompts = [torch.tensor([1, 5, 7, 2, 9, 3, 11]), torch.tensor([4]), torch.tensor([3, 4, 6])]
+    together = BatchVerifier(model, target_layers=(1,))
+    feats = together.prefill(prompts)
+    assert together.prefix_lens == [6, 0, 2]
+    for b, p in enumerate(prompts):
+        alone = BatchVerifier(model, target_layers=(1,))
+        own = alone.prefill([p])
+        n = p.numel() - 1
+        for mine, theirs in zip(together.cache.layers, alone.cache.layers):
+            assert not mine.keys[b, :, n:].any() and not mine.values[b, :, n:].any()   # zero padding
+            if n:
+                assert torch.equal(mine.keys[b, :, :n], theirs.keys[0, :, :n])
+                assert torch.equal(mine.values[b, :, :n], theirs.values[0, :, :n])
+        assert feats[b].length == n
+        if n:
+            assert torch.equal(feats[b].hidden[1], own[0].hidden[1])

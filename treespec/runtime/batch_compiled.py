@@ -117,6 +117,10 @@ class CompiledBatchVerifier(BatchVerifier):
         if self.passes.owner is not self:
             raise RuntimeError("another verifier wrote the compiled batch caches since this one's prefill: "
                                "one verifier (one server) at a time runs on a target's compiled passes")
+        if self.rows is self.passes.single and self.rows.owner is not self:
+            raise RuntimeError("a generator's request took the target's compiled passes while this server's "
+                               "request held them: run a server and a generator on separate targets "
+                               "(compile_target each)")
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[torch.Tensor], features: bool = True):
@@ -164,6 +168,8 @@ class CompiledBatchVerifier(BatchVerifier):
                 for new, prev in zip(dest.cache.layers, old.cache.layers):
                     new.keys[:len(keep), :, :s] = prev.keys.index_select(0, idx)[:, :, :s]
                     new.values[:len(keep), :, :s] = prev.values.index_select(0, idx)[:, :, :s]
+        if dest is self.passes.single:
+            dest.owner = self            # the target's own passes: a generator's prefill takes them back
         self.rows = dest
         self.cache = dest.cache
 

@@ -16,7 +16,8 @@ zeroes everything past the new valid length and crops the shared length to max(P
 each row's valid cache equals sequential decoding of its request, nothing of a rejected branch
 survives, and memory is bounded by the longest live request. Requests leave between steps
 with ``retain`` (rows selected, length cropped to the longest kept row) and join with ``add``
-(their own prefill forward, rows appended, both sides zero-padded to the longer length).
+(their own prefill forward, one per prompt length, so a request's cache never depends on who
+joined with it; rows appended, both sides zero-padded to the longer length).
 """
 
 from __future__ import annotations
@@ -98,9 +99,11 @@ class BatchVerifier:
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[torch.Tensor], features: bool = True) -> tuple[TargetFeatures, ...]:
-        """Cache prompt[:-1] of every request (LongTensor[P_b + 1] each) in one right-padded
-        forward; returns each request's features [P_b, H] (empty ones with ``features=False``:
-        no request needs the target's hidden states). The last tokens are the roots."""
+        """Cache prompt[:-1] of every request (LongTensor[P_b + 1] each): one forward where all
+        have one length, else one per prompt, zero-padded and stacked (so a request's cache never
+        depends on who joined with it); returns each request's features [P_b, H] (empty ones
+        with ``features=False``: no request needs the target's hidden states). The last tokens
+        are the roots."""
         self.cache, self.prefix_lens, feats = self._prefill(prompts, features)
         self._pending = None
         return feats
@@ -115,27 +118,7 @@ class BatchVerifier:
         if self._pending is not None:
             raise RuntimeError("compact() the last scores before add()")
         cache, lens, feats = self._prefill(prompts, features)
-        s = max(self.prefix_lens + lens)
-        old_b, new_b = self.batch_size, len(lens)
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            filled = [x for x in (mine, theirs) if x.is_initialized and x.keys.numel()]
-            if not filled:
-                continue                        # nothing cached anywhere yet (all roots only)
-            _, heads, _, dim = filled[0].keys.shape
-
-            def rows(layer, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-                """A layer's (keys, values) [b, H_kv, S, d] zero-padded to S, empty ones too."""
-                if layer in filled:
-                    k, v = layer.keys, layer.values
-                else:
-                    k = v = filled[0].keys.new_zeros(b, heads, 0, dim)
-                return (torch.nn.functional.pad(k, (0, 0, 0, s - k.shape[2])),
-                        torch.nn.functional.pad(v, (0, 0, 0, s - v.shape[2])))
-
-            (ok, ov), (nk, nv) = rows(mine, old_b), rows(theirs, new_b)
-            if not mine.is_initialized:
-                mine.lazy_initialization(ok, ov)
-            mine.keys, mine.values = torch.cat([ok, nk]), torch.cat([ov, nv])
+        _concat_rows(self.cache, cache, self.batch_size, len(lens), max(self.prefix_lens + lens))
         self.prefix_lens = self.prefix_lens + lens
         return feats
 
@@ -157,33 +140,24 @@ class BatchVerifier:
                                       "compaction it does not know")
         lens = [p.numel() - 1 for p in prompts]
         s = max(lens)
+        if len(set(lens)) > 1:
+            # Each prompt alone, then their rows zero-padded and stacked: a padded batch's masked
+            # attention rounds differently from a lone prompt's causal one, and greedy output
+            # would then depend on which requests happened to join together
+            parts = [self._prefill([p], features) for p in prompts]
+            for b, (part, _, _) in enumerate(parts[1:], start=1):
+                _concat_rows(parts[0][0], part, b, 1, s)
+            return parts[0][0], lens, tuple(f for _, _, feats in parts for f in feats)
         if s == 0:
             hidden = self.model.config.hidden_size
             empty = TargetFeatures({i: torch.zeros(0, hidden, device=self.device, dtype=self.dtype)
                                     for i in self.target_layers}) if features else TargetFeatures.empty()
             return cache, lens, tuple(empty for _ in prompts)
-        b_ = len(prompts)
-        # [B, S]
-        ids = torch.zeros(b_, s, dtype=torch.long, device=self.device)
-        for b, p in enumerate(prompts):
-            ids[b, :p.numel() - 1] = p[:-1].to(self.device)
+        # [B, S]: equal lengths (one request, or several of one length), no padding: causal
+        ids = torch.stack([p[:-1] for p in prompts]).to(self.device)
         # No prompt row's logits are used (the root's come with the first tree): the LM head runs
         # over one row, not B x S (a [S, V] product and its S x V floats per request otherwise).
-        if len(set(lens)) == 1:             # no padding (one request, or equal lengths): causal
-            _, hidden = self._forward(ids, None, None, cache, logits_to_keep=1, features=features)
-            return cache, lens, tuple(self._features(hidden, b, p) for b, p in enumerate(lens))
-        pos = torch.arange(s, device=self.device).expand(b_, s)
-        q = torch.arange(s, device=self.device)
-        n = torch.tensor(lens, device=self.device)
-        # [B, S, S]: causal over the row's own tokens; a padding query sees only itself
-        real = (q[None, :, None] < n[:, None, None]) & (q[None, None, :] <= q[None, :, None]) \
-            & (q[None, None, :] < n[:, None, None])
-        mask = real | ((q[None, :, None] >= n[:, None, None]) & (q[None, None, :] == q[None, :, None]))
-        _, hidden = self._forward(ids, pos, mask, cache, logits_to_keep=1, features=features)
-        pad = (q[None] >= n[:, None])[:, None, :, None]               # [B, 1, S, 1]
-        for layer in cache.layers:          # padding slots hold zeros between steps
-            layer.keys.masked_fill_(pad, 0)
-            layer.values.masked_fill_(pad, 0)
+        _, hidden = self._forward(ids, None, None, cache, logits_to_keep=1, features=features)
         return cache, lens, tuple(self._features(hidden, b, p) for b, p in enumerate(lens))
 
     @torch.inference_mode()
@@ -315,6 +289,31 @@ class BatchVerifier:
                 layer.keys = layer.keys.index_select(0, idx)[:, :, :s_new]
                 layer.values = layer.values.index_select(0, idx)[:, :, :s_new]
         self.prefix_lens = lens
+
+
+def _concat_rows(mine: DynamicCache, theirs: DynamicCache, mine_rows: int, their_rows: int, s: int) -> None:
+    """Append the rows of cache ``theirs`` (``their_rows`` requests) after those of ``mine``
+    (``mine_rows``), both zero-padded to ``s`` positions; a side with nothing cached yet (roots
+    only) counts as zeros."""
+    for layer, other in zip(mine.layers, theirs.layers):
+        filled = [x for x in (layer, other) if x.is_initialized and x.keys.numel()]
+        if not filled:
+            continue                        # nothing cached anywhere yet (all roots only)
+        _, heads, _, dim = filled[0].keys.shape
+
+        def rows(x, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """A layer's (keys, values) [b, H_kv, S, d] zero-padded to S, empty ones too."""
+            if x in filled:
+                k, v = x.keys, x.values
+            else:
+                k = v = filled[0].keys.new_zeros(b, heads, 0, dim)
+            return (torch.nn.functional.pad(k, (0, 0, 0, s - k.shape[2])),
+                    torch.nn.functional.pad(v, (0, 0, 0, s - v.shape[2])))
+
+        (ok, ov), (nk, nv) = rows(layer, mine_rows), rows(other, their_rows)
+        if not layer.is_initialized:
+            layer.lazy_initialization(ok, ov)
+        layer.keys, layer.values = torch.cat([ok, nk]), torch.cat([ov, nv])
 
 
 def _shorten(layer, length: int) -> None:
