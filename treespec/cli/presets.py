@@ -96,7 +96,8 @@ _SERVE_QWEN = Preset("qwen2.5-coder-0.5b", "dynamic", "auto",
 # AVX2 only: the x8 target with compiled passes, as generate runs it (the batch verified through
 # compiled graphs of 1, 2, 4, 8 requests); eagle3 stays the drafter auto weighs at each batch size
 _SERVE_SMOLLM2_AVX2 = Preset("eagle3", "dynamic", "auto",
-                             "serve_load_avx2.md: the x8 target with compiled passes", kernel="x8", compile=True)
+                             "serve_load_avx2.md: the x8 target with compiled batch graphs, 26.3 tokens/s at c = 1 "
+                             "against llama-server's 14.6 (auto plans plain decoding there)", kernel="x8", compile=True)
 _SERVE_QWEN_AVX2 = Preset("qwen2.5-coder-0.5b", "dynamic", "auto",
                           "qwen_avx2.md: the x8 target with compiled passes is the fastest Qwen path on AVX2",
                           kernel="x8", compile=True)
