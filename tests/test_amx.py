@@ -111,7 +111,7 @@ def test_amx_is_refused_where_it_cannot_run(monkeypatch) -> None:
 
 
 def test_amx_status_names_the_missing_flags() -> None:
-    cpu = CpuInfo("AMD EPYC (test)", ("avx2", "fma", "avx512f", "avx512_bf16"), "AVX512")
+    cpu = CpuInfo("AMD EPYC (test)", ("avx2", "fma", "f16c", "avx512f", "avx512_bf16"), "AVX512")
     ok, why = amx_status(cpu, build=False)
     assert not ok and "amx_tile" in why and "amx_bf16" in why
 

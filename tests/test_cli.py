@@ -156,7 +156,7 @@ def test_demo_and_generate_default_to_the_fastest_measured_configuration():
         assert apply_preset(args, cpu) is PRESETS["smollm2-135m"][cpu.kind]
         assert (args.drafter, args.tree, args.budget, args.kernel, args.compile) == (
             "hybrid", "dynamic", "auto", "auto", False)
-    cpu = CpuInfo("test", ("avx2", "fma"), "AVX2")
+    cpu = CpuInfo("test", ("avx2", "fma", "f16c"), "AVX2")
     for model in ("smollm2-135m", "qwen2.5-coder-1.5b"):
         args = parser.parse_args(["generate", "--prompt", "Hi", "--model", model])
         assert apply_preset(args, cpu).plain
@@ -193,7 +193,7 @@ def test_a_path_flag_given_keeps_the_preset_path_away(flags, path):
     from treespec.fastpath.cpu import CpuInfo
 
     parser = build_parser()
-    cpu = CpuInfo("test", ("avx2", "fma"), "AVX2")
+    cpu = CpuInfo("test", ("avx2", "fma", "f16c"), "AVX2")
     args = parser.parse_args(["generate", "--prompt", "Hi", *flags])
     apply_preset(args, cpu)
     assert (args.kernel, args.compile) == path
@@ -236,7 +236,7 @@ def test_serve_defaults_to_the_targets_serving_drafter_with_budget_auto():
     from treespec.fastpath.cpu import CpuInfo
 
     parser = build_parser()
-    for flags in (("avx2", "fma"), ("avx2", "avx512f", "avx512_bf16"), ("avx2", "avx512_bf16", "amx_bf16")):
+    for flags in (("avx2", "fma", "f16c"), ("avx2", "avx512f", "avx512_bf16"), ("avx2", "avx512_bf16", "amx_bf16")):
         cpu = CpuInfo("test", flags, "AVX2")
         path = ("x8", True) if cpu.kind == "avx2" else ("auto", False)
         args = parser.parse_args(["serve"])
@@ -245,7 +245,7 @@ def test_serve_defaults_to_the_targets_serving_drafter_with_budget_auto():
         args = parser.parse_args(["serve", "--model", "qwen2.5-coder-1.5b"])
         assert apply_serve_preset(args, cpu) is not None
         assert (args.drafter, args.budget, args.kernel, args.compile) == ("qwen2.5-coder-0.5b", "auto", *path)
-    cpu = CpuInfo("test", ("avx2", "fma"), "AVX2")
+    cpu = CpuInfo("test", ("avx2", "fma", "f16c"), "AVX2")
     for given in ("none", "hybrid"):
         args = parser.parse_args(["serve", "--drafter", given, "--budget", "8"])
         assert apply_serve_preset(args, cpu) is not None            # the path still comes from the preset

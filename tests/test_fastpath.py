@@ -38,8 +38,8 @@ needs_panel = pytest.mark.skipif(not panel_status(build=False)[0], reason=panel_
 KERNEL_PARAMS = [pytest.param("onednn", marks=needs_packing), pytest.param("panel", marks=needs_panel),
                  pytest.param("blocks", marks=needs_panel)]
 
-AVX2_ONLY = CpuInfo("AMD EPYC (test)", ("avx2", "fma"), "AVX2")
-AMX = CpuInfo("Intel Xeon (test)", ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), "AVX512")
+AVX2_ONLY = CpuInfo("AMD EPYC (test)", ("avx2", "fma", "f16c"), "AVX2")
+AMX = CpuInfo("Intel Xeon (test)", ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), "AVX512")
 
 
 def small_llama(seed: int = 0, tied: bool = False, dtype=torch.float32) -> LlamaForCausalLM:
@@ -156,7 +156,7 @@ def test_fp32_fast_path_greedy_equals_hf_generate_on_stock_model() -> None:
     assert out.token_ids.tolist() == hf_greedy(stock, ids, (2,), 40)
 
 
-AVX512_BF16 = CpuInfo("AMD EPYC (test)", ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"), "AVX512")
+AVX512_BF16 = CpuInfo("AMD EPYC (test)", ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni"), "AVX512")
 
 
 def test_auto_dtype_runs_exact_block_checkpoints_in_fp32_on_every_cpu_with_native_bf16() -> None:

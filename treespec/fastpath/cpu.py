@@ -16,7 +16,7 @@ import torch
 __all__ = ["BF16_FLAGS", "RELEVANT_FLAGS", "CpuInfo", "cpu_info"]
 
 # Flags that decide a path or explain a number; result files record these.
-RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
+RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
                   "amx_int8", "avx512_fp16")
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 

@@ -83,8 +83,12 @@ __all__ = ["AMX_FLAGS", "BLOCK", "ISAS", "PANEL", "BlockPanels", "PanelUnavailab
 PANEL = 16
 BLOCK = 32
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm.cpp"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
+
+# What every build of the kernels executes (F16C: fp16 scales to floats in one instruction; every
+# x86 CPU with AVX2 has it, but it is a flag of its own).
+PANEL_FLAGS = ("avx2", "fma", "f16c")
 
 ISAS = ("avx2", "avx512")   # the kernels' instruction sets, in the module's numbering (0, 1)
 
@@ -167,9 +171,9 @@ def panel_status(cpu: CpuInfo | None = None, build: bool = True) -> tuple[bool, 
     only checks the CPU flags (no compilation).
     """
     cpu = cpu if cpu is not None else cpu_info()
-    lacking = [f for f in ("avx2", "fma") if f not in cpu.flags]
+    lacking = [f for f in PANEL_FLAGS if f not in cpu.flags]
     if lacking:
-        return False, f"CPU lacks {' and '.join(lacking)} ({cpu.model})"
+        return False, f"CPU lacks {', '.join(lacking)} ({cpu.model})"
     isa = "AVX-512 F" if kernel_isa(cpu) == "avx512" else "AVX2 + FMA"
     if not build:
         return True, isa
@@ -499,16 +503,15 @@ def pack_blocks(weight: torch.Tensor, half_scales: bool | None = None) -> BlockP
     be a multiple of 32.
 
     ``half_scales``: store a 4-bit weight's scales and offsets as fp16 numbers where every one
-    is (``BlockPanels.half_scales``). None: where this CPU runs the AVX-512 code, which converts
-    them with one instruction and reads 17 % fewer bytes for it (1-3 rows: 0.91-0.93 of the
-    time); the AVX2 code converts them with integer operations, which cost it more than the
-    bytes save from 3 rows (``benchmarks/results/kernel_half_amx*.md``). Either code reads
-    either kind, with the same bits."""
+    is (``BlockPanels.half_scales``). None: yes. Both codes convert them with one instruction
+    (vcvtph2ps) and read 17 % fewer bytes of a 4-bit record for it (AVX-512, 1-3 rows: 0.91-0.93
+    of the time, ``benchmarks/results/kernel_half_amx*.md``; AVX2: ``kernel_ab`` below). Either
+    code reads either kind, with the same bits."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise ValueError(f"pack_blocks takes a 2-D float32 CPU weight, got {tuple(weight.shape)} "
                          f"{weight.dtype} on {weight.device}")
     if half_scales is None:
-        half_scales = kernel_isa() == "avx512"
+        half_scales = True
     if _STORE and weight.numel() >= _STORE_MIN_WEIGHTS:
         return _stored_blocks(weight, half_scales, lambda: _pack_blocks(weight, half_scales))
     return _pack_blocks(weight, half_scales)
