@@ -18,6 +18,12 @@ With a clean working tree both builds are the same source: an A/A run, which mea
 floor a kernel change must clear on this machine (``results/kernel_aa_avx2.md``: within 4 % at
 41 reps, but identical tiles have differed by up to 13 % between runs on a busy host).
 
+``--kernel x8`` times the 8-bit-input kernel (``x8_linear_blocks``) instead, on each revision's
+``x8_records`` of the same blocks (its outputs carry x's 8-bit rounding, so its error against
+float64 is that rounding's, ~1e-2):
+
+    OMP_NUM_THREADS=1 python benchmarks/kernel_ab.py --kernel x8 --base HEAD~1 --reps 21
+
 ``--attention`` times the row attention kernel (``row_attention``: each query row over the keys
 its mask allows, with the operations it would get alone; the amx path's attention) of the two revisions instead: one forward's
 worth of it (30 layers, each its own cache of ``--prefix`` keys: SmolLM2's 9 query heads over 3
@@ -77,6 +83,9 @@ def main() -> None:
     ap.add_argument("--isa", choices=ISAS, default="avx2",
                     help="the code both revisions run (avx512: only on a CPU with AVX-512 F, and only for "
                          "revisions whose kernel has it)")
+    ap.add_argument("--kernel", choices=("blocks", "x8"), default="blocks",
+                    help="blocks: the fp32 block kernel (panel_linear_blocks); x8: the 8-bit-input kernel "
+                         "(x8_linear_blocks, AVX2 code only) on x8_records of the same blocks")
     ap.add_argument("--attention", action="store_true",
                     help="time the row attention kernel of the two revisions instead of the block kernel")
     ap.add_argument("--prefix", type=int, default=300, help="cached keys before the tree (--attention)")
@@ -86,6 +95,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ns = [int(v) for v in args.ns.split(",")]
+    if args.kernel == "x8" and (args.isas or args.attention or args.isa != "avx2"):
+        raise SystemExit("--kernel x8 times the x8 kernel's AVX2 code: drop --isas, --attention and --isa")
     if args.isas:
         if kernel_isa() != "avx512":
             raise SystemExit("--isas needs a CPU with AVX-512 F (this one runs the AVX2 kernels only)")
@@ -150,7 +161,13 @@ def bench(versions: dict, ns: list[int], args) -> None:
     weights = [exact_blocks(n, k, 4, gen) for _ in range(LAYERS) for _, n, k in LAYER]
     weights.append(exact_blocks(VOCAB, HIDDEN, 8, gen))
     packers = {version[2] for version in versions.values()}
-    blobs = {packer: [packer(w) for w in weights] for packer in packers}   # one set per layout
+    if args.kernel == "x8":   # each revision's pack_blocks, then its x8 records (same module as pack_blocks)
+        def layout(packer):
+            return lambda w: sys.modules[packer.__module__].x8_records(packer(w))
+    else:
+        def layout(packer):
+            return packer
+    blobs = {packer: [layout(packer)(w) for w in weights] for packer in packers}   # one set per layout
     checked = list(range(len(LAYER))) + [len(weights) - 1]   # the first layer's seven weights and the LM head
     exact = {i: weights[i] for i in checked}                     # kept for the float64 reference
     del weights
@@ -160,6 +177,9 @@ def bench(versions: dict, ns: list[int], args) -> None:
 
     def one_pass(version: tuple, n: int) -> list[torch.Tensor]:
         mod, isa, packer = version
+        if args.kernel == "x8":
+            return [mod.x8_linear_blocks(xs[n][b.blob.shape[1] * 32], b.blob, b.bits, b.half_scales)
+                    for b in blobs[packer]]
 
         def extra(b) -> tuple:   # an older revision's module takes no isa, nor fp16 scales
             if getattr(b, "half_scales", False):
@@ -172,11 +192,12 @@ def bench(versions: dict, ns: list[int], args) -> None:
         return max(float(((out[i].double() - ref).abs() / ref.abs().max()).max()) for i, ref in refs.items())
 
     names, same_bits, error, ms = measure(versions, ns, args.reps, one_pass, error_of)
-    write_ab(args, "Block kernel A/B", names, same_bits, ms, ns,
+    write_ab(args, "x8 block kernel A/B" if args.kernel == "x8" else "Block kernel A/B", names, same_bits, ms, ns,
              f"{args.isa if not args.isas else 'each ISA'}'s code. One point = every linear layer of one "
              f"SmolLM2-135M forward ({macs / 1e6:.1f} M weights as blocks) over n rows",
              ("relative_error", "largest error against float64 on the first layer's seven weights and the LM head, "
-                                "relative to the output's largest magnitude", error),
+                                "relative to the output's largest magnitude" + (" (x rounded to 8 bits a block: ~1e-2 "
+                                "is that rounding, not an error of the kernel)" if args.kernel == "x8" else ""), error),
              ("GFLOP/s", lambda v, n: f"{2 * macs * n / ms[v][n] / 1e6:.0f}"), {"weights": macs})
 
 
