@@ -25,8 +25,10 @@ demo: $(STAMP)
 # ones took 7.3 min on 2 workers on a quiet machine (46 tests); they are now 53 (block/traversal
 # chi-square runs added; 48 of them took 22 min on 1 worker with the machine under load ~3): past the
 # 10-minute budget on a shared 2-core box, so they run in `make test-slow` (and `make bench`).
+# --dist loadgroup: the modules marked xdist_group (those whose module fixture compiles graphs,
+# tens of seconds each on a fresh machine) run on one worker, so the fixture is built once.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 -m "not slow" tests
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 --dist loadgroup -m "not slow" tests
 
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 -m slow tests

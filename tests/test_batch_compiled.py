@@ -27,7 +27,8 @@ from treespec.drafters import ModelDrafter
 
 from _engine_helpers import NGramDrafter, one_thread, peaky_llama, peaky_target  # noqa: F401
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# one worker runs this module (make test: --dist loadgroup), so its compiled fixture is built once
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("batch_compiled")]
 V = 16
 
 

@@ -1,5 +1,5 @@
 """treespec bench: argument checks, prompt sets, the paired / pooled ratios, the llama.cpp row,
-Sequoia's vector source, and a smoke run on SmolLM2 (2 prompts x 16 tokens, two drafters,
+Sequoia's vector source, and a smoke run on SmolLM2 (2 prompts x 8 tokens, two drafters,
 two trees) that must be greedy-equal to plain decoding and resume exactly."""
 
 from __future__ import annotations
@@ -187,8 +187,8 @@ def test_llamacpp_row_reads_its_own_timers_and_is_absent_where_not_built(tmp_pat
 
 
 # ------------------------------------------------------------------ smoke on SmolLM2
-def test_smoke_two_drafters_two_trees_greedy_equal_and_resumable(tmp_path, capsys, monkeypatch):   # ~20 s, in make test
-    """2 MT-bench prompts x 16 tokens, lookup and eagle3 as chain:4 and dynamic:8, T = 0: every
+def test_smoke_two_drafters_two_trees_greedy_equal_and_resumable(tmp_path, capsys, monkeypatch):   # ~35 s, in make test
+    """2 MT-bench prompts x 8 tokens, lookup and eagle3 as chain:4 and dynamic:8, T = 0: every
     configuration emits plain decoding's tokens; the second prompt is measured by --resume."""
     import treespec.targets
     from treespec.cli import main as cli
@@ -198,7 +198,7 @@ def test_smoke_two_drafters_two_trees_greedy_equal_and_resumable(tmp_path, capsy
                         lambda name, **kw: loaded.get(name) or loaded.setdefault(name, load(name, **kw)))
     monkeypatch.delenv("TREESPEC_LLAMACPP", raising=False)
     argv = ["bench", "--drafters", "lookup,eagle3", "--trees", "chain:4,dynamic:8", "--temperatures", "0",
-            "--max-new-tokens", "16", "--no-hf", "--out", str(tmp_path), "--plot"]
+            "--max-new-tokens", "8", "--no-hf", "--out", str(tmp_path), "--plot"]
     assert cli.main([*argv, "--prompts", "1"]) == 0
     first = json.loads((tmp_path / "bench.json").read_text())
     assert cli.main([*argv, "--prompts", "2", "--resume"]) == 0
@@ -219,7 +219,7 @@ def test_smoke_two_drafters_two_trees_greedy_equal_and_resumable(tmp_path, capsy
     md = (tmp_path / "bench.md").read_text()
     assert "llama.cpp is not built here" in md and "| eagle3 dynamic:8 |" in md and "prefill" in md
     assert (f"Reproduce: `treespec bench --model smollm2-135m --drafters lookup,eagle3 --trees chain:4,dynamic:8 "
-            f"--temperatures 0 --prompt-set mt-bench --prompts 2 --max-new-tokens 16") in md
+            f"--temperatures 0 --prompt-set mt-bench --prompts 2 --max-new-tokens 8") in md
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "eagle3 dynamic:8" in out and "llama.cpp is not built here" in out
 
@@ -245,14 +245,14 @@ def test_smoke_two_drafters_two_trees_greedy_equal_and_resumable(tmp_path, capsy
     assert [r.key for r in added.rows] == [report.rows[0].key, llama.key] + [r.key for r in report.rows[1:]]
     lengths = [len(chat_prompt(loaded["smollm2-135m"].tokenizer, q.turns[0]))
                for _, q in bench_module.select_prompts(["mt-bench"], 2)]
-    assert asked == [(str(fake), i, 16, 0.0, lengths[i], True) for i in range(2)]   # the chat-templated text
-    assert len(added.runs[llama.key]) == 2 and added.summary(llama).tokens_per_s == pytest.approx(32 / 1.0)
+    assert asked == [(str(fake), i, 8, 0.0, lengths[i], True) for i in range(2)]   # the chat-templated text
+    assert len(added.runs[llama.key]) == 2 and added.summary(llama).tokens_per_s == pytest.approx(16 / 1.0)
     assert all([r.to_json() for r in added.runs[k]] == [r.to_json() for r in report.runs[k]] for k in report.runs)
     assert added.command == report.command and "added to the saved run afterwards" in added.llamacpp
     assert f"| {LLAMACPP} |" in (tmp_path / "bench.md").read_text()
     assert cli.main([*argv, "--prompts", "2", "--resume", "--llamacpp", "off"]) == 2     # rows differ now
     assert "--llamacpp off" in capsys.readouterr().err
-    assert cli.main([*argv[:-4], "--max-new-tokens", "8", "--out", str(tmp_path), "--resume"]) == 2
+    assert cli.main([*argv[:-4], "--max-new-tokens", "4", "--out", str(tmp_path), "--resume"]) == 2
     assert "--resume" in capsys.readouterr().err and os.path.exists(tmp_path / "bench.json")
 
 

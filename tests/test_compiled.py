@@ -27,7 +27,8 @@ from treespec.runtime.verifier import TreeVerifier
 from _engine_helpers import NGramDrafter, one_thread, peaky_target  # noqa: F401
 from test_blocks import gguf_q4_1, gguf_q8_0
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# one worker runs this module (make test: --dist loadgroup), so its compiled fixture is built once
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("compiled")]
 needs_panel = pytest.mark.skipif(not panel_status(build=False)[0], reason=panel_status(build=False)[1])
 V = 16
 
@@ -148,9 +149,11 @@ def test_keep_moves_accepted_rows_like_the_growing_cache(compiled):
                          ids=["chain4", "dynamic4", "dynamic6-eager"])
 def test_greedy_on_the_compiled_path_equals_plain_decoding(compiled, builder):
     """Every drafter and tree on the compiled path emits plain decoding's tokens (compiled and
-    eager), over a prompt that does not fit the first cache size (the request sizes it first)."""
+    eager). The prompt fits the caches' first size: growing them is tested on its own
+    (``test_a_pass_past_the_cache_grows_it_and_keeps_the_rows``, the head test), each size a
+    graph to compile."""
     target, fast = compiled
-    prompt = torch.tensor([(7 * i + 3) % V for i in range(240)])
+    prompt = torch.tensor([(7 * i + 3) % V for i in range(200)])
     plain = SpeculativeGenerator(fast, NGramDrafter(V), DynamicTreeBuilder(budget=1, depth=1, top_k=1))
     want = plain.generate(prompt, 40, temperature=0.0).token_ids.tolist()
     eager = SpeculativeGenerator(target, NGramDrafter(V), DynamicTreeBuilder(budget=1, depth=1, top_k=1))
@@ -257,6 +260,17 @@ def test_a_compiled_feature_head_drafts_the_eager_heads_q(compiled, kind):
     both(tree, [0])
     for want, got in zip(eager.committed_cache(), fast.committed_cache()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a request whose prompt nearly fills the 256 slots: its first frontier grows the buffers
+    # (the slots in use copied) and runs the 4-row graph of the new size
+    prompt = torch.tensor([(5 * i + 2) % V for i in range(250)])
+    f = feats(249)
+    for d in (eager, fast):
+        d.begin(prompt, f)
+    tree = PartialTree.rooted(int(prompt[-1]))
+    both(tree, [0])                                        # 249 slots, eagerly: still 256
+    assert fast.compiled.max_len == 256
+    both(tree, [tree.add(0, 2), tree.add(0, 3)])
+    assert fast.compiled.max_len == 512
 
 
 def test_compile_drafter_finds_the_model_inside_a_hybrid_and_refuses_drafters_without_one(compiled):
