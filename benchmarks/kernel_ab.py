@@ -161,12 +161,10 @@ def bench(versions: dict, ns: list[int], args) -> None:
     weights = [exact_blocks(n, k, 4, gen) for _ in range(LAYERS) for _, n, k in LAYER]
     weights.append(exact_blocks(VOCAB, HIDDEN, 8, gen))
     packers = {version[2] for version in versions.values()}
-    if args.kernel == "x8":   # each revision's pack_blocks, then its x8 records (same module as pack_blocks)
-        def layout(packer):
-            return lambda w: sys.modules[packer.__module__].x8_records(packer(w))
-    else:
-        def layout(packer):
+    def layout(packer):   # x8: each revision's pack_blocks, then its x8 records (pack_blocks' own module)
+        if args.kernel != "x8":
             return packer
+        return lambda w: sys.modules[packer.__module__].x8_records(packer(w))
     blobs = {packer: [layout(packer)(w) for w in weights] for packer in packers}   # one set per layout
     checked = list(range(len(LAYER))) + [len(weights) - 1]   # the first layer's seven weights and the LM head
     exact = {i: weights[i] for i in checked}                     # kept for the float64 reference

@@ -497,21 +497,19 @@ def _stored_blocks(weight: torch.Tensor, half_scales: bool, pack) -> BlockPanels
     return blocks
 
 
-def pack_blocks(weight: torch.Tensor, half_scales: bool | None = None) -> BlockPanels | None:
+def pack_blocks(weight: torch.Tensor, half_scales: bool = True) -> BlockPanels | None:
     """``weight`` [N, K] float32 (CPU) -> :class:`BlockPanels` if it is exactly 4-bit (tried
     first), 8-bit or (a scale per 16 values, GGUF Q6_K) 6-bit block-quantized, else None. K must
     be a multiple of 32.
 
     ``half_scales``: store a 4-bit weight's scales and offsets as fp16 numbers where every one
-    is (``BlockPanels.half_scales``). None: yes. Both codes convert them with one instruction
-    (vcvtph2ps) and read 17 % fewer bytes of a 4-bit record for it (AVX-512, 1-3 rows: 0.91-0.93
-    of the time, ``benchmarks/results/kernel_half_amx*.md``; AVX2: ``kernel_ab`` below). Either
-    code reads either kind, with the same bits."""
+    is (``BlockPanels.half_scales``). Both codes convert them with one instruction (vcvtph2ps)
+    and read 17 % fewer bytes of a 4-bit record for it (AVX-512, 1-3 rows: 0.91-0.93 of the
+    time; AVX2, 1 row: 0.80-0.87; docs/cpu-fast-path.md). Either code reads either kind, with
+    the same bits."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise ValueError(f"pack_blocks takes a 2-D float32 CPU weight, got {tuple(weight.shape)} "
                          f"{weight.dtype} on {weight.device}")
-    if half_scales is None:
-        half_scales = True
     if _STORE and weight.numel() >= _STORE_MIN_WEIGHTS:
         return _stored_blocks(weight, half_scales, lambda: _pack_blocks(weight, half_scales))
     return _pack_blocks(weight, half_scales)
