@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from harness import RESULTS, interleaved, machine_info, median_ms, write_results
-from treespec.fastpath.kernels import ISAS, SOURCE, compile_kernel, kernel_isa, pack_blocks
+from treespec.fastpath.kernels import ISAS, SOURCE, _isa_index, compile_kernel, kernel_isa, pack_blocks
 # SmolLM2-135M: hidden 576, 9 query heads and 3 key-value heads of 64, MLP 1536, vocab 49152
 LAYER = (("q", 576, 576), ("k", 192, 576), ("v", 192, 576), ("o", 576, 576),
          ("gate", 1536, 576), ("up", 1536, 576), ("down", 576, 1536))
@@ -241,7 +241,8 @@ def bench_attention(versions: dict, ns: list[int], args) -> None:
 
     def one_pass(version: tuple, n: int) -> list[torch.Tensor]:
         q, kv, mask = cases[n]
-        return [version[0].row_attention(q[i], kv[i, 0], kv[i, 1], mask, d ** -0.5) for i in range(LAYERS)]
+        isa = _isa_index(None) if version[1] is None else version[1]   # the module's default is AVX-512's code
+        return [version[0].row_attention(q[i], kv[i, 0], kv[i, 1], mask, d ** -0.5, isa) for i in range(LAYERS)]
 
     def error_of(n: int, out: list[torch.Tensor]) -> float:   # the first layer's, absolute
         q, kv, mask = cases[n]

@@ -334,6 +334,35 @@ def test_a_pass_past_the_cache_grows_it_and_keeps_the_rows(compiled):
         eager.compact(torch.tensor([0, 2, 3]))
         comp.compact(torch.tensor([0, 2, 3]))
     assert passes.max_len == 768 and comp.cache is passes.cache
+    # the graphs called directly hold the cache they were compiled on: the old size's are dropped
+    assert {key[3] for key in passes._graphs._direct} == {768}
+
+
+def test_a_pass_calls_its_graph_directly_with_its_own_arguments(compiled):
+    """After its first pass, a key's graph is called without Dynamo (``DirectGraphs``: no guards,
+    no gathering of the weights): with another tree, at another position, on another cache
+    content, it gives the Dynamo call's bits, and it writes the cache slots the Dynamo call
+    writes."""
+    _, fast = compiled
+    passes = fast.passes
+    key = (1, 4, (), passes.max_len)
+    passes.prefill(torch.tensor([1, 5, 7, 2, 9]), ())
+    passes.score(tree_of([3, 4, 6, 8], [-1, 0, 0, 1]), 5, ())    # the 4-node graph: compiled or not, adopted
+    assert passes._graphs.get(key) is not None
+    passes.prefill(torch.tensor([4, 4, 8, 1, 6, 2, 2, 9, 10]), ())
+    tree = tree_of([3, 12, 6], [-1, 0, 0])                 # the 4-node graph, one dummy row
+    padded = passes.inputs(*passes.tree_rows(tree, 9), 9, 4)
+    with torch.inference_mode():
+        passes._set_length(9)
+        direct, _ = passes.call(padded, ())
+        written = [layer.keys[..., 9:13, :].clone() for layer in passes.cache.layers]
+        for layer in passes.cache.layers:
+            layer.keys[..., 9:13, :] = 0.0
+        passes._set_length(9)
+        dynamo, _ = passes._graph(*padded, ())
+        again = [layer.keys[..., 9:13, :] for layer in passes.cache.layers]
+    assert torch.equal(direct, dynamo)
+    assert all(torch.equal(a, b) for a, b in zip(written, again))
 
 
 def test_bucket_steps_make_n_cost_what_its_bucket_costs():
