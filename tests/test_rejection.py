@@ -17,6 +17,7 @@ from scipy.stats import chisquare
 from treespec.core.sampling import logits_to_probs
 from treespec.core.tree import SAMPLING_MODES, DraftTree
 from treespec.core import Acceptance, accept
+from treespec.core.rejection import accept_root
 
 from _tiny import one_thread, random_tree  # noqa: F401  (one_thread: autouse fixture)
 
@@ -196,6 +197,45 @@ def test_root_only_tree_emits_one_bonus_token():
     assert a.path.tolist() == [] and a.tokens.tolist() == [2]
     assert a.depth_attempts == () and a.depth_accepts == () and a.children_tried == 0
     assert a.num_accepted == 0
+
+
+def test_a_lone_root_draws_from_its_row_with_one_uniform():
+    """``accept_root`` (a plain decoding step, ``accept``'s walk for a lone root): the token
+    follows the row, and each step draws exactly one float64 uniform, the token being where
+    that uniform falls in the row's cumulative sums."""
+    p = torch.tensor([[0.1, 0.0, 0.6, 0.3]], dtype=F64)
+    gen = torch.Generator().manual_seed(7)
+    counts = np.zeros(4)
+    for _ in range(4000):
+        counts[int(accept_root(p, gen).tokens)] += 1
+    assert _chisquare_pvalue(counts, p[0].numpy()) > P_MIN
+    a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for _ in range(20):
+        got = accept_root(p.float(), a)
+        u = torch.rand(1, dtype=F64, generator=b).item()
+        assert got.tokens.tolist() == [int((p[0].cumsum(0) <= u).sum())] and got.path.numel() == 0
+    assert torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=b))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_lone_roots_draw_from_logits_is_the_draw_from_its_processed_row(temperature):
+    """``accept_root_logits`` (the plain decoding step's draw) against ``accept_root`` of the
+    processed row, seed for seed: greedy takes the first maximal logit without building the
+    one-hot row, and both move the generator by one uniform. Ties and a NaN row included."""
+    from treespec.core.rejection import accept_root_logits
+    from treespec.core.sampling import SamplingConfig, process
+
+    cfg = SamplingConfig(temperature, top_k=50) if temperature else SamplingConfig(0.0)
+    torch.manual_seed(0)
+    rows = [torch.randn(1, 300) for _ in range(30)]
+    rows[0][0, [17, 200]] = 9.0                            # a tie: the lowest index wins
+    if not temperature:
+        rows[1][0, 40] = float("nan")                      # NaN counts as the maximum (as max does)
+    a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for logits in rows:
+        got, want = accept_root_logits(logits, cfg, a), accept_root(process(logits, cfg), b)
+        assert got.tokens.tolist() == want.tokens.tolist() and got.path.numel() == want.path.numel() == 0
+    assert torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=b))
 
 
 def test_greedy_is_the_deterministic_rule_with_one_hot_p():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from treespec.core.sampling import SamplingConfig, first_argmax, process
 from treespec.core.tree import DraftTree
 from treespec.core.acceptance import (  # noqa: F401  (re-exported from here, as before the split)
     _NULL_MASS, VERIFY_RULES, Acceptance, VerifyRule, _draw, _long_tensor,
@@ -99,6 +100,31 @@ def _try_stochastic(
     return None, r, len(xs)
 
 
+def accept_root(target_probs: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
+    """:func:`accept` of a tree that is its root alone (a plain decoding step), without the tree:
+    ``target_probs`` [1, V] the root's row; one float64 uniform drawn from ``generator``, as
+    :func:`accept` draws, and the new token drawn from the row with it."""
+    dev = target_probs.device
+    u = torch.rand(1, dtype=torch.float64, generator=generator,
+                   device=dev if generator is None else generator.device).item()
+    return Acceptance(path=_long_tensor([]), tokens=_long_tensor([_draw(target_probs[0], u)]),
+                      depth_attempts=(), depth_accepts=(), children_tried=0)
+
+
+def accept_root_logits(logits: torch.Tensor, sampling: SamplingConfig,
+                       generator: torch.Generator | None = None) -> Acceptance:
+    """:func:`accept_root` of ``process(logits, sampling)`` (``logits`` [1, V], the root's):
+    greedy, the first maximal logit, which is what the draw from ``process``' one-hot row gives
+    for every uniform (the uniform is drawn all the same, so a seeded generator moves as
+    there); else the draw from the processed row."""
+    if not sampling.greedy:
+        return accept_root(process(logits, sampling), generator)
+    dev = logits.device
+    torch.rand(1, dtype=torch.float64, generator=generator, device=dev if generator is None else generator.device)
+    return Acceptance(path=_long_tensor([]), tokens=_long_tensor([int(first_argmax(logits[0]))]),
+                      depth_attempts=(), depth_accepts=(), children_tried=0)
+
+
 def accept(
     tree: DraftTree,
     # [N, V]
@@ -143,6 +169,8 @@ def accept(
         if tree.sampling != "deterministic":
             us = iter(torch.rand(n, dtype=torch.float64, generator=generator).tolist())
             return (accept_block if rule == "block" else accept_traversal)(tree, target_probs, us)
+    if n == 1:          # a lone root (plain decoding): no child to try, the new token from its row
+        return accept_root(target_probs, generator)
     tokens = tree._tokens_list
     children = tree.children
     mode = tree.sampling

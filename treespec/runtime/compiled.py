@@ -293,6 +293,7 @@ class CompiledPasses:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._seen: set[tuple] = set()          # (batch, bucket, layers, max_len) graphs compiled in this process
+        self._slots: torch.Tensor | None = None # 0 .. max_len - 1: a one-token step's mask is slots <= start
         import torch._dynamo
 
         # one graph per bucket x feature-layer set x cache size; never fall back to eager silently
@@ -435,6 +436,25 @@ class CompiledPasses:
             return out, {i: h[0] for i, h in zip(layers, hidden)}
         out, hidden = self.call(padded, layers)
         return out[0, n - 1:n] if last_only else out[0, :n], {i: h[0, :n] for i, h in zip(layers, hidden)}
+
+    @torch.inference_mode()
+    def step(self, token: int, start: int) -> torch.Tensor:
+        """The logits [1, V] of a one-token pass of ``token`` at position ``start`` (written at
+        cache slot ``start``): :meth:`run` of that one row, its inputs built directly (a plain
+        decoding step's; the same tensors ``inputs`` builds)."""
+        self._one_request("step")
+        if self.buckets[0] != 1:
+            allowed = torch.ones(1, start + 1, dtype=torch.bool)
+            return self.run(torch.tensor([token]), torch.tensor([start]), allowed, start)[0]
+        if start + 1 > self.max_len:
+            self._ensure(start + 1 + self.buckets[-1] + 1, keep=True)
+        if self._slots is None or self._slots.numel() != self.max_len:
+            self._slots = torch.arange(self.max_len, device=self.device)
+        pos = torch.tensor([[start]], device=self.device)
+        padded = (torch.tensor([[token]], device=self.device), pos, pos[0], (self._slots <= start)[None, None, None])
+        self._set_length(start)
+        out, _ = self.call(padded, ())
+        return out[0, :1]
 
     def call(self, padded, layers: tuple[int, ...]):
         """The graph of ``padded`` (ids, positions, cache positions, mask; :meth:`inputs` or

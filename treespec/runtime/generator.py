@@ -33,7 +33,7 @@ from treespec.core.sampling import SamplingConfig
 from treespec.builders.base import BuiltTree, TreeBuilder, check_int, finish
 from treespec.builders.chain import ChainBuilder
 from treespec.builders.dynamic import DynamicTreeBuilder
-from treespec.core.rejection import VERIFY_RULES, Acceptance, VerifyRule, accept
+from treespec.core.rejection import VERIFY_RULES, Acceptance, VerifyRule, accept, accept_root_logits
 
 # Called after every step with (built tree, acceptance, step index); e.g. to draw trees.
 StepHook = Callable[[BuiltTree, Acceptance, int], None]
@@ -515,23 +515,30 @@ class SpeculativeGenerator:
         root = int(ids[-1])
         while True:
             t0 = clock()
-            built = finish(PartialTree.rooted(root), {}, "deterministic") if plain else \
-                builder.build(drafter, root, sampling, gen)
-            t1 = clock()
-            scored = verifier.score(built.tree)
-            t2 = clock()
-            acc = accept(built.tree, scored.probs, gen, self.verify)
-            t3 = clock()
-            keep = torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), acc.path])  # host indices
-            verifier.compact(keep)
-            if not plain:
+            step_root = root
+            if plain:   # the root alone: one-token pass, its row's draw (accept's for a lone root)
+                built = None
+                t1 = clock()
+                logits = verifier.step(root)
+                t2 = clock()
+                acc = accept_root_logits(logits, sampling, gen)
+                t3 = clock()
+            else:
+                built = builder.build(drafter, root, sampling, gen)
+                t1 = clock()
+                scored = verifier.score(built.tree)
+                t2 = clock()
+                acc = accept(built.tree, scored.probs, gen, self.verify)
+                t3 = clock()
+                keep = torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), acc.path])  # host indices
+                verifier.compact(keep)
                 feats = scored.features.select(keep) if layers else TargetFeatures.empty()
                 drafter.commit(built.source[acc.path], acc.tokens, feats)
             new = acc.tokens.tolist()
             stats.steps += 1
             stats._emitted += len(new)
-            stats.tree_nodes += built.tree.num_nodes
-            stats.drafter_calls += built.drafter_calls
+            stats.tree_nodes += 1 if plain else built.tree.num_nodes
+            stats.drafter_calls += 0 if plain else built.drafter_calls
             stats._add_depths(acc.depth_attempts, acc.depth_accepts)
             chunk = []
             for t in new:
@@ -547,6 +554,8 @@ class SpeculativeGenerator:
             stats.accept_time += t3 - t2
             stats.other_time += t4 - t3
             if on_step is not None:
+                if built is None:
+                    built = finish(PartialTree.rooted(step_root), {}, "deterministic")   # the hook's tree
                 on_step(built, acc, stats.steps - 1)
             yield chunk
             if len(chunk) < len(new) or chunk[-1] in eos or len(out) >= max_new:

@@ -128,6 +128,23 @@ class TreeVerifier:
         return VerifyOutput(probs, feats)
 
     @torch.inference_mode()
+    def step(self, token: int) -> torch.Tensor:
+        """A plain decoding step: the pass of :meth:`score` over a tree that is ``token`` alone,
+        then :meth:`compact` of it, in one (a compiled target's inputs built for one row
+        directly). Returns its logits [1, V] as float32 (as :meth:`score` hands them to
+        ``process``), unprocessed: :func:`treespec.core.rejection.accept_root_logits` draws from them."""
+        if self.cache is None:
+            raise RuntimeError("call prefill() before step()")
+        if self.passes is not None:
+            self._check_owner()
+            logits = self.passes.step(token, self.prefix_len)
+            self.cache = self.passes.cache
+        else:
+            logits, _ = self._forward(torch.tensor([[token]], device=self.device), None, None)
+        self.prefix_len += 1
+        return logits.float()
+
+    @torch.inference_mode()
     def compact(self, keep: torch.Tensor) -> None:
         """Keep the tree rows ``keep`` (LongTensor[K], node indices incl. the root, root first).
 
