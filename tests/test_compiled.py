@@ -269,8 +269,9 @@ def test_a_compiled_feature_head_drafts_the_eager_heads_q(compiled, kind):
     tree = PartialTree.rooted(int(prompt[-1]))
     both(tree, [0])                                        # 249 slots, eagerly: still 256
     assert fast.compiled.max_len == 256
+    assert fast.compiled._graphs.get((4, 256)) is not None    # its calls ran directly (DirectGraphs)
     both(tree, [tree.add(0, 2), tree.add(0, 3)])
-    assert fast.compiled.max_len == 512
+    assert fast.compiled.max_len == 512 and fast.compiled._graphs.get((4, 256)) is None   # dropped with the buffers
 
 
 def test_compile_drafter_finds_the_model_inside_a_hybrid_and_refuses_drafters_without_one(compiled):

@@ -29,10 +29,13 @@ from collections.abc import Sequence
 
 import torch
 
+from treespec.fastpath.graphs import DirectGraphs
+
 __all__ = ["HEAD_BUCKETS", "CompiledHeadCalls", "StaticSlots", "head_compiles"]
 
 HEAD_BUCKETS = (1, 2, 4, 8)
 _LEN_STEP = 256
+_ARGS = ("toks", "feat", "pos", "mask", "slots")   # _forward's tensor arguments, in order
 
 
 class StaticSlots:
@@ -97,16 +100,19 @@ class CompiledHeadCalls:
 
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.cpp_wrapper = self.device.type == "cpu" if cpp_wrapper is None else bool(cpp_wrapper)
-        options = {"guard_filter_fn": _skip_head_guards, **({"cpp_wrapper": True} if self.cpp_wrapper else {})}
-        # its own copy of _forward's code: Dynamo keeps graphs and guards per code object
+        # its own copy of _forward's code: Dynamo keeps graphs and guards per code object; after a
+        # key's first call its graph is called directly (DirectGraphs: no guards, no gathering)
         forward = types.FunctionType(CompiledHeadCalls._forward.__code__.replace(), globals(), "_forward")
-        self._graph = torch.compile(types.MethodType(forward, self), fullgraph=True, dynamic=False, options=options)
+        self._graphs = DirectGraphs({"cpp_wrapper": True} if self.cpp_wrapper else {}, _ARGS)
+        self._graph = torch.compile(types.MethodType(forward, self), fullgraph=True, dynamic=False,
+                                    backend=self._graphs.backend, options={"guard_filter_fn": _skip_head_guards})
 
     @property
     def max_len(self) -> int:
         return self.layer.keys.shape[2]
 
-    def _forward(self, toks, feat, pos, mask):
+    def _forward(self, toks, feat, pos, mask, slots):
+        self.layer.slots = slots       # an argument, so that a direct call passes each call's own
         g, _ = self.head(toks, feat, pos, self.layer, mask)
         return g
 
@@ -116,6 +122,7 @@ class CompiledHeadCalls:
             return
         old = self.layer
         block = self.head.block
+        self._graphs.forget()                # their inputs hold the old buffers
         self.layer = StaticSlots(block.nkv, block.d, -(-length // _LEN_STEP) * _LEN_STEP, self.dtype, self.device)
         self.layer.keys[:, :, :self.length] = old.keys[:, :, :self.length]
         self.layer.values[:, :, :self.length] = old.values[:, :, :self.length]
@@ -140,9 +147,12 @@ class CompiledHeadCalls:
         own = torch.arange(rows, device=dev)
         mask[0, 0, own, start + own] = True                  # dummy rows: their own slot only
         mask[0, 0, :n, :start + n] = allowed
-        self.layer.slots = torch.arange(start, start + rows, device=dev)
+        slots = torch.arange(start, start + rows, device=dev)
+        self.layer.slots = slots
         if bucket is None:                                   # past every bucket (a prompt): eagerly
-            g = self._forward(ids, f, p, mask)
+            g = self._forward(ids, f, p, mask, slots)
+        elif (direct := self._graphs.get((rows, L))) is not None:
+            g, _ = direct((ids, f, p, mask, slots))
         else:
             key = (rows, L)
             fresh = key not in self._seen
@@ -151,11 +161,14 @@ class CompiledHeadCalls:
                 print(f"treespec: compiling the feature head's {rows}-row call (cache {L} slots{wrapper}; "
                       "Inductor caches it on disk)...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            g = self._graph(ids, f, p, mask)
+            with self._graphs.capturing():
+                g = self._graph(ids, f, p, mask, slots)
             if fresh:
                 self._seen.add(key)
                 if self.announce:
                     print(f"treespec: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+                # the call again, directly: the same slots rewritten with the same rows
+                self._graphs.adopt(key, (ids, f, p, mask, slots), (g,))
         self.length = start + n
         return g[0, :n]
 
