@@ -68,8 +68,8 @@ _QWEN = Preset("qwen2.5-coder-0.5b", "chain", "5",
 # plainly, and a drafted row costs a sixth (SmolLM2, with the eagle3 head's call on top) to two
 # thirds (Qwen) of a whole pass there, so no tree pays
 _SMOLLM2_AVX2 = Preset("lookup", "chain", "1",
-                       "llamacpp_avx2.md: plain decoding on the x8 target with compiled passes, 1.38x llama.cpp's "
-                       "plain decoding at T = 0 and 1.51x at T = 1; hybrid auto on the same path plans plain "
+                       "llamacpp_avx2.md: plain decoding on the x8 target with compiled passes, 1.62x llama.cpp's "
+                       "plain decoding at T = 0 and 1.68x at T = 1; hybrid auto on the same path plans plain "
                        "decoding", kernel="x8", compile=True)
 _QWEN_AVX2 = Preset("lookup", "chain", "1",
                     "qwen_avx2.md: plain decoding on the x8 target with compiled passes, 1.39x llama.cpp's plain "
