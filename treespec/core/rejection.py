@@ -104,11 +104,7 @@ def accept_root(target_probs: torch.Tensor, generator: torch.Generator | None = 
     """:func:`accept` of a tree that is its root alone (a plain decoding step), without the tree:
     ``target_probs`` [1, V] the root's row; one float64 uniform drawn from ``generator``, as
     :func:`accept` draws, and the new token drawn from the row with it."""
-    dev = target_probs.device
-    u = torch.rand(1, dtype=torch.float64, generator=generator,
-                   device=dev if generator is None else generator.device).item()
-    return Acceptance(path=_long_tensor([]), tokens=_long_tensor([_draw(target_probs[0], u)]),
-                      depth_attempts=(), depth_accepts=(), children_tried=0)
+    return _root_token(_draw(target_probs[0], _uniform(generator, target_probs.device)))
 
 
 def accept_root_logits(logits: torch.Tensor, sampling: SamplingConfig,
@@ -119,10 +115,20 @@ def accept_root_logits(logits: torch.Tensor, sampling: SamplingConfig,
     there); else the draw from the processed row."""
     if not sampling.greedy:
         return accept_root(process(logits, sampling), generator)
-    dev = logits.device
-    torch.rand(1, dtype=torch.float64, generator=generator, device=dev if generator is None else generator.device)
-    return Acceptance(path=_long_tensor([]), tokens=_long_tensor([int(first_argmax(logits[0]))]),
-                      depth_attempts=(), depth_accepts=(), children_tried=0)
+    _uniform(generator, logits.device)
+    return _root_token(int(first_argmax(logits[0])))
+
+
+def _uniform(generator: torch.Generator | None, device: torch.device) -> float:
+    """One float64 uniform, drawn where :func:`accept` draws its uniforms."""
+    return torch.rand(1, dtype=torch.float64, generator=generator,
+                      device=device if generator is None else generator.device).item()
+
+
+def _root_token(token: int) -> Acceptance:
+    """A lone root's acceptance: no path, the new token ``token``."""
+    return Acceptance(path=_long_tensor([]), tokens=_long_tensor([token]), depth_attempts=(), depth_accepts=(),
+                      children_tried=0)
 
 
 def accept(

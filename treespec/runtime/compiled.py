@@ -238,6 +238,12 @@ class CompiledPasses:
                 new.keys[..., :n, :].copy_(prev.keys)
                 new.values[..., :n, :].copy_(prev.values)
 
+    def _room(self, end: int) -> None:
+        """A cache holding slots up to ``end`` (exclusive), its rows kept: grown where it is
+        shorter, with room for one more largest tree after it."""
+        if end > self.max_len:
+            self._ensure(end + self.buckets[-1] + 1, keep=True)
+
     def reserve(self, length: int) -> None:
         """A cache of at least ``length`` positions for a new request (its content undefined)."""
         self._ensure(length, keep=False)
@@ -336,8 +342,7 @@ class CompiledPasses:
         n = ids.numel()
         bucket = self.bucket(n)
         rows = bucket or n
-        if start + rows > self.max_len:
-            self._ensure(start + rows + self.buckets[-1] + 1, keep=True)
+        self._room(start + rows)
         padded = self.inputs(ids, pos, allowed, start, rows)
         self._set_length(start)
         if bucket is None:                                    # larger than every bucket: eager
@@ -356,8 +361,7 @@ class CompiledPasses:
         if self.buckets[0] != 1:
             allowed = torch.ones(1, start + 1, dtype=torch.bool)
             return self.run(torch.tensor([token]), torch.tensor([start]), allowed, start)[0]
-        if start + 1 > self.max_len:
-            self._ensure(start + 1 + self.buckets[-1] + 1, keep=True)
+        self._room(start + 1)
         if self._slots is None or self._slots.numel() != self.max_len:
             self._slots = torch.arange(self.max_len, device=self.device)
         pos = torch.tensor([[start]], device=self.device)
@@ -424,8 +428,7 @@ class CompiledPasses:
             raise ValueError(f"{b} requests in a pass of a cache of {self.batch} rows")
         bucket = self.bucket(m)
         rows = bucket or m
-        if start + rows > self.max_len:
-            self._ensure(start + rows + self.buckets[-1] + 1, keep=True)
+        self._room(start + rows)
         padded = self.batch_inputs(ids, pos, allowed, start, rows)
         self._set_length(start)
         out, hidden = self._forward(*padded, layers) if bucket is None else self.call(padded, layers)
