@@ -57,10 +57,34 @@ from treespec.fastpath.kernels import ISAS, SOURCE, _isa_index, compile_kernel, 
 LAYER = (("q", 576, 576), ("k", 192, 576), ("v", 192, 576), ("o", 576, 576),
          ("gate", 1536, 576), ("up", 1536, 576), ("down", 576, 1536))
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
+# --shapes qwen: a slice of Qwen2.5-Coder-1.5B Q4_K_M (hidden 1536, MLP 8960, 2 key-value heads
+# of 128): 4 of its 28 layers, v and down as 6-bit blocks in every other one (Q4_K_M gives 14 of
+# each Q6_K), and 1/8 of its 6-bit LM head: the same mix of 4- and 6-bit work, in 1/7 of the bytes
+QWEN = {"layer": (("q", 1536, 1536, 4), ("k", 256, 1536, 4), ("v", 256, 1536, 4), ("o", 1536, 1536, 4),
+                  ("gate", 8960, 1536, 4), ("up", 8960, 1536, 4), ("down", 1536, 8960, 4)),
+        "layers": 4, "head": (151936 // 8 // 16 * 16, 1536, 6)}
+
+
+def weight_shapes(shapes: str, kernel: str) -> list[tuple[int, int, int]]:
+    """(n, k, bits) of every weight of one timed pass: SmolLM2-135M's (the LM head as 8-bit
+    blocks), or the Qwen slice above."""
+    if shapes == "smollm2":
+        return [(n, k, 4) for _ in range(LAYERS) for _, n, k in LAYER] + [(VOCAB, HIDDEN, 8)]
+    out = []
+    for i in range(QWEN["layers"]):
+        for name, n, k, bits in QWEN["layer"]:
+            out.append((n, k, 6 if name in ("v", "down") and i % 2 else bits))
+    return out + [QWEN["head"]]
 
 
 def exact_blocks(n: int, k: int, bits: int, gen: torch.Generator) -> torch.Tensor:
-    """A random [n, k] fp32 weight that is exactly GGUF Q4_1 (bits 4) or Q8_0 (bits 8)."""
+    """A random [n, k] fp32 weight that is exactly GGUF Q4_1 (bits 4), Q6_K's form (bits 6: q in
+    -32..31, an fp32 scale a 16 values) or Q8_0 (bits 8)."""
+    if bits == 6:
+        q = torch.randint(-32, 32, (n, k // 16, 16), generator=gen).float()
+        q[..., 0], q[..., 1] = -32, 31
+        d = (torch.rand(n, k // 16, 1, generator=gen) * 1e-3 + 1e-4).half().float()   # q d exact in fp32
+        return (q * d).reshape(n, k)
     if bits == 4:
         q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
         q[..., 0], q[..., 1] = 0, 15                         # the block's min and max on the grid
@@ -89,6 +113,8 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true",
                     help="time the row attention kernel of the two revisions instead of the block kernel")
     ap.add_argument("--prefix", type=int, default=300, help="cached keys before the tree (--attention)")
+    ap.add_argument("--shapes", choices=("smollm2", "qwen"), default="smollm2",
+                    help="whose linear layers one point times (qwen: a slice of Qwen2.5-Coder-1.5B Q4_K_M)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS / "kernel_ab"))
@@ -158,20 +184,21 @@ def measure(versions: dict, ns: list[int], reps: int, one_pass, error_of) -> tup
 def bench(versions: dict, ns: list[int], args) -> None:
     """Times and writes ``versions`` (name -> (module, isa number or None for the default, pack_blocks))."""
     gen = torch.Generator().manual_seed(0)
-    weights = [exact_blocks(n, k, 4, gen) for _ in range(LAYERS) for _, n, k in LAYER]
-    weights.append(exact_blocks(VOCAB, HIDDEN, 8, gen))
+    weights = [exact_blocks(n, k, bits, gen) for n, k, bits in weight_shapes(args.shapes, args.kernel)]
+    first = len(QWEN["layer"]) if args.shapes == "qwen" else len(LAYER)
     packers = {version[2] for version in versions.values()}
     def layout(packer):   # x8: each revision's pack_blocks, then its x8 records (pack_blocks' own module)
         if args.kernel != "x8":
             return packer
         return lambda w: sys.modules[packer.__module__].x8_records(packer(w))
     blobs = {packer: [layout(packer)(w) for w in weights] for packer in packers}   # one set per layout
-    checked = list(range(len(LAYER))) + [len(weights) - 1]   # the first layer's seven weights and the LM head
+    checked = list(range(first)) + [len(weights) - 1]   # the first layer's seven weights and the LM head
     exact = {i: weights[i] for i in checked}                     # kept for the float64 reference
     del weights
     layers = next(iter(blobs.values()))
     macs = sum(b.blob.shape[0] * 16 * b.blob.shape[1] * 32 for b in layers)
-    xs = {n: {k: torch.randn(n, k, generator=gen) for k in (576, 1536)} for n in ns}
+    xs = {n: {k: torch.randn(n, k, generator=gen) for k in {w[1] for w in weight_shapes(args.shapes, args.kernel)}}
+          for n in ns}
 
     def one_pass(version: tuple, n: int) -> list[torch.Tensor]:
         mod, isa, packer = version
@@ -191,8 +218,10 @@ def bench(versions: dict, ns: list[int], args) -> None:
 
     names, same_bits, error, ms = measure(versions, ns, args.reps, one_pass, error_of)
     write_ab(args, "x8 block kernel A/B" if args.kernel == "x8" else "Block kernel A/B", names, same_bits, ms, ns,
-             f"{args.isa if not args.isas else 'each ISA'}'s code. One point = every linear layer of one "
-             f"SmolLM2-135M forward ({macs / 1e6:.1f} M weights as blocks) over n rows",
+             f"{args.isa if not args.isas else 'each ISA'}'s code. One point = "
+             + ("every linear layer of one SmolLM2-135M forward" if args.shapes == "smollm2" else
+                "4 layers and 1/8 of the LM head of Qwen2.5-Coder-1.5B Q4_K_M (4- and 6-bit blocks)")
+             + f" ({macs / 1e6:.1f} M weights as blocks) over n rows",
              ("relative_error", "largest error against float64 on the first layer's seven weights and the LM head, "
                                 "relative to the output's largest magnitude" + (" (x rounded to 8 bits a block: ~1e-2 "
                                 "is that rounding, not an error of the kernel)" if args.kernel == "x8" else ""), error),
