@@ -15,6 +15,9 @@ all methods alike):
   ``hybrid`` (lookup + the 0.5B mixed in a best-first tree), ``switch`` (a lookup chain of up to
   16 where the text repeats, a 0.5B chain of up to 4 elsewhere) and ``builder="auto"`` with the 0.5B where
   the machine has a calibration of this target (else the row says why it is missing);
+- ``lookup chain3``, ``lookup chain7 conf0.1``, ``0.5b chain3`` and ``switch chain7 head3``: the
+  same drafters in passes of 4 and 8 nodes, sized for the AVX2 x8 kernel (a 4-row pass costs
+  about 1.1 one-row passes there, 8 rows under 2: ``--compile 1,4,8``); not in the default set.
 - ``0.5b chain4 eager-draft`` (with ``--compile``): the chain of 4 with the 0.5B's calls left
   eager, beside ``0.5b chain4`` whose calls run compiled as the target's passes do
   (``compile_drafter``); not in the default set.
@@ -104,8 +107,10 @@ ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "plain", "0.5b cha
                "switch chain16 head8 int4", "switch chain16 head8 int4 vocab32k", "switch best17 head8 int4",
                "switch best16 head8 int4", "switch best16 head8 int4 vocab32k", "0.5b auto int4",
                "switch best16 head8 int4 vocab32k ctx", "switch best12 head8 int4 vocab32k ctx",
-               "switch best16 lookup32 head8 int4 vocab32k ctx")
-DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not {"vocab32k", "int4", "eager-draft"} & set(m.split()))
+               "switch best16 lookup32 head8 int4 vocab32k ctx",
+               "lookup chain3", "lookup chain7 conf0.1", "0.5b chain3", "switch chain7 head3")
+DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not {"vocab32k", "int4", "eager-draft"} & set(m.split())
+                        and m not in ("lookup chain3", "lookup chain7 conf0.1", "0.5b chain3", "switch chain7 head3"))
 
 
 def drafts_with_the_0_5b(method: str) -> bool:
@@ -253,6 +258,11 @@ def main() -> None:
         # of a pass over one)
         "lookup chain10 conf0.1": treespec.SpeculativeGenerator(
             target, "lookup", treespec.ChainBuilder(budget=11, min_confidence=0.1)),
+        # sized for a CPU where a pass over 4 rows costs about one over 1 and 8 rows under 2 (the
+        # AVX2 x8 kernel: one 4-row group reads each weight once; --compile 1,4,8)
+        "lookup chain3": treespec.SpeculativeGenerator(target, "lookup", treespec.ChainBuilder(budget=4)),
+        "lookup chain7 conf0.1": treespec.SpeculativeGenerator(
+            target, "lookup", treespec.ChainBuilder(budget=8, min_confidence=0.1)),
     }
     small = None   # the 0.5B as loaded (bf16 where the target is), only where a row drafts with it
     if any(drafts_with_the_0_5b(name) for name in chosen):
@@ -276,6 +286,12 @@ def main() -> None:
             "switch chain16 head4": treespec.SpeculativeGenerator(
                 target, SwitchDrafter(ModelDrafter(small.model, target.vocab_size), head_depth=4),
                 treespec.ChainBuilder(budget=17, min_confidence=0.4)),
+            # the chain and the switch in 4- and 8-node passes (see "lookup chain3")
+            "0.5b chain3": treespec.SpeculativeGenerator(
+                target, ModelDrafter(small.model, target.vocab_size), treespec.ChainBuilder(budget=4)),
+            "switch chain7 head3": treespec.SpeculativeGenerator(
+                target, SwitchDrafter(ModelDrafter(small.model, target.vocab_size), head_depth=3),
+                treespec.ChainBuilder(budget=8, min_confidence=0.4)),
         }
     if any(name in ("0.5b chain4 vocab32k", "switch chain16 head4 vocab32k") for name in chosen):
         kept = frequent_vocab(target.tokenizer, DRAFT_VOCAB, eos)
