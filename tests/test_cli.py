@@ -140,9 +140,9 @@ def test_bad_input_is_one_error_line_not_a_traceback(capsys, monkeypatch):
 def test_demo_and_generate_default_to_the_fastest_measured_configuration():
     """With no --drafter / --tree / --budget, ``generate`` runs the target's preset for this CPU
     kind (SmolLM2: the hybrid with builder="auto" where a native-bf16 CPU measured it fastest;
-    on AVX2 only, plain decoding on the x8 target with compiled passes, for Qwen too; Qwen
-    elsewhere: the 0.5B chain of 4); a flag given always wins, and a tree without a budget keeps
-    budget 16."""
+    on AVX2 only, the x8 target with compiled passes: SmolLM2 plain, Qwen a lookup chain of 3;
+    Qwen elsewhere: the 0.5B chain of 4); a flag given always wins, and a tree without a budget
+    keeps budget 16."""
     from treespec.cli.main import build_parser
     from treespec.cli.presets import PRESETS, apply_preset
     from treespec.fastpath.cpu import CpuInfo
@@ -157,10 +157,10 @@ def test_demo_and_generate_default_to_the_fastest_measured_configuration():
         assert (args.drafter, args.tree, args.budget, args.kernel, args.compile) == (
             "hybrid", "dynamic", "auto", "auto", False)
     cpu = CpuInfo("test", ("avx2", "fma", "f16c"), "AVX2")
-    for model in ("smollm2-135m", "qwen2.5-coder-1.5b"):
+    for model, budget in (("smollm2-135m", "1"), ("qwen2.5-coder-1.5b", "4")):
         args = parser.parse_args(["generate", "--prompt", "Hi", "--model", model])
-        assert apply_preset(args, cpu).plain
-        assert (args.tree, args.budget, args.kernel, args.compile) == ("chain", "1", "x8", True)
+        assert apply_preset(args, cpu).plain == (budget == "1")
+        assert (args.drafter, args.tree, args.budget, args.kernel, args.compile) == ("lookup", "chain", budget, "x8", True)
     args = parser.parse_args(["generate", "--prompt", "Hi", "--model", "qwen2.5-coder-1.5b"])
     apply_preset(args, CpuInfo("test", ("avx2", "avx512f", "avx512_bf16"), "AVX2"))
     assert (args.drafter, args.tree, args.budget) == ("qwen2.5-coder-0.5b", "chain", "5")
