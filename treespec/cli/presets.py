@@ -7,8 +7,9 @@ here.
 where the user gave no --kernel / --compile / --no-compile (nor --no-pack, a --dtype or a device
 that the path cannot take): on an AVX2-only CPU the fastest path is the x8 target (each linear
 input rounded to 8-bit integers per block of 32, as llama.cpp multiplies) with compiled passes;
-there SmolLM2's preset is plain decoding (no drafter pays) and Qwen's a lookup chain of 3. ``demo`` keeps the CPU's default
-path: it compares with HF ``generate`` on the same path, which runs eagerly.
+there SmolLM2's preset is plain decoding (no drafter pays) and Qwen's a lookup chain of 3.
+``demo`` keeps the CPU's default path: it compares with HF ``generate`` on the same path, which
+runs eagerly.
 
 ``serve`` takes the drafter, the linear kernel and whether the passes run compiled from here
 (``SERVE_PRESETS``; the kernel and compilation as ``generate`` takes them): its tree is always

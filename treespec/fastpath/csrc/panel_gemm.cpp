@@ -473,17 +473,17 @@ inline void round_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* 
     }
 }
 
-// 4 k values, 8 columns: w's bytes (4 a column) times x's 4 bytes. 4 bits (w in 0..15): the two
-// pair sums of each column as 16-bit integers (at most 2 * 15 * 127, so a block's 8 groups add
-// up to at most 30480 < 2^15 and are widened once a block: half the multiply instructions, the
-// ones a core has fewest units for). 8 bits: |w| times x with w's sign, the column's 4-value sum
-// as a 32-bit integer (a pair sum alone can reach 2 * 128 * 127).
 // Pins a and b in registers at this point of the program. Integer sums are associative, so GCC
 // otherwise regroups a block's 8 groups of sums into a tree: every product computed first, held
 // on the stack (about 60 ymm stores and loads a block for 4 rows), then added: store-bound, at
 // half the multiply rate. The empty asm keeps the sums as one running chain per register.
 inline void in_register(__m256i& a, __m256i& b) { asm("" : "+x"(a), "+x"(b)); }
 
+// 4 k values, 8 columns: w's bytes (4 a column) times x's 4 bytes. 4 bits (w in 0..15): the two
+// pair sums of each column as 16-bit integers (at most 2 * 15 * 127, so a block's 8 groups add
+// up to at most 30480 < 2^15 and are widened once a block: half the multiply instructions, the
+// ones a core has fewest units for). 8 bits: |w| times x with w's sign, the column's 4-value sum
+// as a 32-bit integer (a pair sum alone can reach 2 * 128 * 127).
 template <int Bits>
 inline __m256i dot4(__m256i w, __m256i wabs, __m256i x, __m256i ones) {
   if constexpr (Bits == 4) return _mm256_maddubs_epi16(w, x);
