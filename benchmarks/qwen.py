@@ -17,7 +17,7 @@ all methods alike):
   the machine has a calibration of this target (else the row says why it is missing);
 - ``lookup chain3``, ``lookup chain7 conf0.1``, ``0.5b chain3`` and ``switch chain7 head3``: the
   same drafters in passes of 4 and 8 nodes, sized for the AVX2 x8 kernel (a 4-row pass costs
-  about 1.1 one-row passes there, 8 rows under 2: ``--compile 1,4,8``); not in the default set.
+  about 1.25 one-row passes there, 8 rows 2.5: ``--compile 1,4,8``); not in the default set.
 - ``0.5b chain4 eager-draft`` (with ``--compile``): the chain of 4 with the 0.5B's calls left
   eager, beside ``0.5b chain4`` whose calls run compiled as the target's passes do
   (``compile_drafter``); not in the default set.
@@ -258,7 +258,7 @@ def main() -> None:
         # of a pass over one)
         "lookup chain10 conf0.1": treespec.SpeculativeGenerator(
             target, "lookup", treespec.ChainBuilder(budget=11, min_confidence=0.1)),
-        # sized for a CPU where a pass over 4 rows costs about one over 1 and 8 rows under 2 (the
+        # sized for a CPU where a pass over 4 rows costs ~1.25 passes over 1 and 8 rows ~2.5 (the
         # AVX2 x8 kernel: one 4-row group reads each weight once; --compile 1,4,8)
         "lookup chain3": treespec.SpeculativeGenerator(target, "lookup", treespec.ChainBuilder(budget=4)),
         "lookup chain7 conf0.1": treespec.SpeculativeGenerator(

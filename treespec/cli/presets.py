@@ -71,7 +71,7 @@ _SMOLLM2_AVX2 = Preset("lookup", "chain", "1",
                        "llamacpp_avx2.md: plain decoding on the x8 target with compiled passes, 1.62x llama.cpp's "
                        "plain decoding at T = 0 and 1.68x at T = 1; hybrid auto on the same path plans plain "
                        "decoding", kernel="x8", compile=True)
-# Qwen: a pass over 4 rows costs about 1.1 passes over one there, so a lookup chain of 3 (free to
+# Qwen: a pass over 4 rows costs about 1.25 passes over one there, so a lookup chain of 3 (free to
 # draft) pays; the 0.5B's calls cost more than the rows they save
 _QWEN_AVX2 = Preset("lookup", "chain", "4",
                     "qwen_avx2.md: a lookup chain of 3 on the x8 target with compiled passes, 1.29x llama.cpp's "
