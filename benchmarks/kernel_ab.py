@@ -65,7 +65,7 @@ QWEN = {"layer": (("q", 1536, 1536, 4), ("k", 256, 1536, 4), ("v", 256, 1536, 4)
         "layers": 4, "head": (151936 // 8 // 16 * 16, 1536, 6)}
 
 
-def weight_shapes(shapes: str, kernel: str) -> list[tuple[int, int, int]]:
+def weight_shapes(shapes: str) -> list[tuple[int, int, int]]:
     """(n, k, bits) of every weight of one timed pass: SmolLM2-135M's (the LM head as 8-bit
     blocks), or the Qwen slice above."""
     if shapes == "smollm2":
@@ -184,7 +184,8 @@ def measure(versions: dict, ns: list[int], reps: int, one_pass, error_of) -> tup
 def bench(versions: dict, ns: list[int], args) -> None:
     """Times and writes ``versions`` (name -> (module, isa number or None for the default, pack_blocks))."""
     gen = torch.Generator().manual_seed(0)
-    weights = [exact_blocks(n, k, bits, gen) for n, k, bits in weight_shapes(args.shapes, args.kernel)]
+    shapes = weight_shapes(args.shapes)
+    weights = [exact_blocks(n, k, bits, gen) for n, k, bits in shapes]
     first = len(QWEN["layer"]) if args.shapes == "qwen" else len(LAYER)
     packers = {version[2] for version in versions.values()}
     def layout(packer):   # x8: each revision's pack_blocks, then its x8 records (pack_blocks' own module)
@@ -197,8 +198,7 @@ def bench(versions: dict, ns: list[int], args) -> None:
     del weights
     layers = next(iter(blobs.values()))
     macs = sum(b.blob.shape[0] * 16 * b.blob.shape[1] * 32 for b in layers)
-    xs = {n: {k: torch.randn(n, k, generator=gen) for k in {w[1] for w in weight_shapes(args.shapes, args.kernel)}}
-          for n in ns}
+    xs = {n: {k: torch.randn(n, k, generator=gen) for k in {k for _, k, _ in shapes}} for n in ns}
 
     def one_pass(version: tuple, n: int) -> list[torch.Tensor]:
         mod, isa, packer = version

@@ -107,10 +107,11 @@ ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "plain", "0.5b cha
                "switch chain16 head8 int4", "switch chain16 head8 int4 vocab32k", "switch best17 head8 int4",
                "switch best16 head8 int4", "switch best16 head8 int4 vocab32k", "0.5b auto int4",
                "switch best16 head8 int4 vocab32k ctx", "switch best12 head8 int4 vocab32k ctx",
-               "switch best16 lookup32 head8 int4 vocab32k ctx",
-               "lookup chain3", "lookup chain7 conf0.1", "0.5b chain3", "switch chain7 head3")
-DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not {"vocab32k", "int4", "eager-draft"} & set(m.split())
-                        and m not in ("lookup chain3", "lookup chain7 conf0.1", "0.5b chain3", "switch chain7 head3"))
+               "switch best16 lookup32 head8 int4 vocab32k ctx")
+# the same drafters in 4- and 8-node passes, sized for the AVX2 x8 kernel (not in the default set)
+X8_SIZED = ("lookup chain3", "lookup chain7 conf0.1", "0.5b chain3", "switch chain7 head3")
+DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not {"vocab32k", "int4", "eager-draft"} & set(m.split()))
+ALL_METHODS += X8_SIZED
 
 
 def drafts_with_the_0_5b(method: str) -> bool:
