@@ -26,7 +26,7 @@ from treespec.runtime.verifier import TreeVerifier
 
 from _rounded_targets import assert_chain_rows_are_one_token_steps, assert_greedy_speculation_is_plain, rounded_copy
 from _tiny import one_thread  # noqa: F401  (autouse fixture: one intra-op thread)
-from test_blocks import fma32, gguf_q4_1, gguf_q6_k, gguf_q8_0, packed_blocks_copy, quantized_llama
+from test_blocks import fma32, gguf_k_quant, gguf_q4_1, gguf_q6_k, gguf_q8_0, packed_blocks_copy, quantized_llama
 from test_fastpath import prefix_and_tree, tree_logits
 
 pytestmark = pytest.mark.skipif(not panel_status(build=False)[0], reason=panel_status(build=False)[1])
@@ -142,9 +142,143 @@ def test_the_int8_operator_gives_the_eager_bits_for_any_leading_shape() -> None:
     torch.manual_seed(4)
     blocks = x8_records(pack_blocks(gguf_q8_0(torch.randn(40, 96) * 0.05)))
     x = torch.randn(2, 3, 96)
-    got = ops.x8_linear(x, blocks.blob, blocks.bits, blocks.half_scales, blocks.out_features)
+    got = ops.x8_linear(x, blocks.blob, blocks.bits, blocks.half_scales, False, blocks.out_features)
     assert got.shape == (2, 3, 40)
     assert torch.equal(got, x8_linear(x, blocks))
+    sub = x8_records(pack_blocks(gguf_k_quant("Q6_K", 40, 512)))
+    assert sub.layout == "x8k"
+    x = torch.randn(2, 3, 512)
+    got = ops.x8_linear(x, sub.blob, sub.bits, sub.half_scales, True, sub.out_features)
+    assert torch.equal(got, x8_linear(x, sub))
+    torch.library.opcheck(ops.x8_linear, (x, sub.blob, sub.bits, False, True, 40),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ----------------------------------------------------------- K-quants' scales: the x8k records
+
+
+def form_reference(x: torch.Tensor, form, bits: int) -> torch.Tensor:
+    """``rounded_reference``'s arithmetic over a shared-scale form's integers and scales (d and m
+    each the fp32 product of a super-block scale and a block's sub-scale)."""
+    from treespec.fastpath.subscales import SUPER
+
+    p, nb = form.q.shape[:2]
+    n, k = 16 * p, 32 * nb
+    d = (form.scale_d.repeat_interleave(SUPER, 1)[:, :, None] * form.sub_d.float())      # [P, nb, H, 16]
+    d = d.permute(0, 3, 1, 2).reshape(n, nb, -1)
+    q = form.q.permute(0, 3, 1, 2).reshape(n, nb, 32).double()
+    qx, dx, sx = rounded_rows(x)
+    y = torch.zeros(x.shape[0], n)
+    if bits == 4:
+        m = (form.scale_m.repeat_interleave(SUPER, 1) * form.sub_m.float()).permute(0, 2, 1).reshape(n, nb)
+    for b in range(nb):
+        if bits == 4:
+            y = fma32(m[None, :, b], sx[:, b], y)
+            y = fma32(d[None, :, b, 0], dx[:, b] * (qx[:, b].double() @ q[:, b].T).float(), y)
+        else:
+            for i, h in enumerate((slice(0, 16), slice(16, 32))):
+                y = fma32(d[None, :, b, i], dx[:, b] * (qx[:, b, h].double() @ q[:, b, h].T).float(), y)
+    return y
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_weights_take_sub_scaled_records_with_the_same_bits(kind) -> None:
+    """Q4_K and Q6_K weights (GGUF's own blocks, dequantized) take the x8k records: a scale per
+    256 k values times an int8 per block, 6-bit integers in 6 bits (0.59 and 0.83 bytes a weight,
+    against 0.75 and 1.25), and give the per-block records' bits for any row count (each block's
+    scale is formed by the fp32 product it was checked with; Q6_K's negative super-scales and
+    sub-scales of -128 included). A bias and N not a multiple of 16 too."""
+    bits, size = (4, 0.59375) if kind == "Q4_K" else (6, 0.828125)
+    for seed, (n, k) in enumerate(((48, 1024), (40, 512))):
+        weight = gguf_k_quant(kind, n, k, seed=seed)
+        blocks = pack_blocks(weight)
+        assert blocks.bits == bits
+        plain, sub = x8_records(blocks, sub_scales=False), x8_records(blocks)
+        assert (plain.layout, sub.layout) == ("x8", "x8k")
+        assert sub.nbytes == -(-n // 16) * 16 * k * size
+        bias = torch.randn(n)
+        for rows in (1, 2, 3, 4, 5, 9, 17, 64):
+            x = torch.randn(rows, k) * torch.rand(rows, 1) * 4
+            x[0, -32:] = 0.0
+            assert torch.equal(x8_linear(x, sub, bias), x8_linear(x, plain, bias)), (k, rows)
+
+
+def test_q4_k_blocks_fitted_another_way_are_moved_to_the_shared_scales() -> None:
+    """Q4_K blocks whose integers skip level 0 (levels 3..9: pack_blocks' offset is the block's
+    smallest value, GGUF's is 3 levels lower) or take only levels 0, 4, 8, 12 (fitted with 4 times
+    the step, more than a sub-scale holds): x8k shifts them to GGUF's offset and divides their
+    scale (by 2 here: 2 sc <= 126), which holds the same weights, and
+    computes its arithmetic over those integers exactly (``form_reference``); near the per-block
+    records' result (the sums of other integers round elsewhere)."""
+    from treespec.fastpath.subscales import sub_scaled
+
+    torch.manual_seed(0)
+    n, k = 32, 512
+    big_d = (torch.rand(n, k // 256, 1, 1) * 1e-3 + 1e-4).half().float()     # GGUF's fp16 D, Dmin
+    big_m = (torch.rand(n, k // 256, 1, 1) * 1e-3 + 1e-4).half().float()
+    sc, mc = torch.randint(32, 64, (2, n, k // 256, 8, 1)).float()
+    q = torch.randint(0, 16, (n, k // 256, 8, 32))
+    kind = torch.randint(0, 3, (n, k // 256, 8, 1))       # 0: levels 0..15, 1: 3..9, 2: 0, 4, 8, 12
+    q = torch.where(kind == 1, 3 + q % 7, torch.where(kind == 2, 4 * (q % 4), q))
+    q[..., :2] = torch.where(kind == 0, torch.tensor([0, 15]), q[..., :2])
+    q[..., :2] = torch.where(kind == 1, torch.tensor([3, 9]), q[..., :2])
+    q[..., :2] = torch.where(kind == 2, torch.tensor([0, 12]), q[..., :2])
+    weight = ((big_d * sc) * q.float() - big_m * mc).reshape(n, k)            # as gguf dequantizes Q4_K
+    blocks = pack_blocks(weight)
+    assert blocks is not None and blocks.bits == 4 and not blocks.half_scales
+    sub, plain = x8_records(blocks), x8_records(blocks, sub_scales=False)
+    assert sub.layout == "x8k"
+    scales = blocks.blob[..., :128].contiguous().view(torch.float32)
+    pairs = blocks.blob[..., 128:].reshape(2, 16, 16, 16)
+    q = torch.stack([pairs & 15, pairs >> 4], dim=3).reshape(2, 16, 32, 16)
+    form = sub_scaled(scales[..., None, :16], scales[..., 16:], q, 4)
+    assert (form.q.amin(2) > 0).any()                         # some blocks shifted ...
+    assert ((form.q % 2 == 0).all(2) & (form.q.amax(2) == 6)).any()   # ... some divided
+    for rows in (1, 4, 7):
+        x = torch.randn(rows, 512)
+        got = x8_linear(x, sub)
+        assert torch.equal(got, form_reference(x, form, 4)), rows
+        torch.testing.assert_close(got, x8_linear(x, plain), rtol=0, atol=1e-5)
+
+
+def test_weights_without_shared_scales_keep_the_per_block_records() -> None:
+    """4-bit blocks with unrelated fp32 scales (no common scale per 256 values), K not a multiple
+    of 256, fp16 scales (Q4_1) and 8-bit blocks keep layout x8."""
+    torch.manual_seed(0)
+    q = torch.randint(0, 16, (32, 16, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15
+    # scales of 15 significant bits (q d exact in fp32), unrelated to one another
+    d = torch.randint(2**14, 2**15, (32, 16, 1)).float() * 2.0 ** -torch.randint(20, 24, (32, 16, 1)).float()
+    m = -torch.rand(32, 16, 1).half().float() * 0.05
+    exact = pack_blocks((q * d + m).reshape(32, 512))
+    assert exact is not None and exact.bits == 4 and not exact.half_scales
+    assert x8_records(exact).layout == "x8"
+    assert x8_records(pack_blocks(gguf_q6_k(torch.randn(32, 480) * 0.05))).layout == "x8"   # 15 blocks
+    assert x8_records(pack_blocks(gguf_q4_1(torch.randn(32, 512)))).layout == "x8"
+    assert x8_records(pack_blocks(gguf_q8_0(torch.randn(32, 512)))).layout == "x8"
+
+
+def test_shared_scales_are_exact_common_divisors() -> None:
+    """The scale found is the values' greatest common divisor (so every value is the fp32 product
+    of it and an integer, bit for bit), across exponents and for subnormal values; -0.0 becomes
+    +0.0 (the kernels' sums never hold -0.0); a group whose values are no common scale's
+    multiples below 2^24 is not found."""
+    from treespec.fastpath.subscales import shared_scales
+
+    base = torch.tensor([3.0 * 2.0**-20, 5.0 * 2.0**-30, 1e-40])
+    mult = torch.tensor([[1, 63, 2, -5], [7, 0, 128, 12], [1, 2, 3, 4]])
+    values = base[:, None] * mult
+    values[1, 1] = -0.0
+    s, k, found = shared_scales(values)
+    assert found.all()
+    rebuilt = s[:, None] * k.float()
+    assert torch.equal(rebuilt.view(torch.int32), (values + 0.0).view(torch.int32))   # -0.0 + 0.0 = +0.0
+    assert torch.equal(k[0], torch.tensor([1, 63, 2, -5]))
+    assert torch.equal(k[2], torch.tensor([1, 2, 3, 4])) and s[2] == torch.tensor(1e-40)    # subnormal
+    s, k, found = shared_scales(torch.tensor([[1.0, 1.0 + 2.0**-23]]))
+    assert found.all() and k.tolist() == [[2**23, 2**23 + 1]]
+    assert not shared_scales(torch.tensor([[1.0, 1.0 + 2.0**-23, 3.0]]))[2].any()   # 3 * 2^23 multiples
+    assert not shared_scales(torch.tensor([[1.0, 2.0**-40]]))[2].any()           # 2^40 apart
 
 
 # ----------------------------------------------------------------------------- a model on it

@@ -73,6 +73,7 @@ from pathlib import Path
 import torch
 
 from treespec.fastpath.cpu import CpuInfo, cpu_info
+from treespec.fastpath.subscales import SUPER, SubScaled, sub_scaled
 
 __all__ = ["AMX_FLAGS", "BLOCK", "ISAS", "PANEL", "BlockPanels", "PanelUnavailable", "amx_linear", "amx_status",
            "block_linear", "kernel_isa", "pack_blocks", "pack_panels", "panel_linear", "panel_status",
@@ -89,6 +90,8 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 # What every build of the kernels executes (F16C: fp16 scales to floats in one instruction; every
 # x86 CPU with AVX2 has it, but it is a flag of its own).
 PANEL_FLAGS = ("avx2", "fma", "f16c")
+
+X8_LAYOUTS = ("x8", "x8k")   # x8_records' record kinds (per-block float scales; K-quants' shared ones)
 
 ISAS = ("avx2", "avx512")   # the kernels' instruction sets, in the module's numbering (0, 1)
 
@@ -289,7 +292,7 @@ class BlockPanels:
     bits: int
     out_features: int
     half_scales: bool = False
-    layout: str = "vector"     # "x8": q regrouped for the 8-bit-activation kernel (x8_records)
+    layout: str = "vector"     # "x8", "x8k": for the 8-bit-activation kernel (x8_records)
 
     @property
     def nbytes(self) -> int:
@@ -619,12 +622,18 @@ def amx_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None =
                    lambda x2: _kernel().amx_linear_blocks(x2, blocks.blob, blocks.bits, blocks.half_scales))
 
 
-def x8_records(blocks: BlockPanels) -> BlockPanels:
+def x8_records(blocks: BlockPanels, sub_scales: bool = True) -> BlockPanels:
     """``blocks`` (``pack_blocks``' records) with each record's ``q`` regrouped for
     :func:`x8_linear`: 8 groups of 4 k values; 4 bits: 32 bytes a group, byte ``4 c + i``
     holding column ``c``'s value at k = 4 g + i in its low nibble and column ``8 + c``'s in its
     high one; 8 bits: 64 bytes a group, byte ``4 c + i`` column ``c``'s value. The same bytes
-    and scales, in another order (``layout="x8"``)."""
+    and scales, in another order (``layout="x8"``).
+
+    ``sub_scales``: where the weight's block scales are GGUF K-quants' (Q4_K, Q6_K: a scale per
+    256 k values times a small integer per block, :mod:`treespec.fastpath.subscales`), records
+    in that form instead (``layout="x8k"``, :func:`_x8k_blob`): 0.59 bytes a weight for 4 bits
+    (0.75 above) and 0.83 for 6 bits (1.25), the 6-bit integers in 6 bits. Same weights; the
+    kernel forms each block's scale by the one fp32 product the form was checked with."""
     if blocks.layout != "vector":
         raise ValueError(f"x8_records takes pack_blocks' records (layout 'vector'), got layout {blocks.layout!r}")
     p, nb, size = blocks.blob.shape
@@ -635,12 +644,54 @@ def x8_records(blocks: BlockPanels) -> BlockPanels:
         q = torch.stack([pairs & 15, pairs >> 4], dim=3).reshape(p, nb, BLOCK, PANEL)
     else:
         q = q.reshape(p, nb, BLOCK, PANEL)
+    if sub_scales and not blocks.half_scales and blocks.bits in (4, 6):
+        scales = blocks.blob[..., :head].contiguous().view(torch.float32)
+        if blocks.bits == 4:                                  # d [P, nb, 1, 16], m [P, nb, 16]
+            form = sub_scaled(scales[..., None, :PANEL], scales[..., PANEL:], q, 4)
+        else:                                                 # d [P, nb, 2, 16]
+            form = sub_scaled(scales.reshape(p, nb, 2, PANEL), None, q.view(torch.int8), 6)
+        if form is not None:
+            return dataclasses.replace(blocks, blob=_x8k_blob(form, blocks.bits), layout="x8k")
+    blob = _aligned_cat([blocks.blob[..., :head], _x8_groups(q, blocks.bits)])
+    return dataclasses.replace(blocks, blob=blob, layout="x8")
+
+
+def _x8_groups(q: torch.Tensor, bits: int, shift: int = 4) -> torch.Tensor:
+    """q [P, nb, 32 k, 16 columns] (uint8: 4-bit values, or the bytes of 8-bit ones) -> the x8
+    groups [P, nb, 256 (4 bits) or 512 bytes] (4 bits: column 8 + c's value ``shift`` bits up)."""
+    p, nb = q.shape[:2]
     # [P, nb, 8 groups, 4 k, 16 columns] -> [P, nb, 8, 16 columns, 4 k]: 4 bytes a column
     grouped = q.reshape(p, nb, 8, 4, PANEL).transpose(3, 4).reshape(p, nb, 8, 4 * PANEL)
-    if blocks.bits == 4:    # columns 0-7 in the low nibbles, 8-15 in the high ones
-        grouped = grouped[..., :2 * PANEL] | (grouped[..., 2 * PANEL:] << 4)
-    blob = _aligned_cat([blocks.blob[..., :head], grouped.reshape(p, nb, -1)])
-    return dataclasses.replace(blocks, blob=blob, layout="x8")
+    if bits == 4:    # columns 0-7 in the low nibbles, 8-15 in the high ones
+        grouped = grouped[..., :2 * PANEL] | (grouped[..., 2 * PANEL:] << shift)
+    return grouped.reshape(p, nb, -1)
+
+
+def _x8k_blob(form: SubScaled, bits: int) -> torch.Tensor:
+    """The ``x8k`` records of a weight in the shared-scale form: uint8 [P, nb / 8, super-record],
+    per panel and super-block of 256 k values (csrc/panel_gemm.cpp, ``x8k``):
+
+    - 4 bits: s_d[16], s_m[16] fp32 (128 bytes), then per block of 32 a[16], b[16] int8 and the
+      x8 groups of q (256 bytes): 288 bytes; d = s_d a, m = s_m b.
+    - 6 bits: s_d[16] fp32 (64 bytes), then per block a[2][16] int8 (k 0-15, 16-31), the low
+      4 bits of q + 32 as 4-bit x8 groups (256 bytes) and its top 2 bits (128 bytes): for the
+      groups 2 j and 2 j + 1, byte ``4 c + i`` holds column c's bits of group 2 j in bits 0-1,
+      column 8 + c's in bits 2-3, and those of group 2 j + 1 in bits 4-5 and 6-7: 416 bytes."""
+    p, nb = form.q.shape[:2]
+    sup = nb // SUPER
+    scale = [form.scale_d] + ([form.scale_m] if bits == 4 else [])
+    header = torch.cat([t.contiguous().view(torch.uint8) for t in scale], -1)    # [P, S, 64 per scale]
+    subs = [form.sub_d.reshape(p, nb, -1)] + ([form.sub_m] if bits == 4 else [])
+    parts = [t.contiguous().view(torch.uint8) for t in subs]
+    if bits == 4:
+        parts.append(_x8_groups(form.q.to(torch.uint8), 4))
+    else:
+        u = (form.q + 32).to(torch.uint8)                                   # 0..63
+        parts.append(_x8_groups(u & 15, 4))
+        top = _x8_groups(u >> 4, 4, shift=2).reshape(p, nb, 8, 2 * PANEL)   # bits 0-1: column c, 2-3: 8 + c
+        parts.append((top[:, :, 0::2] | (top[:, :, 1::2] << 4)).reshape(p, nb, -1))
+    records = torch.cat(parts, -1).reshape(p, sup, -1)                      # [P, S, 8 records]
+    return _aligned_cat([header, records])
 
 
 def x8_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -652,11 +703,12 @@ def x8_linear(x: torch.Tensor, blocks: BlockPanels, bias: torch.Tensor | None = 
     the fp32 product: x keeps 8 bits a block (the weights stay exact), so a model on it is a
     target of its own, like amx's; a row's result is the same bits alone or among any others.
     AVX2; x [..., K] float32 on the CPU."""
-    if blocks.layout != "x8":
+    if blocks.layout not in X8_LAYOUTS:
         raise ValueError("x8_linear reads x8_records(pack_blocks(W)), not pack_blocks' own records: "
                          "pass x8_records(blocks)")
-    return _linear(x, blocks.blob.shape[1] * BLOCK, blocks.out_features, bias,
-                   lambda x2: _kernel().x8_linear_blocks(x2, blocks.blob, blocks.bits, blocks.half_scales))
+    sub = blocks.layout == "x8k"
+    return _linear(x, blocks.blob.shape[1] * BLOCK * (SUPER if sub else 1), blocks.out_features, bias,
+                   lambda x2: _kernel().x8_linear_blocks(x2, blocks.blob, blocks.bits, blocks.half_scales, sub))
 
 
 # The head sizes row_attention_kernel is compiled for (``row_attn::rows_for`` in csrc/panel_gemm.cpp);

@@ -13,7 +13,7 @@ compiler may reorder it like any other pure op. Eager passes call the kernels di
     torch.ops.treespec.block_linear(x, blob, bits, isa, half_scales, out_features)
     torch.ops.treespec.panel_linear(x, panels, isa, out_features)
     torch.ops.treespec.amx_linear(x, blob, bits, half_scales, out_features)
-    torch.ops.treespec.x8_linear(x, blob, bits, half_scales, out_features)
+    torch.ops.treespec.x8_linear(x, blob, bits, half_scales, sub_scales, out_features)
     torch.ops.treespec.row_attention(q, k, v, mask, scale, isa)
 
 ``x`` [..., K] float32 on the CPU -> [..., out_features]; the bias is left to the caller (a plain

@@ -415,7 +415,8 @@ class PackedLinear(nn.Module):
             if self._on_tiles:
                 y = ops.amx_linear(x, packed.blob, packed.bits, packed.half_scales, packed.out_features)
             elif self.kernel == "x8":
-                y = ops.x8_linear(x, packed.blob, packed.bits, packed.half_scales, packed.out_features)
+                y = ops.x8_linear(x, packed.blob, packed.bits, packed.half_scales, packed.layout == "x8k",
+                                  packed.out_features)
             else:
                 y = ops.block_linear(x, packed.blob, packed.bits, self._isa_code, packed.half_scales,
                                      packed.out_features)

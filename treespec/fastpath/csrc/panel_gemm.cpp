@@ -144,6 +144,17 @@ constexpr int64_t record_bytes() { return scale_bytes<Bits, Half>() + kBlock * (
 template <int Bits>
 constexpr int64_t sub_rows() { return Bits == 6 ? kBlock / 2 : kBlock; }
 
+// The x8 kernel's records in GGUF K-quants' own form ("x8k", kernels.x8_records; the x8
+// namespace's comment): per panel and super-block of 8 blocks (256 k values) a header of fp32
+// scales, s_d[16] and (4 bits) s_m[16], then 8 block records of int8 sub-scales and q.
+constexpr int64_t kSuper = 8;
+template <int Bits>
+constexpr int64_t sub_header_bytes() { return Bits == 4 ? 128 : 64; }
+template <int Bits>
+constexpr int64_t sub_record_bytes() { return Bits == 4 ? 32 + 256 : 32 + 256 + 128; }
+template <int Bits>
+constexpr int64_t super_bytes() { return sub_header_bytes<Bits>() + kSuper * sub_record_bytes<Bits>(); }
+
 // 8 fp16 numbers as floats (F16C's vcvtph2ps: exact, subnormals included; every CPU with AVX2
 // has F16C, and panel_status checks for it).
 inline __m256 half8_to_ps(const uint16_t* h) {
@@ -442,8 +453,9 @@ namespace x8 {
 
 constexpr int kRows = 4;   // rows per group: 8 accumulators, the group's weights, x, the constant
 
-// x [M, K] rounded (see above): qx [M, K], dx and sx [M, K / 32].
-inline void round_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
+// x [M, K] rounded (see above): qx [M, K], dx and sx [M, K / 32]; s16 (where not null) [M, K / 16]
+// the integer sums of qx over each 16 k values.
+inline void round_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx, int32_t* s16) {
   const int64_t nb = K / kBlock;
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < nb; ++b) {
@@ -459,17 +471,22 @@ inline void round_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* 
       if (!finite) {
         std::memset(qb, 0, kBlock);
         dx[i] = sx[i] = std::numeric_limits<float>::quiet_NaN();
+        if (s16) s16[2 * i] = s16[2 * i + 1] = 0;
         continue;
       }
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int sum = 0;
+      int half[2] = {0, 0};
       for (int k = 0; k < kBlock; ++k) {
         const int q = static_cast<int>(std::nearbyint(xb[k] * inv));
         qb[k] = static_cast<int8_t>(q);
-        sum += q;
+        half[k / 16] += q;
       }
       dx[i] = amax / 127.f;
-      sx[i] = dx[i] * static_cast<float>(sum);
+      sx[i] = dx[i] * static_cast<float>(half[0] + half[1]);
+      if (s16) {
+        s16[2 * i] = half[0];
+        s16[2 * i + 1] = half[1];
+      }
     }
 }
 
@@ -490,20 +507,35 @@ inline __m256i dot4(__m256i w, __m256i wabs, __m256i x, __m256i ones) {
   else return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w)), ones);
 }
 
+// 8 int8 sub-scales as floats.
+inline __m256 int8x8_to_ps(const int8_t* a) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a))));
+}
+
 // Rows [0, R) of a group (qx: row 0's, stride K) times panel p: y's 16 columns of each row.
-template <int R, int Bits, bool Half>
-inline void panel(const int8_t* qx, const float* dx, const float* sx, int64_t K, const uint8_t* rec, float* y,
-                  int64_t ldy) {
-  constexpr int64_t kRec = record_bytes<Bits, Half>();
+// Sub: x8k records (rec: the panel's first super-block header); s16 the rows' sums of qx per
+// 16 k values (6 bits).
+template <int R, int Bits, bool Half, bool Sub>
+inline void panel(const int8_t* qx, const float* dx, const float* sx, const int32_t* s16, int64_t K,
+                  const uint8_t* rec, float* y, int64_t ldy) {
+  constexpr int64_t kRec = Sub ? sub_record_bytes<Bits>() : record_bytes<Bits, Half>();
+  constexpr int64_t kHead = Sub ? 32 : scale_bytes<Bits, Half>();   // a record's bytes before its q
   const int64_t nb = K / kBlock;
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
   __m256 acc[R][2];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const float* head = nullptr;   // Sub: the super-block's scales
   for (int64_t b = 0; b < nb; ++b, rec += kRec) {
+    if constexpr (Sub) {
+      if (b % kSuper == 0) {
+        head = reinterpret_cast<const float*>(rec);
+        rec += sub_header_bytes<Bits>();
+      }
+    }
     for (int64_t line = 0; line < kRec; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * kRec + line), _MM_HINT_T0);
-    const uint8_t* q = rec + scale_bytes<Bits, Half>();
+    const uint8_t* q = rec + kHead;
     // 6 bits: groups 0-3 (k 0-15) are scaled by the first d, then groups 4-7 by the second
     constexpr int kGroups = sub_rows<Bits>() / 4;
     for (int sub = 0; sub < 8 / kGroups; ++sub) {
@@ -517,6 +549,14 @@ inline void panel(const int8_t* qx, const float* dx, const float* sx, int64_t K,
           const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
           a0 = w0 = _mm256_and_si256(v, low);
           a1 = w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        } else if constexpr (Sub) {    // q + 32: low 4 bits, then the top 2 of the group pair
+          const __m256i top = _mm256_set1_epi8(0x30);
+          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
+          const __m256i h = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 256 + 32 * (g / 2)));
+          const __m256i h0 = (g & 1) ? h : _mm256_slli_epi16(h, 4);
+          const __m256i h1 = (g & 1) ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
+          a0 = w0 = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(h0, top));
+          a1 = w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(h1, top));
         } else {
           w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * g));
           w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32));
@@ -531,6 +571,9 @@ inline void panel(const int8_t* qx, const float* dx, const float* sx, int64_t K,
           if constexpr (Bits == 4) {
             t[r][0] = _mm256_add_epi16(t[r][0], dot4<Bits>(w0, a0, xv, ones));
             t[r][1] = _mm256_add_epi16(t[r][1], dot4<Bits>(w1, a1, xv, ones));
+          } else if constexpr (Sub) {   // (q + 32) qx: pair sums below 2 * 63 * 127, then 32-bit
+            t[r][0] = _mm256_add_epi32(t[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, xv), ones));
+            t[r][1] = _mm256_add_epi32(t[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, xv), ones));
           } else {
             t[r][0] = _mm256_add_epi32(t[r][0], dot4<Bits>(w0, a0, xv, ones));
             t[r][1] = _mm256_add_epi32(t[r][1], dot4<Bits>(w1, a1, xv, ones));
@@ -544,9 +587,24 @@ inline void panel(const int8_t* qx, const float* dx, const float* sx, int64_t K,
           t[r][0] = _mm256_madd_epi16(t[r][0], ones);
           t[r][1] = _mm256_madd_epi16(t[r][1], ones);
         }
+      } else if constexpr (Sub) {  // sum (q + 32) qx - 32 sum qx: the sum of q qx
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256i off = _mm256_set1_epi32(32 * s16[r * 2 * nb + 2 * b + sub]);
+          t[r][0] = _mm256_sub_epi32(t[r][0], off);
+          t[r][1] = _mm256_sub_epi32(t[r][1], off);
+        }
       }
       __m256 d0, d1, m0, m1;
-      if constexpr (Bits == 6) {
+      if constexpr (Sub) {         // d = s_d a (and m = s_m b): one fp32 product each
+        const int8_t* a = reinterpret_cast<const int8_t*>(rec) + (Bits == 6 ? 16 * sub : 0);
+        d0 = _mm256_mul_ps(_mm256_load_ps(head), int8x8_to_ps(a));
+        d1 = _mm256_mul_ps(_mm256_load_ps(head + 8), int8x8_to_ps(a + 8));
+        if constexpr (Bits == 4) {
+          m0 = _mm256_mul_ps(_mm256_load_ps(head + 16), int8x8_to_ps(a + 16));
+          m1 = _mm256_mul_ps(_mm256_load_ps(head + 24), int8x8_to_ps(a + 24));
+        }
+      } else if constexpr (Bits == 6) {
         const float* d = reinterpret_cast<const float*>(rec) + sub * kPanel;
         d0 = _mm256_load_ps(d);
         d1 = _mm256_load_ps(d + 8);
@@ -573,26 +631,27 @@ inline void panel(const int8_t* qx, const float* dx, const float* sx, int64_t K,
   }
 }
 
-template <int Bits, bool Half, int R = kRows>
-inline void panel_rows(int64_t rows, const int8_t* qx, const float* dx, const float* sx, int64_t K,
-                       const uint8_t* rec, float* y, int64_t ldy) {
+template <int Bits, bool Half, bool Sub, int R = kRows>
+inline void panel_rows(int64_t rows, const int8_t* qx, const float* dx, const float* sx, const int32_t* s16,
+                       int64_t K, const uint8_t* rec, float* y, int64_t ldy) {
   if constexpr (R > 0) {
-    if (rows == R) panel<R, Bits, Half>(qx, dx, sx, K, rec, y, ldy);
-    else panel_rows<Bits, Half, R - 1>(rows, qx, dx, sx, K, rec, y, ldy);
+    if (rows == R) panel<R, Bits, Half, Sub>(qx, dx, sx, s16, K, rec, y, ldy);
+    else panel_rows<Bits, Half, Sub, R - 1>(rows, qx, dx, sx, s16, K, rec, y, ldy);
   }
 }
 
 // Panels [p0, p1), each for all M rows in groups of kRows (a panel's records, K / 32 of them,
 // stay in cache from the first group to the last, so they come from memory once).
-template <int Bits, bool Half>
-void linear(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K, const uint8_t* blob,
-            int64_t p0, int64_t p1, float* y, int64_t ldy) {
-  constexpr int64_t kRec = record_bytes<Bits, Half>();
+template <int Bits, bool Half, bool Sub>
+void linear(const int8_t* qx, const float* dx, const float* sx, const int32_t* s16, int64_t M, int64_t K,
+            const uint8_t* blob, int64_t p0, int64_t p1, float* y, int64_t ldy) {
   const int64_t nb = K / kBlock;
+  const int64_t pstride = Sub ? nb / kSuper * super_bytes<Bits>() : nb * record_bytes<Bits, Half>();
   for (int64_t p = p0; p < p1; ++p)
     for (int64_t r = 0; r < M; r += kRows)
-      panel_rows<Bits, Half>(std::min<int64_t>(kRows, M - r), qx + r * K, dx + r * nb, sx + r * nb, K,
-                             blob + p * nb * kRec, y + r * ldy + kPanel * p, ldy);
+      panel_rows<Bits, Half, Sub>(std::min<int64_t>(kRows, M - r), qx + r * K, dx + r * nb, sx + r * nb,
+                                  s16 ? s16 + r * 2 * nb : nullptr, K, blob + p * pstride,
+                                  y + r * ldy + kPanel * p, ldy);
 }
 
 }  // namespace x8
@@ -1479,30 +1538,51 @@ torch::Tensor amx_linear_blocks(const torch::Tensor& x, const torch::Tensor& blo
 // comment says (kernels.x8_records). y = x @ W^T with x rounded to 8-bit integers per block of
 // 32 (the q8 namespace's arithmetic): a different product from panel_linear_blocks', the same bits
 // for a row alone or among any others. AVX2 (every CPU the other kernels run on).
-torch::Tensor x8_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, bool half_scales) {
-  check_blocks("x8_linear_blocks", x, blob, bits, half_scales);
+torch::Tensor x8_linear_blocks(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, bool half_scales,
+                               bool sub_scales) {
+  if (sub_scales) {
+    TORCH_CHECK(bits == 4 || bits == 6, "x8_linear_blocks: x8k records are 4- or 6-bit, got ", bits);
+    TORCH_CHECK(!half_scales, "x8_linear_blocks: x8k records have fp32 super-block scales, not fp16 ones");
+    TORCH_CHECK(x.dim() == 2 && blob.dim() == 3, "x8_linear_blocks: x [M, K], blob [P, K / 256, record]");
+    TORCH_CHECK(x.scalar_type() == at::kFloat && blob.scalar_type() == at::kByte, "x8_linear_blocks: x float32, blob uint8");
+    TORCH_CHECK(x.is_contiguous() && blob.is_contiguous(), "x8_linear_blocks: contiguous inputs only");
+    TORCH_CHECK(x.size(1) % (kSuper * kBlock) == 0 && blob.size(1) == x.size(1) / (kSuper * kBlock),
+                "x8_linear_blocks: x has K = ", x.size(1), ", the blob ", blob.size(1), " super-blocks of 256");
+    const int64_t rec = bits == 4 ? super_bytes<4>() : super_bytes<6>();
+    TORCH_CHECK(blob.size(2) == rec, "x8_linear_blocks: ", bits, "-bit x8k records are ", rec, " bytes, got ", blob.size(2));
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(blob.data_ptr()) % 64 == 0, "x8_linear_blocks: blob must be 64-byte aligned");
+  } else {
+    check_blocks("x8_linear_blocks", x, blob, bits, half_scales);
+  }
   const int64_t M = x.size(0), K = x.size(1), P = blob.size(0), ldy = kPanel * P;
   auto y = torch::empty({M, ldy}, x.options());
   if (M == 0) return y;
   const int64_t nb = K / kBlock;
+  const bool halves = sub_scales && bits == 6;
   std::unique_ptr<int8_t[]> qx(new int8_t[M * K]);
   std::unique_ptr<float[]> scales(new float[2 * M * nb]);
+  std::unique_ptr<int32_t[]> s16(halves ? new int32_t[2 * M * nb] : nullptr);
   float* dx = scales.get();
   float* sx = dx + M * nb;
-  x8::round_rows(x.data_ptr<float>(), M, K, qx.get(), dx, sx);
+  x8::round_rows(x.data_ptr<float>(), M, K, qx.get(), dx, sx, s16.get());
   const uint8_t* bp = blob.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  auto run = [&](auto bits_tag, auto half_tag) {
+  auto run = [&](auto bits_tag, auto half_tag, auto sub_tag) {
     constexpr int B = decltype(bits_tag)::value;
     constexpr bool H = decltype(half_tag)::value;
+    constexpr bool S = decltype(sub_tag)::value;
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-      x8::linear<B, H>(qx.get(), dx, sx, M, K, bp, p0, p1, yp, ldy);
+      x8::linear<B, H, S>(qx.get(), dx, sx, s16.get(), M, K, bp, p0, p1, yp, ldy);
     });
   };
-  if (bits == 8) run(std::integral_constant<int, 8>{}, std::false_type{});
-  else if (bits == 6) run(std::integral_constant<int, 6>{}, std::false_type{});
-  else if (half_scales) run(std::integral_constant<int, 4>{}, std::true_type{});
-  else run(std::integral_constant<int, 4>{}, std::false_type{});
+  using no = std::false_type;
+  using yes = std::true_type;
+  if (sub_scales && bits == 4) run(std::integral_constant<int, 4>{}, no{}, yes{});
+  else if (sub_scales) run(std::integral_constant<int, 6>{}, no{}, yes{});
+  else if (bits == 8) run(std::integral_constant<int, 8>{}, no{}, no{});
+  else if (bits == 6) run(std::integral_constant<int, 6>{}, no{}, no{});
+  else if (half_scales) run(std::integral_constant<int, 4>{}, yes{}, no{});
+  else run(std::integral_constant<int, 4>{}, no{}, no{});
   return y;
 }
 
@@ -1774,8 +1854,8 @@ torch::Tensor op_row_attention(const torch::Tensor& q, const torch::Tensor& k, c
 }
 
 torch::Tensor op_x8_linear(const torch::Tensor& x, const torch::Tensor& blob, int64_t bits, bool half_scales,
-                             int64_t out_features) {
-  return shaped(x8_linear_blocks(as_rows(x), blob, bits, half_scales), x, out_features);
+                           bool sub_scales, int64_t out_features) {
+  return shaped(x8_linear_blocks(as_rows(x), blob, bits, half_scales, sub_scales), x, out_features);
 }
 
 }  // namespace
@@ -1784,7 +1864,7 @@ TORCH_LIBRARY(treespec, m) {
   m.def("block_linear(Tensor x, Tensor blob, int bits, int isa, bool half_scales, int out_features) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int isa, int out_features) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor blob, int bits, bool half_scales, int out_features) -> Tensor");
-  m.def("x8_linear(Tensor x, Tensor blob, int bits, bool half_scales, int out_features) -> Tensor");
+  m.def("x8_linear(Tensor x, Tensor blob, int bits, bool half_scales, bool sub_scales, int out_features) -> Tensor");
   m.def("row_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, int isa) -> Tensor");
 }
 
@@ -1809,7 +1889,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("bits"), pybind11::arg("half_scales") = false);
   m.def("x8_linear_blocks", &x8_linear_blocks,
         "y = x @ W^T with x rounded to 8-bit integers per block of 32, W as x8_records' integer blocks",
-        pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("bits"), pybind11::arg("half_scales") = false);
+        pybind11::arg("x"), pybind11::arg("blob"), pybind11::arg("bits"), pybind11::arg("half_scales") = false,
+        pybind11::arg("sub_scales") = false);
   m.def("amx_permitted", &amx_permitted, "whether the OS granted this process the AMX tile state");
   m.def("row_attention", &row_attention, "softmax(scale q K^T) V, each query row over its allowed keys as alone",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), pybind11::arg("scale"),
