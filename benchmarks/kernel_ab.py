@@ -77,19 +77,31 @@ def weight_shapes(shapes: str) -> list[tuple[int, int, int]]:
     return out + [QWEN["head"]]
 
 
-def exact_blocks(n: int, k: int, bits: int, gen: torch.Generator) -> torch.Tensor:
+def exact_blocks(n: int, k: int, bits: int, gen: torch.Generator, k_quant: bool = False) -> torch.Tensor:
     """A random [n, k] fp32 weight that is exactly GGUF Q4_1 (bits 4), Q6_K's form (bits 6: q in
-    -32..31, an fp32 scale a 16 values) or Q8_0 (bits 8)."""
+    -32..31, an fp32 scale a 16 values) or Q8_0 (bits 8). ``k_quant`` (bits 4 and 6): the scales
+    in GGUF Q4_K's and Q6_K's own form, an fp16 number per 256 values times a 6-bit (Q6_K: 8-bit)
+    integer per block, as Qwen2.5-Coder's file has them."""
     if bits == 6:
         q = torch.randint(-32, 32, (n, k // 16, 16), generator=gen).float()
         q[..., 0], q[..., 1] = -32, 31
-        d = (torch.rand(n, k // 16, 1, generator=gen) * 1e-3 + 1e-4).half().float()   # q d exact in fp32
+        if k_quant:
+            sc = torch.randint(-128, 128, (n, k // 256, 16, 1), generator=gen).float()
+            big = (torch.rand(n, k // 256, 1, 1, generator=gen) * 1e-5 + 1e-6).half().float()
+            d = (big * sc).reshape(n, k // 16, 1)
+        else:
+            d = (torch.rand(n, k // 16, 1, generator=gen) * 1e-3 + 1e-4).half().float()   # q d exact in fp32
         return (q * d).reshape(n, k)
     if bits == 4:
         q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
         q[..., 0], q[..., 1] = 0, 15                         # the block's min and max on the grid
-        d = (torch.rand(n, k // 32, 1, generator=gen) * 0.01 + 1e-3).half().float()
-        m = (-torch.rand(n, k // 32, 1, generator=gen) * 0.05).half().float()
+        if k_quant:
+            sc, mc = torch.randint(1, 64, (2, n, k // 256, 8, 1), generator=gen).float()
+            big_d, big_m = (torch.rand(2, n, k // 256, 1, 1, generator=gen) * 1e-3 + 1e-4).half().float()
+            d, m = (big_d * sc).reshape(n, k // 32, 1), (-(big_m * mc)).reshape(n, k // 32, 1)
+        else:
+            d = (torch.rand(n, k // 32, 1, generator=gen) * 0.01 + 1e-3).half().float()
+            m = (-torch.rand(n, k // 32, 1, generator=gen) * 0.05).half().float()
     else:
         q = torch.randint(-127, 128, (n, k // 32, 32), generator=gen).float()
         q[..., 0] = 127
@@ -185,7 +197,7 @@ def bench(versions: dict, ns: list[int], args) -> None:
     """Times and writes ``versions`` (name -> (module, isa number or None for the default, pack_blocks))."""
     gen = torch.Generator().manual_seed(0)
     shapes = weight_shapes(args.shapes)
-    weights = [exact_blocks(n, k, bits, gen) for n, k, bits in shapes]
+    weights = [exact_blocks(n, k, bits, gen, k_quant=args.shapes == "qwen") for n, k, bits in shapes]
     first = len(QWEN["layer"]) if args.shapes == "qwen" else len(LAYER)
     packers = {version[2] for version in versions.values()}
     def layout(packer):   # x8: each revision's pack_blocks, then its x8 records (pack_blocks' own module)
@@ -196,14 +208,16 @@ def bench(versions: dict, ns: list[int], args) -> None:
     checked = list(range(first)) + [len(weights) - 1]   # the first layer's seven weights and the LM head
     exact = {i: weights[i] for i in checked}                     # kept for the float64 reference
     del weights
-    layers = next(iter(blobs.values()))
-    macs = sum(b.blob.shape[0] * 16 * b.blob.shape[1] * 32 for b in layers)
+    macs = sum(-(-n // 16) * 16 * k for n, k, _ in shapes)
     xs = {n: {k: torch.randn(n, k, generator=gen) for k in {k for _, k, _ in shapes}} for n in ns}
 
     def one_pass(version: tuple, n: int) -> list[torch.Tensor]:
         mod, isa, packer = version
         if args.kernel == "x8":
-            return [mod.x8_linear_blocks(xs[n][b.blob.shape[1] * 32], b.blob, b.bits, b.half_scales)
+            # x8k records (K-quants' scales; revisions before them never make any): 256 k a record
+            return [mod.x8_linear_blocks(xs[n][b.blob.shape[1] * 256], b.blob, b.bits, False, True)
+                    if getattr(b, "layout", "") == "x8k" else
+                    mod.x8_linear_blocks(xs[n][b.blob.shape[1] * 32], b.blob, b.bits, b.half_scales)
                     for b in blobs[packer]]
 
         def extra(b) -> tuple:   # an older revision's module takes no isa, nor fp16 scales

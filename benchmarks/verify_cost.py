@@ -8,7 +8,9 @@ per query head), the block kernel on its AVX2 code where the CPU runs its AVX-51
 bits), bf16 stock, bf16 packed (bf16 rows only where the CPU has native bf16 units), and the
 integer blocks on the AMX tile unit with x rounded to bf16 (``pack="amx"``, where the CPU has AMX-BF16),
 the integer blocks times x rounded to 8-bit integers per block of 32 (``pack="x8"``, with row
-attention), and the block kernel with that row attention instead of grouped sdpa.
+attention; and the same with each block's scales as floats instead of K-quants' shared form,
+``x8_records(..., sub_scales=False)``), and the block kernel with that row attention instead of
+grouped sdpa.
 Each point is one ``TreeVerifier.score`` (forward over n tree nodes with the tree mask after a
 cached prefix of P tokens, then softmax) followed by ``compact`` back to the prefix; the median of
 ``--reps`` is kept. Beside them, the machine's physical limit per dtype:
@@ -39,7 +41,7 @@ import torch
 import treespec
 from harness import RESULTS, figure, interleaved, machine_info, median_ms, save_figure, time_calls, write_results
 from treespec.fastpath.packing import cpu_info
-from treespec.fastpath.kernels import amx_status, kernel_isa, panel_status
+from treespec.fastpath.kernels import amx_status, kernel_isa, pack_blocks, panel_status, x8_records
 from treespec.fastpath.attention import use_row_attention
 from treespec.fastpath.packing import PackedLinear
 from treespec.core.sampling import SamplingConfig
@@ -167,6 +169,8 @@ def measure_model(args: argparse.Namespace, model_name: str, ns: list[int]) -> t
         paths["fp32 amx"] = (torch.float32, "amx")
     if panel_status()[0]:
         paths["fp32 x8"] = (torch.float32, "x8")
+        # the same target with every weight on per-block float scales: what K-quants' shared ones save
+        paths["fp32 x8 per-block scales"] = (torch.float32, "x8")
     verifiers, described = {}, {}
     if "fp32 blocks" in paths:   # the same kernel with HF's stock attention: what grouped sdpa saves
         paths["fp32 blocks, stock sdpa"] = (torch.float32, "blocks")
@@ -180,7 +184,8 @@ def measure_model(args: argparse.Namespace, model_name: str, ns: list[int]) -> t
             raise SystemExit(f"--paths takes a subset of {list(paths)} on this CPU, got {args.paths!r}")
         paths = {k: v for k, v in paths.items() if k in asked}
     if model_name != "smollm2-135m":   # larger targets: their fast paths only (the others are SmolLM2's study)
-        paths = {k: v for k, v in paths.items() if k in ("fp32 blocks", "fp32 x8", "fp32 amx", "bf16 packed")}
+        paths = {k: v for k, v in paths.items()
+                 if k in ("fp32 blocks", "fp32 x8", "fp32 x8 per-block scales", "fp32 amx", "bf16 packed")}
     vocab = None
     for name, (dtype, pack) in paths.items():
         target = treespec.load_target(model_name, dtype=dtype, pack=pack)
@@ -199,6 +204,13 @@ def measure_model(args: argparse.Namespace, model_name: str, ns: list[int]) -> t
                 if isinstance(layer, PackedLinear):
                     layer.isa = "avx2"
             target = dataclasses.replace(target, speed_path=target.speed_path.replace("AVX-512 kernels", "AVX2 kernels"))
+        if name.endswith("per-block scales"):
+            for layer in target.model.modules():
+                if isinstance(layer, PackedLinear) and getattr(layer._packed, "layout", "") == "x8k":
+                    layer._packed = x8_records(pack_blocks(layer.weight), sub_scales=False)
+            target = dataclasses.replace(target, speed_path=target.speed_path.split("; attention:")[0]
+                                         + " (each block's scales as floats, switched back for comparison); attention:"
+                                         + target.speed_path.split("; attention:")[1])
         described[name] = target.speed_path
         v = TreeVerifier(target.model, SamplingConfig(temperature=1.0))
         v.prefill(prompt)

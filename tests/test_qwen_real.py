@@ -113,6 +113,27 @@ def test_the_pair_runs_on_exact_integer_blocks(target, cases) -> None:
                         reference=target)
 
 
+def test_the_x8_target_reads_k_quants_own_scale_form(cases) -> None:
+    """``pack="x8"``: Q4_K and Q6_K matrices in K-quants' shared-scale records (all but two of
+    the 197: two 4-bit ``ffn_down`` keep per-block floats), a pass reading about 1.02 GB
+    instead of 1.37; greedy speculation on that path emits its plain decoding's tokens."""
+    from treespec import load_target
+    from treespec.builders import ChainBuilder
+    from treespec.drafters import LookupDrafter
+    from treespec.fastpath.packing import PackedLinear
+
+    x8 = load_target("qwen2.5-coder-1.5b", dtype=torch.float32, pack="x8")
+    layers = [m for m in x8.model.modules() if isinstance(m, PackedLinear)]
+    layouts = [m._packed.layout for m in layers]
+    assert len(layers) == 197 and layouts.count("x8k") >= 190 and set(layouts) <= {"x8", "x8k"}
+    assert 0.98e9 < sum(m.packed_nbytes for m in layers) < 1.06e9
+    ids = cases[0][0]
+    vocab = x8.model.config.vocab_size
+    plain = SpeculativeGenerator(x8, LookupDrafter(vocab), ChainBuilder(budget=1)).generate(ids, NEW_TOKENS, temperature=0.0)
+    chain = SpeculativeGenerator(x8, LookupDrafter(vocab), ChainBuilder(budget=4)).generate(ids, NEW_TOKENS, temperature=0.0)
+    assert chain.token_ids.tolist() == plain.token_ids.tolist()
+
+
 def assert_greedy_is_hf(target, gen, cases, config, reference=None) -> None:
     """``gen``'s greedy output on each case equals HF's, or parts from it only at a near-tie of
     ``reference`` (default: the target)."""

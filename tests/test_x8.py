@@ -381,3 +381,17 @@ def test_an_independent_drafter_of_an_x8_target_runs_x8_and_changes_no_token() -
             for builder in (ChainBuilder(budget=4), DynamicTreeBuilder(budget=6, depth=3, top_k=2)):
                 out = SpeculativeGenerator(target, drafter, builder).generate(ids, max_new_tokens=24, temperature=0.0)
                 assert out.token_ids.tolist() == plain, builder
+
+
+def test_x8_records_are_kept_in_the_block_store(tmp_path, monkeypatch) -> None:
+    """``pack_x8`` inside ``block_store`` keeps its records (the layout with them) in a file of
+    their own and reads them back without converting again: the same bytes, the same layout."""
+    weight = gguf_k_quant("Q4_K", 512, 512)                   # 2^18 values: kept
+    with kernels.block_store(tmp_path):
+        first = kernels.pack_x8(weight)
+        assert first.layout == "x8k" and len(list(tmp_path.glob("*-x8.pt"))) == 1
+        monkeypatch.setattr(kernels, "x8_records", lambda *a, **k: pytest.fail("converted again"))
+        again = kernels.pack_x8(weight)
+    assert again.layout == "x8k" and torch.equal(again.blob, first.blob)
+    x = torch.randn(3, 512)
+    assert torch.equal(x8_linear(x, again), x8_linear(x, first))

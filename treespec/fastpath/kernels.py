@@ -45,7 +45,9 @@ Glossary
   its quantized weights: four k values of a column in four bytes, one ``VPMADDUBSW`` multiplies
   32 weights by x's integers, and a block's sums stay exact 16/32-bit integers until it is
   scaled into y. The records hold the same bytes as :func:`pack_blocks`' in another order
-  (:func:`x8_records`); what a pass costs against the fp32 blocks:
+  (:func:`x8_records`), or for GGUF K-quants (Q4_K, Q6_K) the same weights in the file's own
+  scale form, a fifth to a third fewer bytes (``layout="x8k"``, :mod:`treespec.fastpath.subscales`);
+  what a pass costs against the fp32 blocks:
   ``benchmarks/results/verify_cost_avx2.md``. Not the fp32 product (x keeps 8 bits a block): a
   target of its own, batch-invariant like the others, run with row attention so a tree's rows
   are its one-token steps' bits (:mod:`treespec.fastpath.attention`).
@@ -77,7 +79,7 @@ from treespec.fastpath.subscales import SUPER, SubScaled, sub_scaled
 
 __all__ = ["AMX_FLAGS", "BLOCK", "ISAS", "PANEL", "BlockPanels", "PanelUnavailable", "amx_linear", "amx_status",
            "block_linear", "kernel_isa", "pack_blocks", "pack_panels", "panel_linear", "panel_status",
-           "x8_linear", "x8_records",
+           "pack_x8", "x8_linear", "x8_records",
            "ROW_HEAD_DIMS", "dequantize_blocks8", "draft_block_post", "draft_block_pre", "quantize_blocks8",
            "round_to_blocks8", "row_attention_kernel"]
 
@@ -474,11 +476,13 @@ def block_store(directory: str | os.PathLike) -> Iterator[Path]:
         _STORE.pop()
 
 
-def _stored_blocks(weight: torch.Tensor, half_scales: bool, pack) -> BlockPanels | None:
-    """``pack()`` (pack_blocks' own work) for ``weight``, through the innermost block store."""
+def _stored_blocks(weight: torch.Tensor, half_scales: bool, pack, layout: str = "vector") -> BlockPanels | None:
+    """``pack()`` (pack_blocks' own work, or ``layout`` "x8": pack_x8's) for ``weight``, through
+    the innermost block store."""
     w = weight.detach().contiguous()
     digest = hashlib.blake2b(w.numpy().data, digest_size=16).hexdigest()
-    name = f"{digest}-{'x'.join(map(str, w.shape))}-v{_RECORD_FORMAT}{'-half' if half_scales else ''}.pt"
+    kind = ("-half" if half_scales else "") + ("" if layout == "vector" else f"-{layout}")
+    name = f"{digest}-{'x'.join(map(str, w.shape))}-v{_RECORD_FORMAT}{kind}.pt"
     path = _STORE[-1] / name
     try:
         kept = torch.load(path, weights_only=True)
@@ -488,11 +492,11 @@ def _stored_blocks(weight: torch.Tensor, half_scales: bool, pack) -> BlockPanels
         if kept["bits"] == 0:
             return None
         return BlockPanels(_aligned_cat([kept["blob"]]), int(kept["bits"]), int(kept["out_features"]),
-                           bool(kept["half_scales"]))
+                           bool(kept["half_scales"]), str(kept.get("layout", "vector")))
     blocks = pack()
     record = ({"bits": 0} if blocks is None else
               {"blob": blocks.blob, "bits": blocks.bits, "out_features": blocks.out_features,
-               "half_scales": blocks.half_scales})
+               "half_scales": blocks.half_scales, "layout": blocks.layout})
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
         torch.save(record, f)                 # written whole, then renamed: a reader never sees half
@@ -557,6 +561,18 @@ def _pack_blocks(weight: torch.Tensor, half_scales: bool) -> BlockPanels | None:
         parts = [*scales, q.reshape(p, nb, -1)]
         return BlockPanels(_aligned_cat(parts), bits, n, half)
     return None
+
+
+def pack_x8(weight: torch.Tensor) -> BlockPanels | None:
+    """``x8_records(pack_blocks(weight))`` (None where the weight is not blocks), kept in the
+    block store like pack_blocks' records: finding K-quants' shared scales takes about 40 s for
+    Qwen2.5-Coder-1.5B on one core, a later load reads the records back."""
+    def pack() -> BlockPanels | None:
+        blocks = pack_blocks(weight)
+        return None if blocks is None else x8_records(blocks)
+    if _STORE and weight.numel() >= _STORE_MIN_WEIGHTS:
+        return _stored_blocks(weight, True, pack, layout="x8")
+    return pack()
 
 
 def round_to_blocks8(weight: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ from torch import nn
 
 from treespec.fastpath.cpu import BF16_FLAGS, RELEVANT_FLAGS, CpuInfo, _read_cpuinfo, cpu_info  # noqa: F401 (re-exported)
 from treespec.fastpath.kernels import (ISAS, _isa_index, BlockPanels, amx_linear, amx_status, block_linear,
-                                      x8_linear, x8_records, kernel_isa, pack_blocks, pack_panels, panel_linear,
+                                      x8_linear, kernel_isa, pack_blocks, pack_x8, pack_panels, panel_linear,
                                       panel_status)
 
 __all__ = [
@@ -344,9 +344,7 @@ class PackedLinear(nn.Module):
     def _pack(self) -> None:
         packed = None
         if self.kernel in BLOCK_KERNELS:
-            packed = pack_blocks(self.weight)
-            if packed is not None and self.kernel == "x8":
-                packed = x8_records(packed)
+            packed = pack_x8(self.weight) if self.kernel == "x8" else pack_blocks(self.weight)
         if packed is None:
             packed = pack_weight(self.weight) if self.kernel == "onednn" else pack_panels(self.weight)
         self._packed = packed
