@@ -28,7 +28,7 @@ demo: $(STAMP)
 # --dist loadgroup: the modules marked xdist_group (those whose module fixture compiles graphs,
 # tens of seconds each on a fresh machine) run on one worker, so the fixture is built once.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 --dist loadgroup -m "not slow" tests
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 --dist loadgroup -m "not slow" --durations=15 tests
 
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 -m slow tests

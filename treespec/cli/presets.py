@@ -7,7 +7,7 @@ here.
 where the user gave no --kernel / --compile / --no-compile (nor --no-pack, a --dtype or a device
 that the path cannot take): on an AVX2-only CPU the fastest path is the x8 target (each linear
 input rounded to 8-bit integers per block of 32, as llama.cpp multiplies) with compiled passes;
-there SmolLM2's preset is plain decoding (no drafter pays) and Qwen's a lookup chain of 3.
+there SmolLM2's and Qwen's presets are plain decoding (no drafter pays over all prompts).
 ``demo`` keeps the CPU's default path: it compares with HF ``generate`` on the same path, which
 runs eagerly.
 
@@ -71,11 +71,13 @@ _SMOLLM2_AVX2 = Preset("lookup", "chain", "1",
                        "llamacpp_avx2.md: plain decoding on the x8 target with compiled passes, 1.62x llama.cpp's "
                        "plain decoding at T = 0 and 1.68x at T = 1; hybrid auto on the same path plans plain "
                        "decoding", kernel="x8", compile=True)
-# Qwen: a pass over 4 rows costs about 1.25 passes over one there, so a lookup chain of 3 (free to
-# draft) pays; the 0.5B's calls cost more than the rows they save
-_QWEN_AVX2 = Preset("lookup", "chain", "4",
-                    "qwen_avx2.md: a lookup chain of 3 on the x8 target with compiled passes, 1.29x llama.cpp's "
-                    "plain decoding (code edits 1.68x), its fastest row", kernel="x8", compile=True)
+# Qwen: with K-quant records a 1-node pass reads 1.02 GB and a 4-node one costs ~1.45 of it, so
+# over all prompts plain decoding is fastest (a lookup chain of 3 wins on code edits only); the
+# 0.5B's calls cost more than the rows they save
+_QWEN_AVX2 = Preset("lookup", "chain", "1",
+                    "qwen_avx2.md: plain decoding on the x8 target (K-quant records) with compiled passes, 1.43x "
+                    "llama.cpp's plain decoding over all prompts, its fastest row there; on code edits a lookup "
+                    "chain of 3 is faster (1.91x: --drafter lookup --tree chain --budget 4)", kernel="x8", compile=True)
 
 
 def _on_every_kind(preset: Preset, **kinds: Preset) -> dict[str, Preset]:
