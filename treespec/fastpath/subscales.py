@@ -180,8 +180,9 @@ def _sub_scaled(d: torch.Tensor, m: torch.Tensor | None, q: torch.Tensor, bits: 
         g = torch.gcd(g[:, :, :, 0::2], g[:, :, :, 1::2])
     g = g[:, :, :, 0].clamp(min=1)                                            # [P, B, H, 16]
     coarse = d * g.float()
-    g = torch.where(coarse.double() == d.double() * g.double(), g, 1)
-    d, qh = d * g.float(), qh // g[:, :, :, None, :]
+    exact = coarse.double() == d.double() * g.double()
+    g, d = torch.where(exact, g, 1), torch.where(exact, coarse, d)
+    qh = qh // g[:, :, :, None, :]
 
     def grouped(t: torch.Tensor) -> torch.Tensor:        # [P, B, H, 16] -> [P S 16, 8 H]
         return t.reshape(p, sup, SUPER, h, cols).permute(0, 1, 4, 2, 3).reshape(-1, SUPER * h)
