@@ -454,38 +454,54 @@ namespace x8 {
 constexpr int kRows = 4;   // rows per group: 8 accumulators, the group's weights, x, the constant
 
 // x [M, K] rounded (see above): qx [M, K], dx and sx [M, K / 32]; s16 (where not null) [M, K / 16]
-// the integer sums of qx over each 16 k values.
+// the integer sums of qx over each 16 k values. Vector code with the scalar definition's bits: the
+// same fp32 products, rounded to nearest with ties to even (vroundps, as nearbyint in the default
+// mode), the largest magnitude found exactly in any order (3.3 ns a value in scalar code, a tenth
+// of an 8-row 8960-k matrix's product).
 inline void round_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx, int32_t* s16) {
   const int64_t nb = K / kBlock;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   // packs' lane interleave undone
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * K + b * kBlock;
       int8_t* qb = qx + r * K + b * kBlock;
-      float amax = 0.f;
-      bool finite = true;
-      for (int k = 0; k < kBlock; ++k) {
-        finite = finite && std::isfinite(xb[k]);
-        amax = std::max(amax, std::fabs(xb[k]));
+      __m256 v[4], top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
+        // x - x is 0 for finite x, NaN for an infinity or a NaN
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v[i], v[i]), _mm256_setzero_ps(), _CMP_NEQ_UQ));
       }
       const int64_t i = r * nb + b;
-      if (!finite) {
+      if (_mm256_movemask_ps(bad)) {
         std::memset(qb, 0, kBlock);
         dx[i] = sx[i] = std::numeric_limits<float>::quiet_NaN();
         if (s16) s16[2 * i] = s16[2 * i + 1] = 0;
         continue;
       }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int half[2] = {0, 0};
-      for (int k = 0; k < kBlock; ++k) {
-        const int q = static_cast<int>(std::nearbyint(xb[k] * inv));
-        qb[k] = static_cast<int8_t>(q);
-        half[k / 16] += q;
-      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j)
+        q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256i q16 = _mm256_packs_epi32(q[0], q[1]), r16 = _mm256_packs_epi32(q[2], q[3]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                          _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, r16), order));
+      // the halves' sums: k 0-15 (q[0], q[1]) and 16-31 (q[2], q[3]), as 32-bit integers
+      const __m256i lo = _mm256_add_epi32(q[0], q[1]), hi = _mm256_add_epi32(q[2], q[3]);
+      const __m256i pair = _mm256_hadd_epi32(lo, hi);             // lo0+lo1, lo2+lo3, hi.., per lane
+      const __m256i quad = _mm256_hadd_epi32(pair, pair);         // lo's lane sum, hi's lane sum
+      const __m128i both = _mm_add_epi32(_mm256_castsi256_si128(quad), _mm256_extracti128_si256(quad, 1));
+      const int half0 = _mm_cvtsi128_si32(both), half1 = _mm_extract_epi32(both, 1);
       dx[i] = amax / 127.f;
-      sx[i] = dx[i] * static_cast<float>(half[0] + half[1]);
+      sx[i] = dx[i] * static_cast<float>(half0 + half1);
       if (s16) {
-        s16[2 * i] = half[0];
-        s16[2 * i + 1] = half[1];
+        s16[2 * i] = half0;
+        s16[2 * i + 1] = half1;
       }
     }
 }
