@@ -109,7 +109,7 @@ ALL_METHODS = ("hf", "hf-packed", "hf-assisted", "hf-lookup", "plain", "0.5b cha
                "switch best16 head8 int4 vocab32k ctx", "switch best12 head8 int4 vocab32k ctx",
                "switch best16 lookup32 head8 int4 vocab32k ctx")
 # the same drafters in 4- and 8-node passes, sized for the AVX2 x8 kernel (not in the default set)
-X8_SIZED = ("lookup chain3", "lookup chain7 conf0.1", "0.5b chain3", "switch chain7 head3")
+X8_SIZED = ("lookup chain3", "lookup chain3 conf0.5", "lookup chain7 conf0.1", "0.5b chain3", "switch chain7 head3")
 DEFAULT_METHODS = tuple(m for m in ALL_METHODS if not {"vocab32k", "int4", "eager-draft"} & set(m.split()))
 ALL_METHODS += X8_SIZED
 
@@ -124,21 +124,26 @@ def drafts_with_the_0_5b(method: str) -> bool:
 DRAFT_VOCAB = 32_768    # the "vocab32k" rows: the 0.5B drafts over the ids ShareGPT replies use most
 
 
-def prompts(limit: int | None, per_kind: int | None = None) -> list[tuple[str, str]]:
+def prompts(limit: int | None, per_kind: int | None = None, kinds: tuple[str, ...] = KINDS) -> list[tuple[str, str]]:
     """(kind, text): MT-bench coding and reasoning first turns, then the code-editing prompts.
 
     ``per_kind``: the first N of each kind, interleaved (coding, reasoning, code-edit, coding, ...),
     so a run cut short still holds every kind; ``limit`` then keeps the first N of the result.
+    ``kinds``: only these kinds (in KINDS' order).
     """
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise ValueError(f"kinds: {unknown or 'none given'}; choose from {', '.join(KINDS)}")
     by_kind = {k: [] for k in KINDS}
     for q in mtbench_questions():
         if q.category in ("coding", "reasoning"):
             by_kind[q.category].append(q.turns[0])
     by_kind["code-edit"] = list(EDIT_PROMPTS)
+    chosen = [k for k in KINDS if k in kinds]
     if per_kind is None:
-        out = [(k, t) for k in KINDS for t in by_kind[k]]
+        out = [(k, t) for k in chosen for t in by_kind[k]]
     else:
-        out = [(k, by_kind[k][j]) for j in range(per_kind) for k in KINDS if j < len(by_kind[k])]
+        out = [(k, by_kind[k][j]) for j in range(per_kind) for k in chosen if j < len(by_kind[k])]
     return out[:limit] if limit else out
 
 
@@ -181,6 +186,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=None, help="first N prompts (default: all)")
     ap.add_argument("--per-kind", type=int, default=None, help="the first N prompts of each kind, interleaved")
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help=f"comma-separated prompt kinds to run (default: all of {', '.join(KINDS)}; fewer: REDUCED)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -233,9 +240,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"[{machine_line(machine_info())}]", file=sys.stderr, flush=True)
     temps = [float(t) for t in args.temperatures.split(",")]
-    items = select(prompts(args.prompts, args.per_kind), shard)
+    try:
+        kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+        chosen_prompts = prompts(args.prompts, args.per_kind, kinds)
+    except ValueError as e:
+        raise SystemExit(f"--kinds: {e}") from None
+    items = select(chosen_prompts, shard)
     # REDUCED: fewer prompts than all of them (--per-kind 10 selects all, interleaved) or shorter replies
-    reduced = len(prompts(args.prompts, args.per_kind)) < len(prompts(None)) or args.max_new_tokens < 128
+    reduced = len(chosen_prompts) < len(prompts(None)) or args.max_new_tokens < 128
 
     chosen = DEFAULT_METHODS if args.methods is None else [m.strip() for m in args.methods.split(",")]
     unknown = sorted(set(chosen) - set(ALL_METHODS))
@@ -262,6 +274,10 @@ def main() -> None:
         # sized for a CPU where a pass over 4 rows costs ~1.25 passes over 1 and 8 rows ~2.5 (the
         # AVX2 x8 kernel: one 4-row group reads each weight once; --compile 1,4,8)
         "lookup chain3": treespec.SpeculativeGenerator(target, "lookup", treespec.ChainBuilder(budget=4)),
+        # the chain of 3 cut where the votes along it fall under 0.5 (no suffix recurs: the uniform
+        # q): a step without a match runs a 1-row pass instead of padding 3 guesses to 4 rows
+        "lookup chain3 conf0.5": treespec.SpeculativeGenerator(
+            target, "lookup", treespec.ChainBuilder(budget=4, min_confidence=0.5)),
         "lookup chain7 conf0.1": treespec.SpeculativeGenerator(
             target, "lookup", treespec.ChainBuilder(budget=8, min_confidence=0.1)),
     }
@@ -501,7 +517,7 @@ def merge(results: list[dict], note: str) -> dict:
     if any(c["selection"] != configs[0]["selection"] for c in configs):
         raise ValueError("--merge: the shards select different prompts (--prompts / --per-kind); merge one run")
     sel = configs[0]["selection"]
-    everything = prompts(sel["prompts"], sel["per_kind"])
+    everything = prompts(sel["prompts"], sel["per_kind"], tuple(sel.get("kinds", KINDS)))
     measured: set[str] = set()
     for (k, _), state in zip(shards, states):
         own = [prompt_key(item) for item in select(everything, (k, n))]
@@ -519,7 +535,8 @@ def merge(results: list[dict], note: str) -> dict:
             greedy.setdefault(tuple(key), []).extend(v)
     opts = common[0]
     args = argparse.Namespace(**{k: opts[k] for k in ("max_new_tokens", "dtype", "threads", "seed")},
-                              temperatures=opts["temperatures"], note=note, shard=None, **sel)
+                              temperatures=opts["temperatures"], note=note, shard=None,
+                              **{**sel, "kinds": ",".join(sel.get("kinds", KINDS))})
     temps = [float(t) for t in opts["temperatures"].split(",")]
     reduced = any(c["reduced"] for c in configs) or len(items) < len(everything)
     missing = {name: why for r in results for name, why in r["missing"].items()}
@@ -560,7 +577,9 @@ def report(args, run, temps, items, reduced, pools, greedy, missing, speed_path,
                    "prompt_kinds": {k: sum(1 for kk, _ in items if kk == k) for k in kinds},
                    "max_new_tokens": args.max_new_tokens, "temperatures": temps, "threads": args.threads,
                    "dtype": args.dtype, "seed": args.seed, "reduced": reduced, "speed_path": speed_path,
-                   "selection": {"prompts": args.prompts, "per_kind": args.per_kind}, "shard": args.shard},
+                   "selection": {"prompts": args.prompts, "per_kind": args.per_kind,
+                                 "kinds": [k for k in getattr(args, "kinds", ",".join(KINDS)).split(",") if k]},
+                   "shard": args.shard},
         "machine": {"note": args.note, **machine_info(), "torch_threads": args.threads},
         "wall_minutes": round(seconds / 60, 1),
         "missing": missing,

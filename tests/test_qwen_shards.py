@@ -15,14 +15,16 @@ def qwen():
         yield module
 
 
-def shard_result(qwen, k: int, n: int = 2, seed: int = 0, done: int | None = None) -> dict:
+def shard_result(qwen, k: int, n: int = 2, seed: int = 0, done: int | None = None,
+                 kinds: tuple[str, ...] | None = None) -> dict:
     """What ``qwen.py --per-kind 2 --shard k/n`` would save: per prompt, hf and hf-packed emit 8
     tokens in (1 + k) and k seconds, a speculative row 8 tokens in 2 steps with depth counts."""
     from harness import Pool
 
     args = argparse.Namespace(max_new_tokens=8, temperatures="0", dtype="float32", kernel=None, compile=None,
-                              threads=1, seed=seed, shard=f"{k}/{n}", note="test", prompts=None, per_kind=2)
-    mine = qwen.select(qwen.prompts(None, 2), (k, n))[:done]
+                              threads=1, seed=seed, shard=f"{k}/{n}", note="test", prompts=None, per_kind=2,
+                              kinds=",".join(kinds or qwen.KINDS))
+    mine = qwen.select(qwen.prompts(None, 2, kinds or qwen.KINDS), (k, n))[:done]
     pools = {}
     for kind, _ in mine:
         for where in ("all", kind):
@@ -71,6 +73,18 @@ def test_a_shard_cut_short_merges_as_the_prompts_it_measured(qwen):
     assert merged["config"]["prompts"] == 4 and merged["config"]["reduced"]
     rows = {(r["method"], r["kind"]): r for r in merged["rows"]}
     assert rows[("hf", "all")]["tokens"] == 32
+
+
+def test_a_run_of_one_kind_selects_and_merges_that_kind_only(qwen):
+    edits = qwen.prompts(None, None, ("code-edit",))
+    assert edits and {k for k, _ in edits} == {"code-edit"}
+    assert [t for _, t in edits] == [t for k, t in qwen.prompts(None) if k == "code-edit"]
+    merged = qwen.merge([shard_result(qwen, 1, kinds=("code-edit",)), shard_result(qwen, 2, kinds=("code-edit",))],
+                        "edits")
+    assert merged["config"]["prompt_kinds"] == {"code-edit": 2} and merged["config"]["reduced"]
+    assert merged["config"]["selection"]["kinds"] == ["code-edit"]
+    with pytest.raises(ValueError, match="choose from"):
+        qwen.prompts(None, None, ("poetry",))
 
 
 def test_merge_refuses_shards_of_different_runs(qwen):
