@@ -23,6 +23,7 @@ def run(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), *args], env=full, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow   # the real SmolLM2 with eagle3 and three verify-pass models, ~35 s: make test-slow
 def test_the_smoke_run_takes_every_path_on_a_cpu(tmp_path):
     out = run("--smoke", DEVICE="cpu", OUT=str(tmp_path))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
