@@ -140,8 +140,9 @@ def test_bad_input_is_one_error_line_not_a_traceback(capsys, monkeypatch):
 def test_demo_and_generate_default_to_the_fastest_measured_configuration():
     """With no --drafter / --tree / --budget, ``generate`` runs the target's preset for this CPU
     kind (SmolLM2: the hybrid with builder="auto" where a native-bf16 CPU measured it fastest;
-    on AVX2 only, the x8 target with compiled passes, plain decoding for both;
-    Qwen elsewhere: the 0.5B chain of 4); a flag given always wins, and a tree without a budget
+    on AVX2 only, the x8 target with compiled passes: plain decoding for SmolLM2, a lookup chain
+    of 3 cut at confidence 0.5 for Qwen; Qwen elsewhere: the 0.5B chain of 4); a flag given always
+    wins (the preset's --min-confidence goes with its tree only), and a tree without a budget
     keeps budget 16."""
     from treespec.cli.main import build_parser
     from treespec.cli.presets import PRESETS, apply_preset
@@ -157,13 +158,20 @@ def test_demo_and_generate_default_to_the_fastest_measured_configuration():
         assert (args.drafter, args.tree, args.budget, args.kernel, args.compile) == (
             "hybrid", "dynamic", "auto", "auto", False)
     cpu = CpuInfo("test", ("avx2", "fma", "f16c"), "AVX2")
-    for model, budget in (("smollm2-135m", "1"), ("qwen2.5-coder-1.5b", "1")):
+    for model, budget, stop in (("smollm2-135m", "1", 0.0), ("qwen2.5-coder-1.5b", "4", 0.5)):
         args = parser.parse_args(["generate", "--prompt", "Hi", "--model", model])
         assert apply_preset(args, cpu).plain == (budget == "1")
         assert (args.drafter, args.tree, args.budget, args.kernel, args.compile) == ("lookup", "chain", budget, "x8", True)
+        assert args.min_confidence == stop
+    args = parser.parse_args(["generate", "--prompt", "Hi", "--model", "qwen2.5-coder-1.5b", "--min-confidence", "0.2"])
+    apply_preset(args, cpu)
+    assert (args.budget, args.min_confidence) == ("4", 0.2)             # the user's stop on the preset's tree
+    args = parser.parse_args(["generate", "--prompt", "Hi", "--model", "qwen2.5-coder-1.5b", "--budget", "8"])
+    apply_preset(args, cpu)
+    assert (args.tree, args.budget, args.min_confidence) == ("dynamic", "8", 0.0)   # not the preset's tree: no stop
     args = parser.parse_args(["generate", "--prompt", "Hi", "--model", "qwen2.5-coder-1.5b"])
     apply_preset(args, CpuInfo("test", ("avx2", "avx512f", "avx512_bf16"), "AVX2"))
-    assert (args.drafter, args.tree, args.budget) == ("qwen2.5-coder-0.5b", "chain", "5")
+    assert (args.drafter, args.tree, args.budget, args.min_confidence) == ("qwen2.5-coder-0.5b", "chain", "5", 0.0)
     args = parser.parse_args(["generate", "--prompt", "Hi", "--drafter", "eagle3", "--tree", "chain"])
     apply_preset(args, cpu)
     assert (args.drafter, args.tree, args.budget) == ("eagle3", "chain", "16")

@@ -35,8 +35,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="a registered drafter (treespec.registered_drafters()), a drafter of your own as "
                         "package.module:factory, or an entry point of the treespec.drafters group "
                         "(docs/drafters.md); default: the target's fastest measured configuration on this kind "
-                        "of CPU (treespec.cli.presets: smollm2-135m hybrid with --budget auto; on AVX2-only CPUs plain "
-                        "decoding on --kernel x8 --compile), else eagle3")
+                        "of CPU (treespec.cli.presets: smollm2-135m hybrid with --budget auto; on AVX2-only CPUs, on "
+                        "--kernel x8 --compile, plain decoding for smollm2-135m and a lookup chain of 3 with "
+                        "--min-confidence 0.5 for qwen2.5-coder-1.5b), else eagle3")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the drafter's factory, repeatable (e.g. lookup: min_ngram=3)")
     p.add_argument("--tree", default=None, choices=BUILDERS,
@@ -50,9 +51,10 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--acceptance", default=None,
                    help="sequoia: positional acceptance vector a0,a1,... (default: the drafter's vector "
                         "measured by `treespec calibrate --drafter NAME`, else Sequoia's default)")
-    p.add_argument("--min-confidence", type=float, default=0.0,
+    p.add_argument("--min-confidence", type=float, default=None,
                    help="chain / dynamic / best-first: stop drafting where the path's draft confidence falls "
-                        "below it, down to no draft at all (a plain step); 0 = off. With --drafter lookup and "
+                        "below it, down to no draft at all (a plain step); 0 = off (default: the preset's where "
+                        "its tree is used, else 0). With --drafter lookup and "
                         "--drafter-option min_ngram=3, --tree chain --min-confidence 0.5 drafts only where the text "
                         "repeats")
     p.add_argument("--draft-mode", default="deterministic",

@@ -7,7 +7,8 @@ here.
 where the user gave no --kernel / --compile / --no-compile (nor --no-pack, a --dtype or a device
 that the path cannot take): on an AVX2-only CPU the fastest path is the x8 target (each linear
 input rounded to 8-bit integers per block of 32, as llama.cpp multiplies) with compiled passes;
-there SmolLM2's and Qwen's presets are plain decoding (no drafter pays over all prompts).
+there SmolLM2's preset is plain decoding (no drafter pays over all prompts) and Qwen's a lookup
+chain of 3 that drafts only where the votes agree (a plain 1-row pass elsewhere).
 ``demo`` keeps the CPU's default path: it compares with HF ``generate`` on the same path, which
 runs eagerly.
 
@@ -42,6 +43,7 @@ class Preset:
     source: str
     kernel: str = "auto"        # the target's linear kernel (--kernel); auto: the CPU's choice
     compile: bool = False       # the target's passes compiled (--compile)
+    min_confidence: float = 0.0  # the tree's stop (--min-confidence): a path under it is not drafted
 
     @property
     def plain(self) -> bool:
@@ -50,6 +52,7 @@ class Preset:
 
     def describe(self) -> str:
         tree = "builder='auto'" if self.budget == "auto" else f"{self.tree}:{self.budget}"
+        tree += f", --min-confidence {self.min_confidence:g}" if self.min_confidence else ""
         what = "plain decoding (budget 1)" if self.plain else f"--drafter {self.drafter}, {tree}"
         path = [f"--kernel {self.kernel}"] if self.kernel != "auto" else []
         path += ["--compile"] if self.compile else []
@@ -71,13 +74,15 @@ _SMOLLM2_AVX2 = Preset("lookup", "chain", "1",
                        "llamacpp_avx2.md: plain decoding on the x8 target with compiled passes, 1.62x llama.cpp's "
                        "plain decoding at T = 0 and 1.68x at T = 1; hybrid auto on the same path plans plain "
                        "decoding", kernel="x8", compile=True)
-# Qwen: with K-quant records a 1-node pass reads 1.02 GB and a 4-node one costs ~1.45 of it, so
-# over all prompts plain decoding is fastest (a lookup chain of 3 wins on code edits only); the
-# 0.5B's calls cost more than the rows they save
-_QWEN_AVX2 = Preset("lookup", "chain", "1",
-                    "qwen_avx2.md: plain decoding on the x8 target (K-quant records) with compiled passes, 1.43x "
-                    "llama.cpp's plain decoding over all prompts, its fastest row there; on code edits a lookup "
-                    "chain of 3 is faster (1.91x: --drafter lookup --tree chain --budget 4)", kernel="x8", compile=True)
+# Qwen: with K-quant records a 1-node pass reads 1.02 GB and a 4-node one costs ~1.45 of it, so a
+# chain pays only where its guesses are good: the lookup chain of 3 stops where the votes along it
+# fall under 0.5, a step without a recurring suffix is a 1-row pass; the 0.5B's calls cost more
+# than the rows they save
+_QWEN_AVX2 = Preset("lookup", "chain", "4",
+                    "qwen_avx2.md: a lookup chain of 3 cut at confidence 0.5 on the x8 target (K-quant records) "
+                    "with compiled passes, 1.50x llama.cpp's plain decoding over all prompts (plain decoding "
+                    "1.35x) and 1.90x on code edits, its fastest row on every prompt kind", kernel="x8", compile=True,
+                    min_confidence=0.5)
 
 
 def _on_every_kind(preset: Preset, **kinds: Preset) -> dict[str, Preset]:
@@ -138,11 +143,15 @@ def apply_preset(args, cpu: CpuInfo | None = None) -> Preset | None:
             setattr(args, name, default)
     if args.drafter is None:
         args.drafter, used = (preset.drafter, True) if preset else (FALLBACK["drafter"], used)
+    tree_applied = False
     if args.budget is None:
         if args.tree is None and not shaped and preset is not None:
             args.tree, args.budget, used = preset.tree, preset.budget, True
+            tree_applied = True
         else:
             args.budget = FALLBACK["budget"]
+    if getattr(args, "min_confidence", 0.0) is None:   # --min-confidence left out: the preset's tree's stop
+        args.min_confidence = preset.min_confidence if tree_applied else 0.0
     if args.tree is None:
         args.tree = FALLBACK["tree"]
     return preset if used else None
