@@ -15,9 +15,11 @@ all methods alike):
   ``hybrid`` (lookup + the 0.5B mixed in a best-first tree), ``switch`` (a lookup chain of up to
   16 where the text repeats, a 0.5B chain of up to 4 elsewhere) and ``builder="auto"`` with the 0.5B where
   the machine has a calibration of this target (else the row says why it is missing);
-- ``lookup chain3``, ``lookup chain7 conf0.1``, ``0.5b chain3`` and ``switch chain7 head3``: the
-  same drafters in passes of 4 and 8 nodes, sized for the AVX2 x8 kernel (a 4-row pass costs
-  about 1.25 one-row passes there, 8 rows 2.5: ``--compile 1,4,8``); not in the default set.
+- ``lookup chain3``, ``lookup chain3 conf0.5``, ``lookup chain7 conf0.1``, ``0.5b chain3`` and
+  ``switch chain7 head3``: the same drafters in passes of 4 and 8 nodes, sized for the AVX2 x8
+  kernel (a 4-row pass costs about 1.45 one-row passes there, 8 rows 2.7: ``--compile 1,4,8``);
+  ``conf0.5`` cuts the chain where the lookup votes along it fall under 0.5, so a step without a
+  recurring suffix is a 1-row pass; not in the default set.
 - ``0.5b chain4 eager-draft`` (with ``--compile``): the chain of 4 with the 0.5B's calls left
   eager, beside ``0.5b chain4`` whose calls run compiled as the target's passes do
   (``compile_drafter``); not in the default set.
