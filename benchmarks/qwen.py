@@ -273,7 +273,7 @@ def main() -> None:
         # of a pass over one)
         "lookup chain10 conf0.1": treespec.SpeculativeGenerator(
             target, "lookup", treespec.ChainBuilder(budget=11, min_confidence=0.1)),
-        # sized for a CPU where a pass over 4 rows costs ~1.25 passes over 1 and 8 rows ~2.5 (the
+        # sized for a CPU where a pass over 4 rows costs ~1.45 passes over 1 and 8 rows ~2.7 (the
         # AVX2 x8 kernel: one 4-row group reads each weight once; --compile 1,4,8)
         "lookup chain3": treespec.SpeculativeGenerator(target, "lookup", treespec.ChainBuilder(budget=4)),
         # the chain of 3 cut where the votes along it fall under 0.5 (no suffix recurs: the uniform
