@@ -126,6 +126,22 @@ def drafts_with_the_0_5b(method: str) -> bool:
 DRAFT_VOCAB = 32_768    # the "vocab32k" rows: the 0.5B drafts over the ids ShareGPT replies use most
 
 
+def check_kinds(kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """``kinds`` if it names at least one kind, each one of KINDS; else ValueError."""
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise ValueError(f"{unknown or 'no kind given'}; choose from {', '.join(KINDS)}")
+    return kinds
+
+
+def parse_kinds(text: str) -> tuple[str, ...]:
+    """``--kinds``: comma-separated prompt kinds, each one of KINDS."""
+    try:
+        return check_kinds(tuple(k.strip() for k in text.split(",") if k.strip()))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def prompts(limit: int | None, per_kind: int | None = None, kinds: tuple[str, ...] = KINDS) -> list[tuple[str, str]]:
     """(kind, text): MT-bench coding and reasoning first turns, then the code-editing prompts.
 
@@ -133,9 +149,7 @@ def prompts(limit: int | None, per_kind: int | None = None, kinds: tuple[str, ..
     so a run cut short still holds every kind; ``limit`` then keeps the first N of the result.
     ``kinds``: only these kinds (in KINDS' order).
     """
-    unknown = sorted(set(kinds) - set(KINDS))
-    if unknown or not kinds:
-        raise ValueError(f"kinds: {unknown or 'none given'}; choose from {', '.join(KINDS)}")
+    check_kinds(kinds)
     by_kind = {k: [] for k in KINDS}
     for q in mtbench_questions():
         if q.category in ("coding", "reasoning"):
@@ -188,7 +202,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=None, help="first N prompts (default: all)")
     ap.add_argument("--per-kind", type=int, default=None, help="the first N prompts of each kind, interleaved")
-    ap.add_argument("--kinds", default=",".join(KINDS),
+    ap.add_argument("--kinds", default=KINDS, type=parse_kinds,
                     help=f"comma-separated prompt kinds to run (default: all of {', '.join(KINDS)}; fewer: REDUCED)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", default="0,1")
@@ -242,11 +256,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"[{machine_line(machine_info())}]", file=sys.stderr, flush=True)
     temps = [float(t) for t in args.temperatures.split(",")]
-    try:
-        kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-        chosen_prompts = prompts(args.prompts, args.per_kind, kinds)
-    except ValueError as e:
-        raise SystemExit(f"--kinds: {e}") from None
+    chosen_prompts = prompts(args.prompts, args.per_kind, args.kinds)
     items = select(chosen_prompts, shard)
     # REDUCED: fewer prompts than all of them (--per-kind 10 selects all, interleaved) or shorter replies
     reduced = len(chosen_prompts) < len(prompts(None)) or args.max_new_tokens < 128
@@ -538,7 +548,7 @@ def merge(results: list[dict], note: str) -> dict:
     opts = common[0]
     args = argparse.Namespace(**{k: opts[k] for k in ("max_new_tokens", "dtype", "threads", "seed")},
                               temperatures=opts["temperatures"], note=note, shard=None,
-                              **{**sel, "kinds": ",".join(sel.get("kinds", KINDS))})
+                              **{**sel, "kinds": tuple(sel.get("kinds", KINDS))})
     temps = [float(t) for t in opts["temperatures"].split(",")]
     reduced = any(c["reduced"] for c in configs) or len(items) < len(everything)
     missing = {name: why for r in results for name, why in r["missing"].items()}
@@ -580,7 +590,7 @@ def report(args, run, temps, items, reduced, pools, greedy, missing, speed_path,
                    "max_new_tokens": args.max_new_tokens, "temperatures": temps, "threads": args.threads,
                    "dtype": args.dtype, "seed": args.seed, "reduced": reduced, "speed_path": speed_path,
                    "selection": {"prompts": args.prompts, "per_kind": args.per_kind,
-                                 "kinds": [k for k in getattr(args, "kinds", ",".join(KINDS)).split(",") if k]},
+                                 "kinds": list(getattr(args, "kinds", KINDS))},
                    "shard": args.shard},
         "machine": {"note": args.note, **machine_info(), "torch_threads": args.threads},
         "wall_minutes": round(seconds / 60, 1),

@@ -23,7 +23,7 @@ def shard_result(qwen, k: int, n: int = 2, seed: int = 0, done: int | None = Non
 
     args = argparse.Namespace(max_new_tokens=8, temperatures="0", dtype="float32", kernel=None, compile=None,
                               threads=1, seed=seed, shard=f"{k}/{n}", note="test", prompts=None, per_kind=2,
-                              kinds=",".join(kinds or qwen.KINDS))
+                              kinds=kinds or qwen.KINDS)
     mine = qwen.select(qwen.prompts(None, 2, kinds or qwen.KINDS), (k, n))[:done]
     pools = {}
     for kind, _ in mine:
@@ -85,6 +85,9 @@ def test_a_run_of_one_kind_selects_and_merges_that_kind_only(qwen):
     assert merged["config"]["selection"]["kinds"] == ["code-edit"]
     with pytest.raises(ValueError, match="choose from"):
         qwen.prompts(None, None, ("poetry",))
+    assert qwen.parse_kinds(" code-edit, coding ") == ("code-edit", "coding")
+    with pytest.raises(argparse.ArgumentTypeError, match="choose from"):
+        qwen.parse_kinds("code-edit,poetry")
 
 
 def test_merge_refuses_shards_of_different_runs(qwen):

@@ -143,15 +143,13 @@ def apply_preset(args, cpu: CpuInfo | None = None) -> Preset | None:
             setattr(args, name, default)
     if args.drafter is None:
         args.drafter, used = (preset.drafter, True) if preset else (FALLBACK["drafter"], used)
-    tree_applied = False
-    if args.budget is None:
-        if args.tree is None and not shaped and preset is not None:
-            args.tree, args.budget, used = preset.tree, preset.budget, True
-            tree_applied = True
-        else:
-            args.budget = FALLBACK["budget"]
+    preset_tree = args.budget is None and args.tree is None and not shaped and preset is not None
+    if preset_tree:
+        args.tree, args.budget, used = preset.tree, preset.budget, True
+    elif args.budget is None:
+        args.budget = FALLBACK["budget"]
     if getattr(args, "min_confidence", 0.0) is None:   # --min-confidence left out: the preset's tree's stop
-        args.min_confidence = preset.min_confidence if tree_applied else 0.0
+        args.min_confidence = preset.min_confidence if preset_tree else 0.0
     if args.tree is None:
         args.tree = FALLBACK["tree"]
     return preset if used else None
