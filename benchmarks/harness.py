@@ -353,8 +353,19 @@ class Pool:
     def __init__(self):
         self.tokens = self.steps = self.emitted = 0
         self.seconds = self.draft = self.verify = 0.0
+        # the prompts' passes, of ``seconds``: None once a run could not split them off (HF generate)
+        self.prefill: float | None = 0.0
+        self.prompt_tokens = 0
         self.attempts: list[int] = []
         self.accepts: list[int] = []
+
+    def add_run(self, tokens: int, seconds: float, prefill: float | None = None, prompt_tokens: int = 0) -> None:
+        """One generation timed from outside: ``tokens`` new tokens in ``seconds``, of which
+        ``prefill`` (None: not known) the prompt's pass over ``prompt_tokens`` tokens."""
+        self.tokens += tokens
+        self.seconds += seconds
+        self.prefill = None if prefill is None or self.prefill is None else self.prefill + prefill
+        self.prompt_tokens += prompt_tokens
 
     def add_stats(self, st) -> None:
         self.tokens += st.new_tokens
@@ -363,6 +374,8 @@ class Pool:
         self.seconds += st.decode_time + st.prefill_time
         self.draft += st.draft_time
         self.verify += st.verify_time
+        self.prefill = None if self.prefill is None else self.prefill + st.prefill_time
+        self.prompt_tokens += st.prompt_tokens
         for d, (t, a) in enumerate(zip(st.depth_attempts, st.depth_accepts)):
             if d >= len(self.attempts):
                 self.attempts.append(0)
@@ -377,8 +390,9 @@ class Pool:
     def merged(self, other: "Pool") -> "Pool":
         """The counters of both pools (e.g. two shards of one run), summed; depths aligned."""
         out = Pool.from_state(self.state())
-        for name in ("tokens", "steps", "emitted", "seconds", "draft", "verify"):
+        for name in ("tokens", "steps", "emitted", "seconds", "draft", "verify", "prompt_tokens"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
+        out.prefill = None if self.prefill is None or other.prefill is None else self.prefill + other.prefill
         depth = max(len(self.attempts), len(other.attempts))
         pad = lambda xs: list(xs) + [0] * (depth - len(xs))  # noqa: E731
         out.attempts = [a + b for a, b in zip(pad(self.attempts), pad(other.attempts))]
@@ -388,6 +402,7 @@ class Pool:
     @classmethod
     def from_state(cls, state: dict) -> "Pool":
         pool = cls()
+        pool.prefill = None                 # a state saved before prefills were counted
         vars(pool).update(state)
         return pool
 
@@ -403,6 +418,11 @@ class Pool:
             out["verify_ms_per_step"] = round(self.verify / self.steps * 1e3, 1)
         elif self.tokens:
             out["ms_per_token"] = round(self.seconds / self.tokens * 1e3, 1)
+        if self.prefill is not None and self.tokens and self.seconds > self.prefill:
+            out["prefill_s"] = round(self.prefill, 2)
+            out["decode_tokens_per_s"] = round(self.tokens / (self.seconds - self.prefill), 2)
+            if self.prompt_tokens:
+                out["prefill_ms_per_prompt_token"] = round(self.prefill / self.prompt_tokens * 1e3, 2)
         if base_tps:
             out["speedup"] = round(tps / base_tps, 3)
         return out
@@ -480,9 +500,7 @@ def drafter_grid(doc: str, defaults: dict, full_prompts: int, title: str) -> Non
         for temp in temps:
             seed = args.seed * 1000 + i
             n, dt = vanilla(target, ids, args.max_new_tokens, temp, seed)
-            p = pools.setdefault(("vanilla", "-", temp), Pool())
-            p.tokens += n
-            p.seconds += dt
+            pools.setdefault(("vanilla", "-", temp), Pool()).add_run(n, dt)
             for (d, t), gen in gens.items():
                 res = gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=temp, seed=seed)
                 pools.setdefault((d, t, temp), Pool()).add_stats(res.stats)

@@ -103,3 +103,28 @@ def test_merge_refuses_shards_of_different_runs(qwen):
 def test_bad_shard_names_the_form(qwen, text):
     with pytest.raises(ValueError, match="--shard"):
         qwen.parse_shard(text)
+
+
+def test_pools_split_off_the_prefill_only_where_every_run_timed_it(qwen):
+    from harness import Pool
+    from treespec.runtime.generator import GenerationStats
+
+    llama = Pool()
+    llama.add_run(10, 5.0, prefill=1.0, prompt_tokens=100)
+    llama.add_run(10, 5.0, prefill=3.0, prompt_tokens=100)
+    row = llama.row(None)
+    assert row["decode_tokens_per_s"] == round(20 / 6.0, 2) and row["prefill_ms_per_prompt_token"] == 20.0
+    ours = Pool()
+    ours.add_stats(GenerationStats(new_tokens=8, steps=4, prompt_tokens=50, prefill_time=0.5, verify_time=1.5))
+    assert ours.row(None)["decode_tokens_per_s"] == round(8 / 1.5, 2)
+    assert ours.row(None)["prefill_ms_per_prompt_token"] == 10.0
+    hf = Pool()
+    hf.add_run(10, 5.0)                                   # HF generate: no split
+    assert "decode_tokens_per_s" not in hf.row(None)
+    assert llama.merged(hf).prefill is None and llama.merged(llama).prefill == 8.0
+    old = {k: v for k, v in llama.state().items() if k not in ("prefill", "prompt_tokens")}
+    assert Pool.from_state(old).prefill is None           # saved before prefills were counted: unknown, not 0
+    lines = qwen.goals([{"method": "llama.cpp plain", "temperature": 0.0, "kind": "all", **llama.row(None)},
+                        {"method": "spec", "temperature": 0.0, "kind": "all", **ours.row(None)}])
+    goal = next(line for line in lines if line.startswith("| T = 0, all prompts, over llama.cpp's plain"))
+    assert f"| {8 / 1.5 / (20 / 6.0):.2f}x | 10.0 / 20.0 | 25% |" in goal
