@@ -58,6 +58,8 @@ recorded from ``treespec.fastpath.packing.machine_info()``.
     python benchmarks/qwen.py --per-kind 10 --shard 1/2 --out /tmp/q1 & # half the prompts per core ...
     python benchmarks/qwen.py --per-kind 10 --shard 2/2 --out /tmp/q2   # ... (each resumable on its own)
     python benchmarks/qwen.py --merge /tmp/q1,/tmp/q2                   # one table from the shards
+    python benchmarks/qwen.py --threads 2 --per-kind 3 --out /tmp/q2t   # the same at 2 threads (both cores) ...
+    python benchmarks/qwen.py --merge /tmp/q1,/tmp/q2 --with /tmp/q2t   # ... kept as a section of the result
     python benchmarks/qwen.py --prompts 1 --max-new-tokens 8 --out /tmp/qwen   # smoke (REDUCED)
 
 ``--shard K/N`` measures every N-th prompt from the K-th (all kinds in each shard), so N processes,
@@ -229,6 +231,9 @@ def main() -> None:
     ap.add_argument("--merge", default=None, metavar="OUT1,OUT2,...",
                     help="comma-separated --out paths of one run's shards: write their sum to --out; measure nothing")
     ap.add_argument("--render", action="store_true", help="rewrite the Markdown from the JSON; measure nothing")
+    ap.add_argument("--with", dest="with_runs", default=None, metavar="OUT1,...",
+                    help="with --merge or --render: add these runs of this benchmark on this machine at other "
+                         "thread counts (each its own run, e.g. --threads 2 unsharded) as sections after the result")
     ap.add_argument("--llamacpp", default=None, metavar="BIN_DIR",
                     help="add llama.cpp's rows at T = 0 (plain, ngram, draft model): the bin folder of "
                          "`make bench-llamacpp` (.cache/llama.cpp/build/bin)")
@@ -244,14 +249,18 @@ def main() -> None:
         target = treespec.load_target(TARGET, dtype=args.dtype)
         print(ensure_calibration(target, treespec.drafters.drafter_key(DRAFT, {"weights": "int4"})))
         return
+    others = [json.loads(Path(p).with_suffix(".json").read_text()) for p in (args.with_runs or "").split(",") if p]
     if args.render:
         out = Path(args.out)
-        save(out, json.loads(out.with_suffix(".json").read_text()))
+        result = json.loads(out.with_suffix(".json").read_text())
+        save(out, with_runs(result, others or result.get("other_runs", [])))
         return
     if args.merge:
-        save(Path(args.out), merge([json.loads(Path(p).with_suffix(".json").read_text())
-                                    for p in args.merge.split(",")], args.note))
+        save(Path(args.out), with_runs(merge([json.loads(Path(p).with_suffix(".json").read_text())
+                                              for p in args.merge.split(",")], args.note), others))
         return
+    if others:
+        raise SystemExit("--with adds runs to a --merge or --render result; it measures nothing itself")
     shard = parse_shard(args.shard)
     torch.set_num_threads(args.threads)
     print(f"[{machine_line(machine_info())}]", file=sys.stderr, flush=True)
@@ -609,25 +618,40 @@ def save(out: Path, result: dict) -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     c = result["config"]
     part = f", shard {c['shard']} of its prompts" if c.get("shard") else ""
-    merged = (f" Measured as {len(c['shards'])} shards side by side, one per core "
-              f"({', '.join(f'{k}: {m} min' for k, m in c['shards'].items())}), merged with `--merge`."
-              if c.get("shards") else "")
     lines = [f"# Qwen2.5-Coder-1.5B with its 0.5B sibling ({'REDUCED' if c['reduced'] else 'full'} configuration{part})",
-             "",
-             f"{c['prompts']} prompts ({', '.join(f'{n} {k}' for k, n in c['prompt_kinds'].items())}) x "
-             f"{c['max_new_tokens']} new tokens, T in {c['temperatures']}, dtype {c['dtype']}, "
-             f"{result['machine']['note']}; wall {result['wall_minutes']} min.{merged} Target path: {c['speed_path']}.",
-             machine_line(result["machine"]),
-             "",
+             "", *summary(result), machine_line(result["machine"]), "",
              "speedup: tokens/s over `hf` (stock HF generate); vs packed: over `hf-packed` (plain decoding on "
              "the same packed path), both at the same T and on the same prompts. greedy: outputs equal to "
              "`hf` / `hf-packed` / `plain` (treespec's own one-token loop on the same passes) token for token at T = 0. "
              "tokens/s: new tokens over prefill + decode seconds; decode tokens/s leaves the prefill out; prefill ms "
              "a prompt token: the prompts' passes over their tokens (treespec: its stats' prefill, the drafter's "
              "included; llama.cpp: its prompt eval counter; HF generate cannot split them: -).",
-             ""]
-    for kind in ["all", *c["prompt_kinds"]]:
-        lines += [f"## {kind}", "",
+             "", *tables(result, "##")]
+    for other in result.get("other_runs", []):      # --with: the same benchmark at another thread count
+        oc = other["config"]
+        lines += [f"# {oc['threads']} threads ({'REDUCED' if oc['reduced'] else 'full'} configuration): "
+                  "its own run, its ratios side by side within it", "", *summary(other),
+                  machine_line(other["machine"]), "", *tables(other, "##")]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def summary(result: dict) -> list[str]:
+    """What a run measured: prompts, tokens, T, the machine's state, the target's path."""
+    c = result["config"]
+    merged = (f" Measured as {len(c['shards'])} shards side by side, one per core "
+              f"({', '.join(f'{k}: {m} min' for k, m in c['shards'].items())}), merged with `--merge`."
+              if c.get("shards") else "")
+    return [f"{c['prompts']} prompts ({', '.join(f'{n} {k}' for k, n in c['prompt_kinds'].items())}) x "
+            f"{c['max_new_tokens']} new tokens, T in {c['temperatures']}, dtype {c['dtype']}, {c['threads']} "
+            f"thread(s), {result['machine']['note']}; wall {result['wall_minutes']} min.{merged} "
+            f"Target path: {c['speed_path']}."]
+
+
+def tables(result: dict, level: str) -> list[str]:
+    """A run's table per prompt kind (all first), its goals and the rows it could not run."""
+    lines = []
+    for kind in ["all", *result["config"]["prompt_kinds"]]:
+        lines += [f"{level} {kind}", "",
                   "| T | method | τ | draft / verify ms per step | tokens/s | decode tokens/s | prefill ms a prompt token "
                   "| speedup | vs packed | greedy hf / packed / plain |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
@@ -644,10 +668,28 @@ def save(out: Path, result: dict) -> None:
                          f"{r['tokens_per_s']:.2f} | {decode} | {prompt} | {r.get('speedup', 1.0):.2f} | "
                          f"{r.get('speedup_vs_packed', 1.0):.2f} | {eq} |")
         lines.append("")
-    lines += goals(result["rows"])
+    lines += goals(result["rows"], level)
     for name, why in result["missing"].items():
         lines.append(f"{name}: not run: {why}")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return lines + [""] * bool(result["missing"])
+
+
+def with_runs(result: dict, others: list[dict]) -> dict:
+    """``result`` with ``others`` (the same benchmark on this machine at other thread counts,
+    each measured in a run of its own) kept whole under ``other_runs``, rendered after it."""
+    cpu, threads = result["state"]["options"]["cpu"], result["config"]["threads"]
+    seen = {threads}
+    for other in others:
+        o = other["state"]["options"]
+        if o["cpu"] != cpu:
+            raise ValueError(f"--with: a run on {o['cpu']}, not this result's {cpu}: one file holds one machine kind")
+        if other["config"]["threads"] in seen:
+            raise ValueError(f"--with: two runs at {other['config']['threads']} thread(s); --with adds other "
+                             "thread counts (shards of one run go to --merge)")
+        if other.get("other_runs"):
+            raise ValueError("--with: name runs, not results that already hold others")
+        seen.add(other["config"]["threads"])
+    return {**result, "other_runs": list(others)}
 
 
 # (label, T, prompt kind, reference method, ratio the best treespec row must reach (strictly above for 1.0))
@@ -664,14 +706,14 @@ GOALS = [("T = 0, all prompts, over plain decoding on the same path", 0.0, "all"
          ("T = 0, all prompts, over HF assisted generation with the int4 0.5B", 0.0, "all", "hf-assisted int4", 1.3)]
 
 
-def goals(rows: list[dict]) -> list[str]:
+def goals(rows: list[dict], level: str = "##") -> list[str]:
     """The issue's goals, each checked on the best treespec row, with the step's time split.
 
     A speculative step costs draft + verify milliseconds and emits τ tokens; plain decoding costs
     ``1000 / tokens_per_s`` per token. The split says which term holds a missed goal back: the
     speedup the same τ would give with free drafting, and what the draft costs per step.
     """
-    lines = ["## Goals", "", "| goal | best treespec row | ratio | met | τ | draft / verify ms | reference ms/token "
+    lines = [f"{level} Goals", "", "| goal | best treespec row | ratio | met | τ | draft / verify ms | reference ms/token "
              "| ratio with free drafting | decode-only ratio | prefill ms a prompt token (ours / reference) "
              "| prefill's share of our seconds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, temp, kind, ref_name, need in GOALS:

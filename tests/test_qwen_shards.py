@@ -128,3 +128,20 @@ def test_pools_split_off_the_prefill_only_where_every_run_timed_it(qwen):
                         {"method": "spec", "temperature": 0.0, "kind": "all", **ours.row(None)}])
     goal = next(line for line in lines if line.startswith("| T = 0, all prompts, over llama.cpp's plain"))
     assert f"| {8 / 1.5 / (20 / 6.0):.2f}x | 10.0 / 20.0 | 25% |" in goal
+
+
+def test_a_run_at_another_thread_count_is_kept_whole_as_a_section(qwen, tmp_path):
+    merged = qwen.merge([shard_result(qwen, 1), shard_result(qwen, 2)], "two shards")
+    other = shard_result(qwen, 1, n=1)
+    other["config"]["threads"] = 2
+    both = qwen.with_runs(merged, [other])
+    assert both["other_runs"] == [other] and both["rows"] == merged["rows"]
+    qwen.save(tmp_path / "r", both)
+    text = (tmp_path / "r.md").read_text()
+    assert text.count("## Goals") == 2 and "# 2 threads (REDUCED configuration)" in text
+    assert text.index("# 2 threads") > text.index("## Goals")      # after the result's own tables
+    with pytest.raises(ValueError, match="two runs at 1 thread"):
+        qwen.with_runs(merged, [shard_result(qwen, 1, n=1)])     # a second 1-thread run is a shard's job
+    elsewhere = {**other, "state": {**other["state"], "options": {**other["state"]["options"], "cpu": "another"}}}
+    with pytest.raises(ValueError, match="one machine kind"):
+        qwen.with_runs(merged, [elsewhere])
