@@ -92,6 +92,21 @@ def median_ms(ms: Iterable[float]) -> float:
     return statistics.median(list(ms))
 
 
+def measure_bandwidth(reps: int = 5) -> float:
+    """Bytes/s of one streaming read of a 1 GiB buffer (median of reps)."""
+    import torch
+
+    buf = torch.ones(1 << 28)
+    return buf.numel() * 4 / (median_ms(time_calls(buf.sum, reps, warmup=0)) / 1e3)
+
+
+def stored_bytes(model: torch.nn.Module) -> int:
+    """Bytes the packed linear layers read per pass (integer blocks or fp32 panels)."""
+    from treespec.fastpath.packing import PackedLinear
+
+    return sum(m.packed_nbytes for m in model.modules() if isinstance(m, PackedLinear))
+
+
 def summarise(ms: Sequence[float]) -> dict[str, float]:
     """Median, 10th and 90th percentile of timings in ms."""
     deciles = statistics.quantiles(ms, n=10, method="inclusive")

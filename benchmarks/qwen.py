@@ -93,7 +93,7 @@ from treespec.runtime.compiled import compile_drafter_for, compile_target, parse
 from treespec.runtime.llamacpp import LlamaCppMode, LlamaCppTools, gguf_path, run_llamacpp_mode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import Pool  # noqa: E402  (pooled counters of one method)
+from harness import Pool, measure_bandwidth, stored_bytes  # noqa: E402  (pooled counters of one method)
 
 RESULTS = Path(__file__).parent / "results"
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -279,6 +279,8 @@ def main() -> None:
     run = options(args, [*chosen, *(m.label for m in llama)])
 
     target = treespec.load_target(TARGET, dtype=args.dtype, pack=args.kernel or True)   # packed where the CPU gains
+    # the physical limit of a 1-row pass: the weights it reads over the streaming read of --threads threads
+    limit = {"pass_bytes": stored_bytes(target.model), "read_bytes_per_s": measure_bandwidth()}
     if args.compile:   # the same model object: the hf rows call its forward eagerly as before
         target = compile_target(target, buckets=parse_buckets(args.compile))
     eos = list(target.eos_token_ids)
@@ -480,7 +482,7 @@ def main() -> None:
                         pools[(mode.label, temp, k)].emitted += r.tokens
         print(f"[{i + 1}/{len(items)} {kind}] {time.time() - start:.0f} s", file=sys.stderr, flush=True)
         save(out, report(args, run, temps, items[: i + 1], reduced, pools, greedy, missing,
-                         target.speed_path, time.time() - start))
+                         target.speed_path, time.time() - start, limit))
 
 
 def llamacpp_modes(args) -> list[LlamaCppMode]:
@@ -564,7 +566,7 @@ def merge(results: list[dict], note: str) -> dict:
     missing = {name: why for r in results for name, why in r["missing"].items()}
     seconds = max(s["seconds"] for s in states)          # the shards ran side by side
     out = report(args, {**opts, "shard": None}, temps, items, reduced, pools, greedy, missing,
-                 configs[0]["speed_path"], seconds)
+                 configs[0]["speed_path"], seconds, configs[0].get("limit"))
     out["machine"] = {**results[0]["machine"], "note": note}
     out["config"]["shards"] = {s["options"]["shard"]: round(s["seconds"] / 60, 1) for s in states}
     return out
@@ -574,7 +576,7 @@ def prompt_key(item: tuple[str, str]) -> str:
     return hashlib.sha256("\0".join(item).encode()).hexdigest()[:16]
 
 
-def report(args, run, temps, items, reduced, pools, greedy, missing, speed_path, seconds) -> dict:
+def report(args, run, temps, items, reduced, pools, greedy, missing, speed_path, seconds, limit=None) -> dict:
     rows = []
     kinds = [k for k in KINDS if any(kk == k for kk, _ in items)]
     for temp in temps:
@@ -601,7 +603,7 @@ def report(args, run, temps, items, reduced, pools, greedy, missing, speed_path,
                    "dtype": args.dtype, "seed": args.seed, "reduced": reduced, "speed_path": speed_path,
                    "selection": {"prompts": args.prompts, "per_kind": args.per_kind,
                                  "kinds": list(getattr(args, "kinds", KINDS))},
-                   "shard": args.shard},
+                   "shard": args.shard, "limit": limit},
         "machine": {"note": args.note, **machine_info(), "torch_threads": args.threads},
         "wall_minutes": round(seconds / 60, 1),
         "missing": missing,
@@ -669,9 +671,27 @@ def tables(result: dict, level: str) -> list[str]:
                          f"{r.get('speedup_vs_packed', 1.0):.2f} | {eq} |")
         lines.append("")
     lines += goals(result["rows"], level)
+    lines += physical_limit(result)
     for name, why in result["missing"].items():
         lines.append(f"{name}: not run: {why}")
     return lines + [""] * bool(result["missing"])
+
+
+def physical_limit(result: dict) -> list[str]:
+    """The bound a 1-row pass is measured against: the bytes of weights it reads over the
+    streaming read measured at the start of the run (on its threads), beside the plain row's pass."""
+    limit = result["config"].get("limit")
+    if not limit:
+        return []
+    ms = limit["pass_bytes"] / limit["read_bytes_per_s"] * 1e3
+    plain = next((r for r in result["rows"] if r["method"] == "plain" and r["kind"] == "all" and r.get("steps")), None)
+    took = f"; the plain row's pass took {plain['verify_ms_per_step']:.0f} ms" if plain else ""
+    shards = " (the other shards running)" if result["config"].get("shards") or result["config"].get("shard") else ""
+    threads = result["config"]["threads"]
+    return [f"Physical limit: a 1-row pass reads {limit['pass_bytes'] / 1e9:.2f} GB of weights; at the streaming "
+            f"read of {threads} thread(s) measured at the start of the run{shards}, "
+            f"{limit['read_bytes_per_s'] / 1e9:.1f} GB/s, "
+            f"that is {ms:.0f} ms{took}. A row past the first adds the kernel's arithmetic, not reads.", ""]
 
 
 def with_runs(result: dict, others: list[dict]) -> dict:

@@ -39,7 +39,8 @@ import time
 import torch
 
 import treespec
-from harness import RESULTS, figure, interleaved, machine_info, median_ms, save_figure, time_calls, write_results
+from harness import (RESULTS, figure, interleaved, machine_info, measure_bandwidth, median_ms, save_figure,
+                     stored_bytes, time_calls, write_results)
 from treespec.fastpath.packing import cpu_info
 from treespec.fastpath.kernels import amx_status, kernel_isa, pack_blocks, panel_status, x8_records
 from treespec.fastpath.attention import use_row_attention
@@ -59,12 +60,6 @@ def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
                      sampling="deterministic")
 
 
-def measure_bandwidth(reps: int = 5) -> float:
-    """Bytes/s of one streaming read of a 1 GiB buffer (median of reps)."""
-    buf = torch.ones(1 << 28)
-    return buf.numel() * 4 / (median_ms(time_calls(buf.sum, reps, warmup=0)) / 1e3)
-
-
 def measure_gemm_peak(dtype: torch.dtype, size: int = 1024, reps: int = 7) -> float:
     """FLOP/s of a cache-friendly square GEMM in ``dtype`` (median of reps)."""
     a = torch.randn(size, size).to(dtype)
@@ -76,13 +71,6 @@ def linear_params(model: torch.nn.Module) -> int:
     """Weights a forward multiplies by (every linear layer, the LM head included)."""
     return sum(m.weight.numel() for m in model.modules() if hasattr(m, "weight") and m.weight is not None
                and m.weight.dim() == 2 and not isinstance(m, torch.nn.Embedding))
-
-
-def stored_bytes(model: torch.nn.Module) -> int:
-    """Bytes the packed linear layers read per pass (integer blocks or fp32 panels)."""
-    from treespec.fastpath.packing import PackedLinear
-
-    return sum(m.packed_nbytes for m in model.modules() if isinstance(m, PackedLinear))
 
 
 def main() -> None:

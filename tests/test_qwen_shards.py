@@ -145,3 +145,13 @@ def test_a_run_at_another_thread_count_is_kept_whole_as_a_section(qwen, tmp_path
     elsewhere = {**other, "state": {**other["state"], "options": {**other["state"]["options"], "cpu": "another"}}}
     with pytest.raises(ValueError, match="one machine kind"):
         qwen.with_runs(merged, [elsewhere])
+
+
+def test_the_result_names_the_physical_limit_of_a_pass(qwen):
+    merged = qwen.merge([shard_result(qwen, 1), shard_result(qwen, 2)], "two shards")
+    assert merged["config"]["limit"] is None and qwen.physical_limit(merged) == []
+    merged["config"]["limit"] = {"pass_bytes": 1.02e9, "read_bytes_per_s": 1.2e10}
+    merged["rows"].append({"method": "plain", "kind": "all", "temperature": 0.0, "steps": 10, "verify_ms_per_step": 109.4})
+    line = qwen.physical_limit(merged)[0]
+    assert "reads 1.02 GB" in line and "12.0 GB/s, that is 85 ms" in line and "pass took 109 ms" in line
+    assert "the other shards running" in line
