@@ -10,7 +10,22 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["DirectGraphs"]
+__all__ = ["DirectGraphs", "serial_kernels"]
+
+
+def serial_kernels() -> dict:
+    """Inductor's config for graphs whose rows must not depend on the pass they sit in: its own
+    C++ kernels single-threaded where torch runs several threads (treespec's operators inside keep
+    every thread: they split the work by output column or row, never one sum).
+
+    Inductor parallelizes a kernel by the threads it has and the loop sizes of that graph: a 1-row
+    pass has no row loop to split, so with 2 threads it splits the RMSNorm's sum over the 1536
+    hidden values of Qwen2.5-1.5B between the threads, where a 4-row pass gives each row to one
+    thread whole. The two sum in another order, a row's bits differ between the one-token step and
+    the tree pass, and greedy speculation can leave plain decoding's tokens. The kernels it writes
+    (norms, rotary embedding, the MLP's gate, residual adds) are a small part of a pass. One
+    thread: the options as they were (those graphs' cache keys unchanged)."""
+    return {"cpp.threads": 1} if torch.get_num_threads() > 1 else {}
 
 
 class DirectGraphs:
@@ -41,7 +56,7 @@ class DirectGraphs:
         from torch._inductor.compile_fx import compile_fx
 
         inputs = list(example_inputs)             # the real tensors (compile_fx may empty the list)
-        compiled = compile_fx(gm, example_inputs, config_patches=self.options)
+        compiled = compile_fx(gm, example_inputs, config_patches={**self.options, **serial_kernels()})
         if self._capture is not None:
             placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
             sources = [getattr(node.meta.get("grapharg"), "source", None) for node in placeholders]
