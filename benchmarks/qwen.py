@@ -46,10 +46,12 @@ speculation with the same 0.5B GGUF, ``--llamacpp-draft-max`` tokens a step); τ
 target passes, timed by llama.cpp's own counters (prefill included).
 
 Reported per (method, T), over all prompts and per prompt kind: tokens/s (new tokens / (prefill +
-decode) seconds, pooled), τ, the draft / verify time split, speedup over ``hf`` and over
-``hf-packed`` (plain decoding on the same path) at the same T, and at T = 0 whether every output
-equals plain greedy decoding token for token. The machine (CPU model, flags, threads) is
-recorded from ``treespec.fastpath.packing.machine_info()``.
+decode) seconds, pooled), decoding alone (the prefill left out) and the prefill's ms a prompt
+token (treespec's rows and llama.cpp's; HF generate cannot split them), τ, the draft / verify time
+split, speedup over ``hf`` and over ``hf-packed`` (plain decoding on the same path) at the same T,
+and at T = 0 whether every output equals plain greedy decoding token for token; then the goals,
+and the physical limit of a 1-row pass (its bytes over the streaming read measured at the start).
+The machine (CPU model, flags, threads) is recorded from ``treespec.fastpath.packing.machine_info()``.
 
     python benchmarks/qwen.py                                           # full: all prompts x 128 tokens
     python benchmarks/qwen.py --per-kind 3 --max-new-tokens 64          # 3 of each kind (REDUCED)
@@ -628,12 +630,12 @@ def save(out: Path, result: dict) -> None:
              "tokens/s: new tokens over prefill + decode seconds; decode tokens/s leaves the prefill out; prefill ms "
              "a prompt token: the prompts' passes over their tokens (treespec: its stats' prefill, the drafter's "
              "included; llama.cpp: its prompt eval counter; HF generate cannot split them: -).",
-             "", *tables(result, "##")]
+             "", *tables(result)]
     for other in result.get("other_runs", []):      # --with: the same benchmark at another thread count
         oc = other["config"]
         lines += [f"# {oc['threads']} threads ({'REDUCED' if oc['reduced'] else 'full'} configuration): "
                   "its own run, its ratios side by side within it", "", *summary(other),
-                  machine_line(other["machine"]), "", *tables(other, "##")]
+                  machine_line(other["machine"]), "", *tables(other)]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -649,11 +651,11 @@ def summary(result: dict) -> list[str]:
             f"Target path: {c['speed_path']}."]
 
 
-def tables(result: dict, level: str) -> list[str]:
+def tables(result: dict) -> list[str]:
     """A run's table per prompt kind (all first), its goals and the rows it could not run."""
     lines = []
     for kind in ["all", *result["config"]["prompt_kinds"]]:
-        lines += [f"{level} {kind}", "",
+        lines += [f"## {kind}", "",
                   "| T | method | τ | draft / verify ms per step | tokens/s | decode tokens/s | prefill ms a prompt token "
                   "| speedup | vs packed | greedy hf / packed / plain |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
@@ -670,7 +672,7 @@ def tables(result: dict, level: str) -> list[str]:
                          f"{r['tokens_per_s']:.2f} | {decode} | {prompt} | {r.get('speedup', 1.0):.2f} | "
                          f"{r.get('speedup_vs_packed', 1.0):.2f} | {eq} |")
         lines.append("")
-    lines += goals(result["rows"], level)
+    lines += goals(result["rows"])
     lines += physical_limit(result)
     for name, why in result["missing"].items():
         lines.append(f"{name}: not run: {why}")
@@ -726,14 +728,14 @@ GOALS = [("T = 0, all prompts, over plain decoding on the same path", 0.0, "all"
          ("T = 0, all prompts, over HF assisted generation with the int4 0.5B", 0.0, "all", "hf-assisted int4", 1.3)]
 
 
-def goals(rows: list[dict], level: str = "##") -> list[str]:
+def goals(rows: list[dict]) -> list[str]:
     """The issue's goals, each checked on the best treespec row, with the step's time split.
 
     A speculative step costs draft + verify milliseconds and emits τ tokens; plain decoding costs
     ``1000 / tokens_per_s`` per token. The split says which term holds a missed goal back: the
     speedup the same τ would give with free drafting, and what the draft costs per step.
     """
-    lines = [f"{level} Goals", "", "| goal | best treespec row | ratio | met | τ | draft / verify ms | reference ms/token "
+    lines = ["## Goals", "", "| goal | best treespec row | ratio | met | τ | draft / verify ms | reference ms/token "
              "| ratio with free drafting | decode-only ratio | prefill ms a prompt token (ours / reference) "
              "| prefill's share of our seconds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, temp, kind, ref_name, need in GOALS:
