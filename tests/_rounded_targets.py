@@ -35,15 +35,16 @@ def rounded_copy(stock: nn.Module, kernel: str) -> nn.Module:
     return packed
 
 
-def assert_chain_rows_are_one_token_steps(model: nn.Module) -> None:
+def assert_chain_rows_are_one_token_steps(model: nn.Module, passes=None) -> None:
+    """``passes``: the model's compiled passes (``CompiledPasses``), else eager passes."""
     prefix = torch.tensor([5, 17, 200, 42, 7, 99, 3])
     chain = [11, 23, 57, 101]
     sampling = SamplingConfig(temperature=1.0)
     tree = DraftTree(torch.tensor(chain), torch.tensor([-1, 0, 1, 2]), sampling="deterministic")
-    v = TreeVerifier(model, sampling)
+    v = TreeVerifier(model, sampling, passes=passes)
     v.prefill(prefix)
     together = v.score(tree).probs
-    step = TreeVerifier(model, sampling)
+    step = TreeVerifier(model, sampling, passes=passes)
     step.prefill(prefix)
     for i, token in enumerate(chain):
         alone = step.score(DraftTree(torch.tensor([token]), torch.tensor([-1]), sampling="deterministic")).probs

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator, Target
+from treespec import ChainBuilder, DynamicTreeBuilder, SpeculativeGenerator
 from treespec.core.sampling import SamplingConfig
 from treespec.core.tree import DraftTree
 from treespec.drafters import ModelDrafter
@@ -438,23 +438,14 @@ def test_a_tree_pass_keeps_the_one_token_steps_bits_on_two_threads():
     chain's rows off the bits of the one-token steps (greedy speculation then leaves plain
     decoding's tokens). ``serial_kernels`` keeps Inductor's own kernels on one thread there."""
     from _engine_helpers import peaky_llama
-    from _rounded_targets import rounded_copy
+    from _rounded_targets import assert_chain_rows_are_one_token_steps, rounded_copy
 
-    model = peaky_llama(V, seed=5, hidden_size=1024, max_position_embeddings=256)
+    model = peaky_llama(256, seed=5, hidden_size=1024, max_position_embeddings=256)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(gguf_q4_1(module.weight))
-    target = Target.from_hf(rounded_copy(model, "x8"), None, name="wide", pack=False)
+    packed = rounded_copy(model, "x8")
     torch.set_num_threads(2)                                # the one_thread fixture puts it back
-    passes = CompiledPasses(target.model, buckets=(1, 4), max_len=64, announce=False, cpp_wrapper=False)
-    fast = dataclasses.replace(target, passes=passes)
-    prefix, chain = torch.tensor([1, 5, 7, 2, 9, 3, 11]), [3, 4, 6, 8]
-    together = TreeVerifier(fast.model, SamplingConfig(1.0), passes=passes)
-    together.prefill(prefix)
-    rows = together.score(tree_of(chain, [-1, 0, 1, 2])).probs
-    step = TreeVerifier(fast.model, SamplingConfig(1.0), passes=passes)
-    step.prefill(prefix)
-    for i, token in enumerate(chain):
-        assert torch.equal(step.score(tree_of([token], [-1])).probs[0], rows[i]), i
-        step.compact(torch.zeros(1, dtype=torch.long))
+    passes = CompiledPasses(packed, buckets=(1, 4), max_len=64, announce=False, cpp_wrapper=False)
+    assert_chain_rows_are_one_token_steps(packed, passes)
