@@ -63,13 +63,17 @@ LAYERS, VOCAB, HIDDEN = 30, 49152, 576
 QWEN = {"layer": (("q", 1536, 1536, 4), ("k", 256, 1536, 4), ("v", 256, 1536, 4), ("o", 1536, 1536, 4),
                   ("gate", 8960, 1536, 4), ("up", 8960, 1536, 4), ("down", 1536, 8960, 4)),
         "layers": 4, "head": (151936 // 8 // 16 * 16, 1536, 6)}
+# --shapes qwen-6bit: its 6-bit work alone, the whole LM head and 7 of the 14 6-bit down projections
+QWEN_6BIT = [(1536, 8960, 6)] * 7 + [(151936 // 16 * 16, 1536, 6)]
 
 
 def weight_shapes(shapes: str) -> list[tuple[int, int, int]]:
     """(n, k, bits) of every weight of one timed pass: SmolLM2-135M's (the LM head as 8-bit
-    blocks), or the Qwen slice above."""
+    blocks), the Qwen slice above or its 6-bit matrices."""
     if shapes == "smollm2":
         return [(n, k, 4) for _ in range(LAYERS) for _, n, k in LAYER] + [(VOCAB, HIDDEN, 8)]
+    if shapes == "qwen-6bit":
+        return list(QWEN_6BIT)
     out = []
     for i in range(QWEN["layers"]):
         for name, n, k, bits in QWEN["layer"]:
@@ -125,8 +129,9 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true",
                     help="time the row attention kernel of the two revisions instead of the block kernel")
     ap.add_argument("--prefix", type=int, default=300, help="cached keys before the tree (--attention)")
-    ap.add_argument("--shapes", choices=("smollm2", "qwen"), default="smollm2",
-                    help="whose linear layers one point times (qwen: a slice of Qwen2.5-Coder-1.5B Q4_K_M)")
+    ap.add_argument("--shapes", choices=("smollm2", "qwen", "qwen-6bit"), default="smollm2",
+                    help="whose linear layers one point times (qwen: a slice of Qwen2.5-Coder-1.5B Q4_K_M; "
+                         "qwen-6bit: its 6-bit matrices)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS / "kernel_ab"))
@@ -197,8 +202,9 @@ def bench(versions: dict, ns: list[int], args) -> None:
     """Times and writes ``versions`` (name -> (module, isa number or None for the default, pack_blocks))."""
     gen = torch.Generator().manual_seed(0)
     shapes = weight_shapes(args.shapes)
-    weights = [exact_blocks(n, k, bits, gen, k_quant=args.shapes == "qwen") for n, k, bits in shapes]
-    first = len(QWEN["layer"]) if args.shapes == "qwen" else len(LAYER)
+    qwen = args.shapes.startswith("qwen")
+    weights = [exact_blocks(n, k, bits, gen, k_quant=qwen) for n, k, bits in shapes]
+    first = len(QWEN["layer"]) if qwen else len(LAYER)
     packers = {version[2] for version in versions.values()}
     def layout(packer):   # x8: each revision's pack_blocks, then its x8 records (pack_blocks' own module)
         if args.kernel != "x8":
@@ -233,8 +239,10 @@ def bench(versions: dict, ns: list[int], args) -> None:
     names, same_bits, error, ms = measure(versions, ns, args.reps, one_pass, error_of)
     write_ab(args, "x8 block kernel A/B" if args.kernel == "x8" else "Block kernel A/B", names, same_bits, ms, ns,
              f"{args.isa if not args.isas else 'each ISA'}'s code. One point = "
-             + ("every linear layer of one SmolLM2-135M forward" if args.shapes == "smollm2" else
-                "4 layers and 1/8 of the LM head of Qwen2.5-Coder-1.5B Q4_K_M (4- and 6-bit blocks)")
+             + {"smollm2": "every linear layer of one SmolLM2-135M forward",
+                "qwen": "4 layers and 1/8 of the LM head of Qwen2.5-Coder-1.5B Q4_K_M (4- and 6-bit blocks)",
+                "qwen-6bit": "the LM head and 7 down projections of Qwen2.5-Coder-1.5B Q4_K_M (its Q6_K matrices, "
+                             "6-bit blocks)"}[args.shapes]
              + f" ({macs / 1e6:.1f} M weights as blocks) over n rows",
              ("relative_error", "largest error against float64 on the first layer's seven weights and the LM head, "
                                 "relative to the output's largest magnitude" + (" (x rounded to 8 bits a block: ~1e-2 "

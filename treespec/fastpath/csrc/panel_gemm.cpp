@@ -528,12 +528,95 @@ inline __m256 int8x8_to_ps(const int8_t* a) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a))));
 }
 
+// panel for 6-bit x8k records (GGUF Q6_K). A record's q: 8 groups of 32 bytes holding each
+// value's low 4 bits (as 4-bit records do), then 4 of the top 2 bits, one for each pair of groups
+// (bits 0-1 and 2-3: the even group's columns 0-7 and 8-15; bits 4-5 and 6-7: the odd one's). The
+// pair's top bits are loaded once, and each row's products of the pair's two groups are added as
+// 16-bit integers before one widening: (q + 32) in 0..63 times qx in -127..127 is a pair sum of at
+// most 2 * 63 * 127 = 16002, two of them 32004 < 2^15. Integer sums are exact in any grouping, so
+// the bits are panel's own for every row count.
+template <int R>
+inline void panel_q6k(const int8_t* qx, const float* dx, const float* sx, const int32_t* s16, int64_t K,
+                      const uint8_t* rec, float* y, int64_t ldy) {
+  constexpr int64_t kRec = sub_record_bytes<6>();
+  const int64_t nb = K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+  __m256 acc[R][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const float* head = nullptr;
+  for (int64_t b = 0; b < nb; ++b, rec += kRec) {
+    if (b % kSuper == 0) {
+      head = reinterpret_cast<const float*>(rec);
+      rec += sub_header_bytes<6>();
+    }
+    for (int64_t line = 0; line < kRec; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * kRec + line), _MM_HINT_T0);
+    const uint8_t* q = rec + 32;
+#pragma GCC unroll 2
+    for (int sub = 0; sub < 2; ++sub) {
+      __m256i t[R][2];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int pair = 0; pair < 2; ++pair) {
+        const int g = 4 * sub + 2 * pair;
+        const __m256i h = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 256 + 32 * (2 * sub + pair)));
+        const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
+        const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * g + 32));
+        const __m256i w00 = _mm256_or_si256(_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
+        const __m256i w01 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+                                            _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
+        const __m256i w10 = _mm256_or_si256(_mm256_and_si256(v1, low), _mm256_and_si256(h, top));
+        const __m256i w11 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low),
+                                            _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t f0, f1;
+          std::memcpy(&f0, qx + r * K + b * kBlock + 4 * g, 4);
+          std::memcpy(&f1, qx + r * K + b * kBlock + 4 * g + 4, 4);
+          const __m256i x0 = _mm256_set1_epi32(f0), x1 = _mm256_set1_epi32(f1);
+          const __m256i u0 = _mm256_add_epi16(_mm256_maddubs_epi16(w00, x0), _mm256_maddubs_epi16(w10, x1));
+          const __m256i u1 = _mm256_add_epi16(_mm256_maddubs_epi16(w01, x0), _mm256_maddubs_epi16(w11, x1));
+          t[r][0] = _mm256_add_epi32(t[r][0], _mm256_madd_epi16(u0, ones));
+          t[r][1] = _mm256_add_epi32(t[r][1], _mm256_madd_epi16(u1, ones));
+          in_register(t[r][0], t[r][1]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256i off = _mm256_set1_epi32(32 * s16[r * 2 * nb + 2 * b + sub]);
+        t[r][0] = _mm256_sub_epi32(t[r][0], off);
+        t[r][1] = _mm256_sub_epi32(t[r][1], off);
+      }
+      const int8_t* a = reinterpret_cast<const int8_t*>(rec) + 16 * sub;
+      const __m256 d0 = _mm256_mul_ps(_mm256_load_ps(head), int8x8_to_ps(a));
+      const __m256 d1 = _mm256_mul_ps(_mm256_load_ps(head + 8), int8x8_to_ps(a + 8));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 e = _mm256_set1_ps(dx[r * nb + b]);
+        acc[r][0] = _mm256_fmadd_ps(d0, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][0])), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(d1, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][1])), acc[r][1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+    _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+  }
+}
+
 // Rows [0, R) of a group (qx: row 0's, stride K) times panel p: y's 16 columns of each row.
 // Sub: x8k records (rec: the panel's first super-block header); s16 the rows' sums of qx per
 // 16 k values (6 bits).
 template <int R, int Bits, bool Half, bool Sub>
 inline void panel(const int8_t* qx, const float* dx, const float* sx, const int32_t* s16, int64_t K,
                   const uint8_t* rec, float* y, int64_t ldy) {
+  if constexpr (Bits == 6 && Sub) {
+    panel_q6k<R>(qx, dx, sx, s16, K, rec, y, ldy);
+    return;
+  }
   constexpr int64_t kRec = Sub ? sub_record_bytes<Bits>() : record_bytes<Bits, Half>();
   constexpr int64_t kHead = Sub ? 32 : scale_bytes<Bits, Half>();   // a record's bytes before its q
   const int64_t nb = K / kBlock;
