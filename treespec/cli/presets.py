@@ -80,8 +80,8 @@ _SMOLLM2_AVX2 = Preset("lookup", "chain", "1",
 # than the rows they save
 _QWEN_AVX2 = Preset("lookup", "chain", "4",
                     "qwen_avx2.md: a lookup chain of 3 cut at confidence 0.5 on the x8 target (K-quant records) "
-                    "with compiled passes, 1.70x llama.cpp's plain decoding over all prompts (plain decoding "
-                    "1.48x) and 1.97x on code edits, its fastest row on every prompt kind", kernel="x8", compile=True,
+                    "with compiled passes, 1.66x llama.cpp's plain decoding over all prompts (plain decoding "
+                    "1.47x) and 2.02x on code edits, its fastest row on every prompt kind", kernel="x8", compile=True,
                     min_confidence=0.5)
 
 

@@ -528,7 +528,30 @@ inline __m256 int8x8_to_ps(const int8_t* a) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a))));
 }
 
-// panel for 6-bit x8k records (GGUF Q6_K). A record's q: 8 groups of 32 bytes holding each
+// The R rows' block sums t scaled into their outputs' accumulators: acc = fma(d, dx t, acc), dx the
+// row's scale of block b (the m term, where there is one, is added before: see panel).
+template <int R>
+inline void add_scaled(__m256 (&acc)[R][2], const __m256i (&t)[R][2], __m256 d0, __m256 d1, const float* dx,
+                       int64_t nb, int64_t b) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m256 e = _mm256_set1_ps(dx[r * nb + b]);
+    acc[r][0] = _mm256_fmadd_ps(d0, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][0])), acc[r][0]);
+    acc[r][1] = _mm256_fmadd_ps(d1, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][1])), acc[r][1]);
+  }
+}
+
+// The R rows' 16 outputs stored at y (row stride ldy).
+template <int R>
+inline void store_rows(const __m256 (&acc)[R][2], float* y, int64_t ldy) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+    _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+  }
+}
+
+// panel's loop for 6-bit x8k records (GGUF Q6_K). A record's q: 8 groups of 32 bytes holding each
 // value's low 4 bits (as 4-bit records do), then 4 of the top 2 bits, one for each pair of groups
 // (bits 0-1 and 2-3: the even group's columns 0-7 and 8-15; bits 4-5 and 6-7: the odd one's). The
 // pair's top bits are loaded once, and each row's products of the pair's two groups are added as
@@ -536,8 +559,8 @@ inline __m256 int8x8_to_ps(const int8_t* a) {
 // most 2 * 63 * 127 = 16002, two of them 32004 < 2^15. Integer sums are exact in any grouping, so
 // the bits are panel's own for every row count.
 template <int R>
-inline void panel_q6k(const int8_t* qx, const float* dx, const float* sx, const int32_t* s16, int64_t K,
-                      const uint8_t* rec, float* y, int64_t ldy) {
+inline void panel_q6k(const int8_t* qx, const float* dx, const int32_t* s16, int64_t K, const uint8_t* rec,
+                      float* y, int64_t ldy) {
   constexpr int64_t kRec = sub_record_bytes<6>();
   const int64_t nb = K / kBlock;
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
@@ -564,6 +587,7 @@ inline void panel_q6k(const int8_t* qx, const float* dx, const float* sx, const 
         const __m256i h = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 256 + 32 * (2 * sub + pair)));
         const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
         const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * g + 32));
+        // w<i><j>: q + 32 of group g + i, columns 0-7 (j = 0) or 8-15 (j = 1)
         const __m256i w00 = _mm256_or_si256(_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
         const __m256i w01 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
                                             _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
@@ -592,29 +616,20 @@ inline void panel_q6k(const int8_t* qx, const float* dx, const float* sx, const 
       const int8_t* a = reinterpret_cast<const int8_t*>(rec) + 16 * sub;
       const __m256 d0 = _mm256_mul_ps(_mm256_load_ps(head), int8x8_to_ps(a));
       const __m256 d1 = _mm256_mul_ps(_mm256_load_ps(head + 8), int8x8_to_ps(a + 8));
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256 e = _mm256_set1_ps(dx[r * nb + b]);
-        acc[r][0] = _mm256_fmadd_ps(d0, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][0])), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(d1, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][1])), acc[r][1]);
-      }
+      add_scaled<R>(acc, t, d0, d1, dx, nb, b);
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * ldy, acc[r][0]);
-    _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
-  }
+  store_rows<R>(acc, y, ldy);
 }
 
 // Rows [0, R) of a group (qx: row 0's, stride K) times panel p: y's 16 columns of each row.
-// Sub: x8k records (rec: the panel's first super-block header); s16 the rows' sums of qx per
-// 16 k values (6 bits).
+// Sub: x8k records (rec: the panel's first super-block header); 6-bit ones go to panel_q6k, with
+// s16 the rows' sums of qx per 16 k values.
 template <int R, int Bits, bool Half, bool Sub>
 inline void panel(const int8_t* qx, const float* dx, const float* sx, const int32_t* s16, int64_t K,
                   const uint8_t* rec, float* y, int64_t ldy) {
   if constexpr (Bits == 6 && Sub) {
-    panel_q6k<R>(qx, dx, sx, s16, K, rec, y, ldy);
+    panel_q6k<R>(qx, dx, s16, K, rec, y, ldy);
     return;
   }
   constexpr int64_t kRec = Sub ? sub_record_bytes<Bits>() : record_bytes<Bits, Half>();
@@ -648,14 +663,6 @@ inline void panel(const int8_t* qx, const float* dx, const float* sx, const int3
           const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
           a0 = w0 = _mm256_and_si256(v, low);
           a1 = w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        } else if constexpr (Sub) {    // q + 32: low 4 bits, then the top 2 of the group pair
-          const __m256i top = _mm256_set1_epi8(0x30);
-          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32 * g));
-          const __m256i h = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 256 + 32 * (g / 2)));
-          const __m256i h0 = (g & 1) ? h : _mm256_slli_epi16(h, 4);
-          const __m256i h1 = (g & 1) ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2);
-          a0 = w0 = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(h0, top));
-          a1 = w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(h1, top));
         } else {
           w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * g));
           w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 64 * g + 32));
@@ -670,9 +677,6 @@ inline void panel(const int8_t* qx, const float* dx, const float* sx, const int3
           if constexpr (Bits == 4) {
             t[r][0] = _mm256_add_epi16(t[r][0], dot4<Bits>(w0, a0, xv, ones));
             t[r][1] = _mm256_add_epi16(t[r][1], dot4<Bits>(w1, a1, xv, ones));
-          } else if constexpr (Sub) {   // (q + 32) qx: pair sums below 2 * 63 * 127, then 32-bit
-            t[r][0] = _mm256_add_epi32(t[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, xv), ones));
-            t[r][1] = _mm256_add_epi32(t[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, xv), ones));
           } else {
             t[r][0] = _mm256_add_epi32(t[r][0], dot4<Bits>(w0, a0, xv, ones));
             t[r][1] = _mm256_add_epi32(t[r][1], dot4<Bits>(w1, a1, xv, ones));
@@ -686,23 +690,14 @@ inline void panel(const int8_t* qx, const float* dx, const float* sx, const int3
           t[r][0] = _mm256_madd_epi16(t[r][0], ones);
           t[r][1] = _mm256_madd_epi16(t[r][1], ones);
         }
-      } else if constexpr (Sub) {  // sum (q + 32) qx - 32 sum qx: the sum of q qx
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const __m256i off = _mm256_set1_epi32(32 * s16[r * 2 * nb + 2 * b + sub]);
-          t[r][0] = _mm256_sub_epi32(t[r][0], off);
-          t[r][1] = _mm256_sub_epi32(t[r][1], off);
-        }
       }
       __m256 d0, d1, m0, m1;
       if constexpr (Sub) {         // d = s_d a (and m = s_m b): one fp32 product each
-        const int8_t* a = reinterpret_cast<const int8_t*>(rec) + (Bits == 6 ? 16 * sub : 0);
+        const int8_t* a = reinterpret_cast<const int8_t*>(rec);   // 4 bits (6: panel_q6k)
         d0 = _mm256_mul_ps(_mm256_load_ps(head), int8x8_to_ps(a));
         d1 = _mm256_mul_ps(_mm256_load_ps(head + 8), int8x8_to_ps(a + 8));
-        if constexpr (Bits == 4) {
-          m0 = _mm256_mul_ps(_mm256_load_ps(head + 16), int8x8_to_ps(a + 16));
-          m1 = _mm256_mul_ps(_mm256_load_ps(head + 24), int8x8_to_ps(a + 24));
-        }
+        m0 = _mm256_mul_ps(_mm256_load_ps(head + 16), int8x8_to_ps(a + 16));
+        m1 = _mm256_mul_ps(_mm256_load_ps(head + 24), int8x8_to_ps(a + 24));
       } else if constexpr (Bits == 6) {
         const float* d = reinterpret_cast<const float*>(rec) + sub * kPanel;
         d0 = _mm256_load_ps(d);
@@ -710,24 +705,18 @@ inline void panel(const int8_t* qx, const float* dx, const float* sx, const int3
       } else {
         load_scales<Bits, Half>(rec, d0, d1, m0, m1);
       }
+      if constexpr (Bits == 4) {   // y = fma(d, dx t, fma(m, sx, y)): the m term first
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256 e = _mm256_set1_ps(dx[r * nb + b]);
-        if constexpr (Bits == 4) {
-          const __m256 s = _mm256_set1_ps(sx[r * nb + b]);
-          acc[r][0] = _mm256_fmadd_ps(m0, s, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(m1, s, acc[r][1]);
+        for (int r = 0; r < R; ++r) {
+          const __m256 sr = _mm256_set1_ps(sx[r * nb + b]);
+          acc[r][0] = _mm256_fmadd_ps(m0, sr, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(m1, sr, acc[r][1]);
         }
-        acc[r][0] = _mm256_fmadd_ps(d0, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][0])), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(d1, _mm256_mul_ps(e, _mm256_cvtepi32_ps(t[r][1])), acc[r][1]);
       }
+      add_scaled<R>(acc, t, d0, d1, dx, nb, b);
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * ldy, acc[r][0]);
-    _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
-  }
+  store_rows<R>(acc, y, ldy);
 }
 
 template <int Bits, bool Half, bool Sub, int R = kRows>
