@@ -557,7 +557,7 @@ inline void store_rows(const __m256 (&acc)[R][2], float* y, int64_t ldy) {
 // pair's top bits are loaded once, and each row's products of the pair's two groups are added as
 // 16-bit integers before one widening: (q + 32) in 0..63 times qx in -127..127 is a pair sum of at
 // most 2 * 63 * 127 = 16002, two of them 32004 < 2^15. Integer sums are exact in any grouping, so
-// the bits are panel's own for every row count.
+// the result is the namespace comment's arithmetic to the bit, for any row count.
 template <int R>
 inline void panel_q6k(const int8_t* qx, const float* dx, const int32_t* s16, int64_t K, const uint8_t* rec,
                       float* y, int64_t ldy) {
