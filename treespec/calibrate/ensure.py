@@ -30,11 +30,9 @@ def ensure_calibration(target, drafter_name: str, out=sys.stderr, batches: Seque
     cal, why = _cached_calibration(path, target)
     measured_now = cal is None
     if measured_now:
-        # compiled: one graph per node bucket first, seconds each from Inductor's disk cache, minutes
-        # each on a cold one for a large model (its C++ wrapper's compile grows with the layers)
-        how_long = (f"a few minutes, longer for a large model: {len(target.passes.buckets)} graphs (one per node "
-                    "bucket) compile first, minutes each where Inductor's disk cache lacks them"
-                    if target.passes is not None else "about a minute")
+        how_long = (f"{len(target.passes.buckets)} graphs (one per node bucket) compile first: seconds each "
+                    "from Inductor's disk cache, minutes each without it" if target.passes is not None
+                    else "about a minute")
         print(f"[{why}: measuring it once, {how_long}; cached at {path}]", file=out, flush=True)
         cal = _measure_calibration(target, drafter_name, held_out, out)
         cal.save(path)
