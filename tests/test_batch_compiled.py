@@ -115,6 +115,23 @@ def test_one_verifier_at_a_time_owns_the_caches(compiled):
             torch.tensor([1, 2]), ())
 
 
+def test_warm_compiles_one_node_graphs_where_no_batch_of_a_bucket_drafts(compiled):
+    """``draft_max_batch``: a batch bucket whose batches all exceed it (bucket b holds b/2 + 1
+    .. b requests) is warmed for plain steps only; one holding a drafting batch for the trees."""
+    _, fast = compiled
+    passes = BatchPasses(fast.passes)
+
+    def graphs(b: int) -> list[int]:
+        return sorted(m for batch, m, *_ in passes.of(b)._seen if batch == b)
+
+    passes.warm(4, nodes=2, draft_max_batch=1)
+    assert graphs(2) == [1] and graphs(4) == [1]
+    passes.warm(4, nodes=2, draft_max_batch=2)
+    assert graphs(2) == [1, 2] and graphs(4) == [1]
+    passes.warm(4, nodes=2, draft_max_batch=3)
+    assert graphs(4) == [1, 2]
+
+
 def test_a_server_on_a_compiled_target_decodes_each_request_as_the_generator_does(compiled):
     """Greedy, requests joining at different steps and leaving at their limits, a chain drafter
     and the plain server: each request's tokens equal SpeculativeGenerator's on the same

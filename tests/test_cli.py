@@ -233,12 +233,13 @@ def test_auto_measures_the_drafter_under_its_key_before_planning(command, monkey
     assert seen == [(target, "lookup[min_ngram=3]")]
 
 
-def test_serve_defaults_to_the_targets_serving_drafter_with_budget_auto():
+def test_serve_defaults_to_the_targets_serving_drafter_and_tree():
     """With no --drafter, ``serve`` takes the drafter of the target's serving preset (SmolLM2:
-    eagle3, the load-tested row; Qwen: its 0.5B) and keeps --budget auto; on an AVX2-only CPU
-    the preset's x8 kernel and compiled passes too, unless --kernel / --compile / --dtype say
-    otherwise. A target without a preset gets eagle3, and a --drafter given always wins (none
-    included)."""
+    eagle3 with --budget auto, the load-tested row; Qwen: its 0.5B with auto, and on AVX2 the
+    lookup chain cut at 0.5 drafted while a request is alone); on an AVX2-only CPU the preset's
+    x8 kernel and compiled passes too, unless --kernel / --compile / --dtype say otherwise. A
+    tree flag or another drafter keeps the preset's tree away (auto, or the flags' tree). A
+    target without a preset gets eagle3, and a --drafter given always wins (none included)."""
     from treespec.cli.main import build_parser
     from treespec.cli.presets import SERVE_PRESETS, apply_serve_preset
     from treespec.fastpath.cpu import CpuInfo
@@ -252,8 +253,19 @@ def test_serve_defaults_to_the_targets_serving_drafter_with_budget_auto():
         assert (args.drafter, args.budget, args.kernel, args.compile) == ("eagle3", "auto", *path)
         args = parser.parse_args(["serve", "--model", "qwen2.5-coder-1.5b"])
         assert apply_serve_preset(args, cpu) is not None
-        assert (args.drafter, args.budget, args.kernel, args.compile) == ("qwen2.5-coder-0.5b", "auto", *path)
+        if cpu.kind == "avx2":
+            assert (args.drafter, args.budget, args.tree, args.min_confidence, args.draft_max_batch,
+                    args.kernel, args.compile) == ("lookup", "4", "chain", 0.5, 1, *path)
+        else:
+            assert (args.drafter, args.budget, args.kernel, args.compile) == ("qwen2.5-coder-0.5b", "auto", *path)
     cpu = CpuInfo("test", ("avx2", "fma", "f16c"), "AVX2")
+    qwen = ["serve", "--model", "qwen2.5-coder-1.5b"]
+    for flags, tree in ((["--budget", "6"], ("lookup", "6", "dynamic", 0.0, None)),
+                        (["--min-confidence", "0.3"], ("lookup", "auto", None, 0.3, None)),
+                        (["--drafter", "hybrid"], ("hybrid", "auto", None, None, None))):
+        args = parser.parse_args(qwen + flags)
+        apply_serve_preset(args, cpu)
+        assert (args.drafter, args.budget, args.tree, args.min_confidence, args.draft_max_batch) == tree
     for given in ("none", "hybrid"):
         args = parser.parse_args(["serve", "--drafter", given, "--budget", "8"])
         assert apply_serve_preset(args, cpu) is not None            # the path still comes from the preset

@@ -301,7 +301,13 @@ def test_the_serve_command_checks_its_flags_before_loading_a_model(capsys) -> No
     assert main(["serve", "--max-batch", "0"]) == 2
     assert "--max-batch must be >= 1" in capsys.readouterr().err
     assert main(["serve", "--budget", "big"]) == 2
-    assert "--budget must be an integer or 'auto'" in capsys.readouterr().err
+    assert "--budget must be an integer >= 1" in capsys.readouterr().err
+    assert main(["serve", "--budget", "auto", "--min-confidence", "0.5"]) == 2
+    assert "--min-confidence shapes a fixed tree; with --budget auto" in capsys.readouterr().err
+    assert main(["serve", "--budget", "4", "--tree", "chain", "--draft-max-batch", "0"]) == 2
+    assert "--draft-max-batch must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["serve", "--budget", "4", "--tree", "static", "--min-confidence", "0.5"]) == 2
+    assert "min_confidence is an option of the" in capsys.readouterr().err
 
 
 def test_the_serving_doc_openai_block_streams_from_a_live_server(served, capsys) -> None:

@@ -418,6 +418,43 @@ def test_plain_server_decodes_greedy_without_a_drafter_and_counts_positions() ->
     assert 0 <= min(s.depth_acceptance) and max(s.depth_acceptance) <= 1
 
 
+def test_a_fixed_tree_drafts_only_while_the_batch_is_at_most_draft_max_batch() -> None:
+    """draft_max_batch=1: a lone request drafts its chain; while a second one is live, every
+    step is the root alone (one node a request, no drafter call); once alone again it drafts
+    again, its lookup state having followed the text. Greedy output equals plain decoding."""
+    from test_verifier import greedy_continuation
+
+    target = target_of()
+    prompt = [3, 4, 5, 6] * 4            # a recurring suffix: the lookup drafter proposes
+    server = SpeculativeServer(target, LookupDrafter(V), ChainBuilder(budget=4), draft_max_batch=1)
+    first = server.add_request(prompt, max_new_tokens=24)
+    nodes = []
+
+    def step() -> None:
+        before, calls = server.stats.tree_nodes, server.stats.drafter_calls
+        live = len(server.live) + len(server.queued)
+        server.step()
+        nodes.append((live, server.stats.tree_nodes - before, server.stats.drafter_calls - calls))
+
+    for _ in range(2):
+        step()
+    second = server.add_request([7, 1], max_new_tokens=3)
+    while second not in server.finished:
+        step()
+    while server.live:
+        step()
+    assert list(server.finished[first].tokens) == greedy_continuation(target.model, prompt, 24)
+    assert list(server.finished[second].tokens) == greedy_continuation(target.model, [7, 1], 3)
+    crowded = [(n, c) for live, n, c in nodes if live == 2]
+    assert crowded and all(n == 2 and c == 0 for n, c in crowded)
+    alone_before, alone_after = nodes[:2], nodes[2 + len(crowded):]
+    assert all(live == 1 for live, _, _ in alone_before + alone_after)
+    assert any(n > 1 for _, n, _ in alone_before) and any(n > 1 for _, n, _ in alone_after)
+    for bad in (0, -1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="draft_max_batch must be an int >= 1 or None"):
+            SpeculativeServer(target, LookupDrafter(V), ChainBuilder(budget=4), draft_max_batch=bad)
+
+
 def test_text_prompts_keywords_and_scalar_limits_as_the_generator_takes_them() -> None:
     """add_request and generate_batch take text (through the chat template), sampling keywords,
     a drafter name... as SpeculativeGenerator.generate does, with the same tokens."""

@@ -13,9 +13,10 @@ chain of 3 that drafts only where the votes agree (a plain 1-row pass elsewhere)
 runs eagerly.
 
 ``serve`` takes the drafter, the linear kernel and whether the passes run compiled from here
-(``SERVE_PRESETS``; the kernel and compilation as ``generate`` takes them): its tree is always
-``--budget auto`` unless given, the one tree choice that follows a batch size changing from
-step to step (a fixed tree that pays at batch 1 loses at batch 8).
+(``SERVE_PRESETS``; the kernel and compilation as ``generate`` takes them), and its tree where
+the user gave no tree flag and runs the preset's drafter: ``--budget auto`` (the cost model
+sizes each step's tree for the batch size) or a fixed tree drafted only up to the preset's
+``draft_max_batch`` live requests (a fixed tree that pays at batch 1 loses at batch 8).
 
 Only configurations a user can name on the command line are listed (a registered drafter, a
 builder, a budget). The fastest Qwen row on AMX (``switch best12 head8 int4 vocab32k ctx`` in
@@ -44,6 +45,7 @@ class Preset:
     kernel: str = "auto"        # the target's linear kernel (--kernel); auto: the CPU's choice
     compile: bool = False       # the target's passes compiled (--compile)
     min_confidence: float = 0.0  # the tree's stop (--min-confidence): a path under it is not drafted
+    draft_max_batch: int | None = None   # serve: a fixed tree drafted up to this many live requests
 
     @property
     def plain(self) -> bool:
@@ -54,6 +56,7 @@ class Preset:
         tree = "builder='auto'" if self.budget == "auto" else f"{self.tree}:{self.budget}"
         tree += f", --min-confidence {self.min_confidence:g}" if self.min_confidence else ""
         what = "plain decoding (budget 1)" if self.plain else f"--drafter {self.drafter}, {tree}"
+        what += f", --draft-max-batch {self.draft_max_batch}" if self.draft_max_batch and not self.plain else ""
         path = [f"--kernel {self.kernel}"] if self.kernel != "auto" else []
         path += ["--compile"] if self.compile else []
         return f"{what}{''.join(', ' + p for p in path)} (the fastest measured: {self.source})"
@@ -107,9 +110,13 @@ _SERVE_QWEN = Preset("qwen2.5-coder-0.5b", "dynamic", "auto",
 _SERVE_SMOLLM2_AVX2 = Preset("eagle3", "dynamic", "auto",
                              "serve_load_avx2.md: the x8 target with compiled batch graphs, 26.3 tokens/s at c = 1 "
                              "against llama-server's 14.6 (auto plans plain decoding there)", kernel="x8", compile=True)
-_SERVE_QWEN_AVX2 = Preset("qwen2.5-coder-0.5b", "dynamic", "auto",
-                          "qwen_avx2.md: the x8 target with compiled passes is the fastest Qwen path on AVX2",
-                          kernel="x8", compile=True)
+# Qwen: generate's lookup chain cut at 0.5 while a request is alone; beside others the batched
+# pass is already compute-bound (4 rows cost ~1.4 of one), so every step is plain there
+_SERVE_QWEN_AVX2 = Preset("lookup", "chain", "4",
+                          "qwen_avx2.md: a lookup chain of 3 cut at confidence 0.5 on the x8 target with compiled "
+                          "passes is the fastest Qwen row on AVX2 (1.66x llama.cpp's plain decoding); drafted while "
+                          "a request is alone, plain steps beside others", kernel="x8", compile=True,
+                          min_confidence=0.5, draft_max_batch=1)
 
 SERVE_PRESETS: dict[str, dict[str, Preset]] = {
     "smollm2-135m": _on_every_kind(_SERVE_SMOLLM2, avx2=_SERVE_SMOLLM2_AVX2),
@@ -171,10 +178,22 @@ def _apply_path(args, preset: Preset | None) -> bool:
 def apply_serve_preset(args, cpu: CpuInfo | None = None) -> Preset | None:
     """``treespec serve``: fill the --drafter, --kernel and --compile the user left out (None)
     from the target's serving preset for this CPU kind (else eagle3 on the CPU's own path;
-    --kernel / --compile as for ``generate``); --budget keeps its own default, auto. Returns the
-    preset where it supplied something."""
+    --kernel / --compile as for ``generate``), and the tree (--budget, --tree, --min-confidence,
+    --draft-max-batch) where the user gave none of them nor another drafter: the preset's,
+    else --budget auto. Returns the preset where it supplied something."""
     preset = SERVE_PRESETS.get(args.model, {}).get((cpu if cpu is not None else cpu_info()).kind)
     used = _apply_path(args, preset)
     if args.drafter is None:
         args.drafter, used = (preset.drafter, True) if preset is not None else (FALLBACK["drafter"], used)
+    shaped = any(getattr(args, name) is not None for name in ("budget", "tree", "min_confidence", "draft_max_batch"))
+    if not shaped and preset is not None and args.drafter == preset.drafter:
+        args.budget, used = preset.budget, True
+        if preset.budget != "auto":
+            args.tree, args.min_confidence, args.draft_max_batch = (preset.tree, preset.min_confidence,
+                                                                    preset.draft_max_batch)
+    if args.budget is None:
+        args.budget = "auto"
+    if args.budget != "auto":
+        args.tree = args.tree or FALLBACK["tree"]
+        args.min_confidence = args.min_confidence or 0.0
     return preset if used else None

@@ -70,17 +70,20 @@ class BatchPasses:
         return self._by_batch[rows]
 
     @torch.inference_mode()
-    def warm(self, max_batch: int, nodes: int = 1, layers: tuple[int, ...] = (), length: int = 0) -> None:
+    def warm(self, max_batch: int, nodes: int = 1, layers: tuple[int, ...] = (), length: int = 0,
+             draft_max_batch: int | None = None) -> None:
         """Compile now (before serving) the graphs of every batch bucket up to ``max_batch``
-        requests, for trees of up to ``nodes`` nodes (the largest bucket's at batch > 1) with
-        the feature ``layers``, over caches of at least ``length`` positions. The caches'
+        requests, for trees of up to ``nodes`` nodes (the largest bucket's at batch > 1; one
+        node in a bucket whose batches all exceed ``draft_max_batch``, where no request drafts)
+        with the feature ``layers``, over caches of at least ``length`` positions. The caches'
         content is left undefined: no verifier may own them while this runs."""
         self.owner = None
         self.single.warm(nodes, layers, length)
         for b in sorted({batch_bucket(b) for b in range(2, max_batch + 1)}):
             passes = self.of(b)
             passes.reserve(length + passes.buckets[-1] + 1)
-            top = passes.bucket(nodes) or passes.buckets[-1]
+            drafts = draft_max_batch is None or b // 2 < draft_max_batch   # bucket b holds batches b/2+1 .. b
+            top = (passes.bucket(nodes) or passes.buckets[-1]) if drafts else 1
             for m in (x for x in passes.buckets if x <= top):
                 ids = torch.zeros(b, m, dtype=torch.long)
                 pos = torch.arange(m).expand(b, m)

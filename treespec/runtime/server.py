@@ -148,11 +148,17 @@ class SpeculativeServer:
                  batch size; needs ``treespec calibrate``) or None (DynamicTreeBuilder()).
         verify:  the acceptance rule ("token", "block", "traversal").
         calibration: for "auto": a ``treespec.planning.Calibration`` (default: the local one).
+        draft_max_batch: the largest live batch at which a request with a fixed tree (a
+                 TreeBuilder, not "auto") drafts; at a larger one its step is the root alone (a
+                 plain step: the same law, one row). None: any batch. Where a pass of several
+                 requests is compute-bound (the CPU's integer kernels past ~4 rows), a fixed
+                 tree that pays alone costs more rows than it saves beside others; "auto" sizes
+                 its trees per batch from the calibration instead.
     """
 
     def __init__(self, target: Target, drafter: "str | Drafter | BatchDrafter | None",
                  builder: TreeBuilder | Literal["auto"] | None = None, verify: VerifyRule = "token",
-                 calibration=None):
+                 calibration=None, draft_max_batch: int | None = None):
         if not isinstance(target, Target):
             raise TypeError(f"target must be a treespec.Target, got {type(target).__name__}")
         if drafter is None:
@@ -167,8 +173,12 @@ class SpeculativeServer:
                              f"{target.vocab_size}; they must share one vocabulary")
         if verify not in VERIFY_RULES:
             raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
+        if draft_max_batch is not None and (isinstance(draft_max_batch, bool) or not isinstance(draft_max_batch, int)
+                                            or draft_max_batch < 1):
+            raise ValueError(f"draft_max_batch must be an int >= 1 or None (any batch), got {draft_max_batch!r}")
         self.target, self.verify = target, verify
         self.calibration = calibration
+        self.draft_max_batch = draft_max_batch
         self.builder = self._check_builder(builder) if builder is not None else DynamicTreeBuilder()
         self.layers = tuple(self.drafter.target_layers) if self.drafter.needs_target_hidden else ()
         self.verifier = self._new_verifier()
@@ -356,11 +366,15 @@ class SpeculativeServer:
         return builder
 
     def _builder_of(self, r: _Request) -> TreeBuilder:
-        """This step's tree of request ``r``: its own, auto's for the batch size, or the root
-        alone once it left the drafter."""
+        """This step's tree of request ``r``: its own (the root alone in a batch past
+        ``draft_max_batch``), auto's for the batch size, or the root alone once it left the
+        drafter."""
         if not r.drafting:
             return PLAIN
-        return r.builder or self._auto_builder(r.sampling.temperature)
+        if r.builder is None:
+            return self._auto_builder(r.sampling.temperature)
+        crowded = self.draft_max_batch is not None and len(self._live) > self.draft_max_batch
+        return PLAIN if crowded else r.builder
 
     def _auto_builder(self, temperature: float, batch: int | None = None) -> TreeBuilder:
         """auto's tree at ``batch`` requests (None: the live batch) and ``temperature``."""

@@ -17,6 +17,7 @@ import sys
 def register(sub) -> None:
     """Add the ``serve`` subcommand to the CLI's subparsers."""
     from treespec.cli.plan import add_compile_arg, add_target_args
+    from treespec.cli.trees import BUILDERS
     from treespec.targets.loader import TARGET_LOADERS
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, /metrics)")
@@ -29,13 +30,23 @@ def register(sub) -> None:
                         "eagle3, qwen2.5-coder-1.5b its 0.5B), else eagle3")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the drafter's factory, repeatable")
-    p.add_argument("--budget", default="auto",
-                   help="tree nodes incl. the root, or 'auto' (default): the cost model sizes each step's tree "
+    p.add_argument("--budget", default=None,
+                   help="tree nodes incl. the root, or 'auto': the cost model sizes each step's tree "
                         "for the current batch size and each request's temperature, down to plain decoding. "
                         "auto measures what this machine's calibration lacks before serving (the drafter and "
-                        "the batched passes up to --max-batch; a few minutes the first time, then cached)")
-    p.add_argument("--depth", type=int, default=5, help="max draft depth of a numeric --budget's dynamic tree")
+                        "the batched passes up to --max-batch; a few minutes the first time, then cached). "
+                        "Default: the serving preset's tree where the preset's drafter runs and no tree flag "
+                        "is given, else auto")
+    p.add_argument("--tree", default=None, choices=BUILDERS, help="a numeric --budget's builder (default dynamic)")
+    p.add_argument("--depth", type=int, default=5, help="max draft depth of a numeric --budget's tree")
     p.add_argument("--top-k-draft", type=int, default=4, help="children per expanded node (numeric --budget)")
+    p.add_argument("--min-confidence", type=float, default=None,
+                   help="a numeric --budget's stop (chain / dynamic / best-first): no node where the path's "
+                        "draft confidence falls below it, down to a plain step; 0 = off")
+    p.add_argument("--draft-max-batch", type=int, default=None,
+                   help="a numeric --budget's tree is drafted only while at most this many requests are live; "
+                        "past it each step is plain (a batched pass of several trees is compute-bound on a CPU). "
+                        "Default: any batch, or the serving preset's")
     p.add_argument("--verify", default="token", choices=("token", "block", "traversal"), help="acceptance rule")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -56,8 +67,8 @@ def build_server(args: argparse.Namespace):
     import torch
 
     from treespec import load_target
-    from treespec.builders import DynamicTreeBuilder
     from treespec.cli.plan import target_pack
+    from treespec.cli.trees import check_tree_flags, make_builder, parse_budget
     from treespec.cli.presets import apply_serve_preset
     from treespec.drafters import load_drafter
     from treespec.drafters.base import parse_option_value
@@ -76,12 +87,17 @@ def build_server(args: argparse.Namespace):
         if not sep or not key.strip():
             raise ValueError(f"--drafter-option takes KEY=VALUE (e.g. min_ngram=3), got {pair!r}")
         options[key.strip()] = parse_option_value(raw)
-    budget = None
-    if args.budget != "auto":
-        try:
-            budget = int(args.budget)
-        except ValueError:
-            raise ValueError(f"--budget must be an integer or 'auto', got {args.budget!r}") from None
+    budget = None if parse_budget(args.budget) == "auto" else int(args.budget)
+    if budget is None:
+        for flag in ("tree", "min_confidence", "draft_max_batch"):
+            if getattr(args, flag):
+                raise ValueError(f"--{flag.replace('_', '-')} shapes a fixed tree; with --budget auto the cost model "
+                                 f"chooses each step's tree for the batch size (give a --budget number to use it)")
+    else:
+        check_tree_flags(args.tree, args.depth, args.top_k_draft, args.verify)
+        if args.draft_max_batch is not None and args.draft_max_batch < 1:
+            raise ValueError(f"--draft-max-batch must be >= 1, got {args.draft_max_batch}")
+        builder = make_builder(args.tree, budget, args.depth, args.top_k_draft, min_confidence=args.min_confidence)
     key = None   # --budget auto: the name the drafter's calibration entries go under
     if budget is None and args.drafter != "none":
         from treespec.drafters.base import drafter_key, merged_options
@@ -121,21 +137,22 @@ def build_server(args: argparse.Namespace):
                   f"sampled: serving plain decoding, {args.drafter} not run]", file=sys.stderr, flush=True)
             return target, warmed(SpeculativeServer(target, None), args.max_batch)
         return target, warmed(server, args.max_batch, max(builder.budget for _, _, builder in plan))
-    builder = DynamicTreeBuilder(budget=budget, depth=args.depth, top_k=args.top_k_draft)
-    return target, warmed(SpeculativeServer(target, drafter, builder, verify=args.verify), args.max_batch, budget)
+    server = SpeculativeServer(target, drafter, builder, verify=args.verify, draft_max_batch=args.draft_max_batch)
+    return target, warmed(server, args.max_batch, budget)
 
 
 def warmed(server, max_batch: int, nodes: int = 1):
     """``server``, its compiled graphs (where the target's passes are compiled) built now, before
     it listens: every batch bucket up to ``max_batch`` requests for trees of up to ``nodes``
-    nodes, with no hidden states (plain steps), and with the drafter's feature layers for one
-    request (other shapes compile when first met, announced)."""
+    nodes (one node past the server's ``draft_max_batch``), with no hidden states (plain
+    steps), and with the drafter's feature layers for one request (other shapes compile when
+    first met, announced)."""
     if server.target.passes is None:
         return server
     from treespec.runtime.batch_compiled import batch_passes
 
     passes = batch_passes(server.target)
-    passes.warm(max_batch, nodes)
+    passes.warm(max_batch, nodes, draft_max_batch=server.draft_max_batch)
     if server.layers and nodes > 1:
         passes.single.warm(nodes, server.layers)
     return server
