@@ -89,12 +89,16 @@ bench-qwen: $(STAMP)
 	wait $$first && test $$second = 0
 	$(VPY) benchmarks/qwen.py --merge .cache/qwen_shard1,.cache/qwen_shard2 \
 	    --out benchmarks/results/qwen_$(KIND)_t1 --note "2 shards side by side, one per core"
+	OMP_NUM_THREADS=1 $(VPY) benchmarks/serve_load.py --model qwen2.5-coder-1.5b --requests 24 \
+	    --concurrency 1,4 --max-tokens 32 --compare-prompts 8 --minutes 30 --blocks 2 --keep \
+	    --out benchmarks/results/serve_load_$(KIND)
 
 # `treespec serve` under load on loopback: the openai client at concurrency 1, 4 and 8, random
 # prompt lengths, T = 0 / 1, 10 % cancelled mid-stream, speculation on and off (bounded by
-# --minutes; later requests are skipped and counted): results/serve_load_<kind>.*
+# --minutes; later requests are skipped and counted): results/serve_load_<kind>.*, a section a
+# target (bench-qwen adds Qwen's)
 bench-serve: $(STAMP)
-	OMP_NUM_THREADS=1 $(VPY) benchmarks/serve_load.py --requests 200 --max-tokens 32 --minutes 40 \
+	OMP_NUM_THREADS=1 $(VPY) benchmarks/serve_load.py --requests 200 --max-tokens 32 --minutes 40 --keep \
 	    --out benchmarks/results/serve_load_$(KIND)
 
 bench: test-slow bench-serve

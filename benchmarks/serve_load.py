@@ -20,13 +20,17 @@ latency (p50 / p99; a request's ITL is (last token - first token) / (tokens - 1)
 the HTTP server's tokens/s against ``SpeculativeGenerator`` in this process on the same greedy
 prompts, one prompt over HTTP then the same prompt in the generator, so that a drifting load
 on a shared host hits both alike. llama.cpp's ``llama-server`` (``make bench-llamacpp``) runs as a
-third server where it is built: the same GGUF (SmolLM2-135M-Instruct Q4_1, which treespec
-dequantizes), 1 thread, ``--parallel`` = the largest concurrency, the same requests and levels; its
-T = 1 tokens come from its own sampler (top_k / min_p off, top_p 1, prompt cache off), so its
-text is not compared with treespec's.
+third server where it is built: the GGUF treespec loads for ``--model``, 1 thread, ``--parallel``
+= the largest concurrency, the same requests and levels; its T = 1 tokens come from its own
+sampler (top_k / min_p off, top_p 1, prompt cache off), so its text is not compared with
+treespec's. The speculative server's drafter and tree are `treespec serve`'s serving preset for
+the target on this CPU kind unless ``--drafter`` / ``--budget`` / ``--tree`` ... name them.
+One result file a machine kind holds a section a target: ``--keep`` keeps the other targets'.
 
-    python benchmarks/serve_load.py --requests 200 --max-tokens 32 --budget auto \\
+    python benchmarks/serve_load.py --requests 200 --max-tokens 32 --budget auto --keep \\
         --out benchmarks/results/serve_load_avx2
+    python benchmarks/serve_load.py --model qwen2.5-coder-1.5b --requests 24 --concurrency 1,4 \\
+        --compare-prompts 8 --blocks 2 --keep --out benchmarks/results/serve_load_avx2
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from harness import machine_info, machine_line, md_table, publish
+from harness import machine_info, machine_line, md_table, write_results
 
 
 def pct(xs, q: float) -> float:
@@ -250,17 +254,35 @@ def wait_idle(server: ServerProcess, timeout: float = 30.0) -> bool:
     return False
 
 
-def serving_path(kernel: str | None, compile: bool | None) -> tuple[str, bool]:
-    """(--kernel, --compile) of the servers and the generator: those given, the rest as
-    `treespec serve` fills them from its serving preset for this CPU kind."""
+SERVE_FLAGS = ("drafter", "budget", "tree", "min_confidence", "draft_max_batch", "kernel")
+
+
+def resolve_serving(args) -> None:
+    """The speculative server's drafter, tree, --kernel and --compile into ``args``: those
+    given, the rest as `treespec serve --model M` fills them from its serving preset for this
+    CPU kind (the plain server and the generator take the same kernel and compilation)."""
     from treespec.cli.main import build_parser
     from treespec.cli.presets import apply_serve_preset
 
-    flags = ["serve", "--drafter", "none"] + (["--kernel", kernel] if kernel else [])
-    flags += [] if compile is None else ["--compile" if compile else "--no-compile"]
+    flags = ["serve", "--model", args.model]
+    for name in SERVE_FLAGS:
+        if getattr(args, name) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    flags += [] if args.compile is None else ["--compile" if args.compile else "--no-compile"]
     served = build_parser().parse_args(flags)
     apply_serve_preset(served)
-    return served.kernel, served.compile
+    for name in (*SERVE_FLAGS, "compile"):
+        setattr(args, name, getattr(served, name))
+
+
+def speculative_flags(args) -> list[str]:
+    """`treespec serve` flags naming the speculative server's drafter and tree in full."""
+    flags = ["--model", args.model, "--drafter", args.drafter, "--budget", args.budget]
+    if args.budget != "auto":
+        flags += ["--tree", args.tree, "--depth", str(args.depth), "--top-k-draft", str(args.top_k_draft),
+                  "--min-confidence", str(args.min_confidence)]
+        flags += ["--draft-max-batch", str(args.draft_max_batch)] if args.draft_max_batch else []
+    return flags
 
 
 def compare_c1(server: ServerProcess, args, prompts: list[str], deadline: float) -> dict:
@@ -268,16 +290,18 @@ def compare_c1(server: ServerProcess, args, prompts: list[str], deadline: float)
     prompts with the same tree, prompt by prompt, alternating which goes first."""
     import torch
 
-    from treespec import DynamicTreeBuilder, SpeculativeGenerator, load_drafter, load_target
+    from treespec import SpeculativeGenerator, load_drafter, load_target
+    from treespec.cli.trees import make_builder
 
     torch.set_num_threads(args.threads)
-    target = load_target("smollm2-135m", pack=True if args.kernel == "auto" else args.kernel)
+    target = load_target(args.model, pack=True if args.kernel == "auto" else args.kernel)
     if args.compile:
         from treespec.runtime.compiled import compile_target
 
         target = compile_target(target)
     builder = ("auto" if args.budget == "auto"
-               else DynamicTreeBuilder(budget=int(args.budget), depth=args.depth, top_k=args.top_k_draft))
+               else make_builder(args.tree, int(args.budget), args.depth, args.top_k_draft,
+                                 min_confidence=args.min_confidence))
     gen = SpeculativeGenerator(target, load_drafter(args.drafter, target), builder)
     gen.generate(prompts[0], 4)   # warm
     http = {"tokens": 0, "s": 0.0}
@@ -322,11 +346,17 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,4,8")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--cancel", type=float, default=0.1, help="share of requests closed mid-stream")
-    p.add_argument("--drafter", default="eagle3")
-    p.add_argument("--budget", default="auto",
-                   help="tree nodes incl. the root, or auto (the server measures what its calibration lacks)")
+    p.add_argument("--model", default="smollm2-135m", help="the target of every server (a treespec name)")
+    p.add_argument("--drafter", default=None, help="the speculative server's drafter; default: the serving preset's")
+    p.add_argument("--budget", default=None,
+                   help="tree nodes incl. the root, or auto (the server measures what its calibration lacks); "
+                        "default: the serving preset's tree")
+    p.add_argument("--tree", default=None, help="a numeric --budget's builder (default: the preset's, else dynamic)")
     p.add_argument("--depth", type=int, default=4, help="depth of a numeric --budget's dynamic tree")
     p.add_argument("--top-k-draft", type=int, default=2, help="children per node of a numeric --budget's tree")
+    p.add_argument("--min-confidence", type=float, default=None, help="a numeric --budget's stop (as serve's)")
+    p.add_argument("--draft-max-batch", type=int, default=None,
+                   help="a numeric --budget's tree drafted up to this many live requests (as serve's)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server and of the generator")
     p.add_argument("--kernel", default=None,
                    help="the target's linear kernel on every treespec server and the generator; default: the "
@@ -344,11 +374,13 @@ def main() -> int:
     p.add_argument("--llama-server", default="auto", choices=("auto", "off"),
                    help="auto: llama.cpp's llama-server as a third server where `make bench-llamacpp` built it")
     p.add_argument("--out", default="benchmarks/results/serve_load")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the other targets' runs already in --out (one file a machine kind, a section a target)")
     args = p.parse_args()
 
     if args.blocks < 1 or args.blocks > args.requests:
         p.error(f"--blocks must be between 1 and --requests ({args.requests}), got {args.blocks}")
-    args.kernel, args.compile = serving_path(args.kernel, args.compile)
+    resolve_serving(args)
     started = time.monotonic()
     levels = [int(c) for c in args.concurrency.split(",")]
     rng = random.Random(args.seed)
@@ -360,10 +392,7 @@ def main() -> int:
     common = ["--max-batch", str(max(levels)), "--max-queue", str(max(levels) * 2 + 8),
               "--max-tokens-default", str(args.max_tokens), "--kernel", args.kernel,
               "--compile" if args.compile else "--no-compile"]
-    spec_flags = ["--drafter", args.drafter, "--budget", args.budget]
-    if args.budget != "auto":
-        spec_flags += ["--depth", str(args.depth), "--top-k-draft", str(args.top_k_draft)]
-    modes = {"speculative": spec_flags, "plain": ["--drafter", "none"]}
+    modes = {"speculative": speculative_flags(args), "plain": ["--model", args.model, "--drafter", "none"]}
     result: dict = {"args": vars(args), "modes": {}, "load_average_start": os.getloadavg()}
     deadline = started + 60 * args.minutes
     # The servers run side by side (an idle one costs nothing); see the slices of a level below.
@@ -377,7 +406,7 @@ def main() -> int:
         if llama is not None:
             from treespec.runtime.llamacpp import gguf_path
 
-            servers["llama-server"] = LlamaServerProcess(llama, gguf_path("smollm2-135m"), max(levels),
+            servers["llama-server"] = LlamaServerProcess(llama, gguf_path(args.model), max(levels),
                                                          args.threads, args.start_timeout)
             result["llama_server_command"] = servers["llama-server"].command
         state = {mode: {"levels": {}, "lost": [], "rss_by_level_mb": {}, "greedy": {}, "greedy_differs": []}
@@ -469,8 +498,34 @@ def gauge_of(metrics: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " "))
 
 
+MODEL_NAMES = {"smollm2-135m": "SmolLM2-135M", "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B"}
+
+
 def write(result: dict, args) -> None:
-    info = machine_info()
+    """This run's section, after the other targets' runs already in ``--out`` with ``--keep``
+    (a run of the same target is replaced), as ``--out``.{json,md}."""
+    import json
+
+    runs = {args.model: {**result, "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])}}
+    old = Path(args.out).with_suffix(".json")
+    if args.keep and old.exists():
+        kept = json.loads(old.read_text())
+        kept = kept.get("runs") or {kept["args"].get("model", "smollm2-135m"): kept}   # one run, before sections
+        runs = {**{m: r for m, r in kept.items() if m != args.model}, **runs}
+    lines = ["# Load test of `treespec serve` (loopback, openai client, server in its own process)", "",
+             machine_line(machine_info())]
+    for model, run in runs.items():
+        lines += ["", f"## {MODEL_NAMES.get(model, model)}", "", *section(run), "", f"Reproduce: `{run['command']}`"]
+    md = "\n".join(lines) + "\n"
+    print(md)
+    write_results(Path(args.out), {"machine": machine_info(), "runs": runs}, md)
+
+
+def section(result: dict) -> list[str]:
+    """The Markdown of one run (its ``args`` as recorded, the target's name defaulting to the
+    SmolLM2 of runs recorded before there was a choice)."""
+    args = argparse.Namespace(**{"model": "smollm2-135m", "tree": None, "min_confidence": None,
+                                 "draft_max_batch": None, **result["args"]})
     spec, plain = result["modes"]["speculative"], result["modes"]["plain"]
     llama = result["modes"].get("llama-server")
     rows = []
@@ -486,9 +541,11 @@ def write(result: dict, args) -> None:
                          f"{s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f}", "yes" if s["rows_freed"] else "NO",
                          f"{s['load_average']:.1f}"])
     la0, la1 = result["load_average_start"], result["load_average_end"]
-    lines = ["# Load test of `treespec serve` (loopback, openai client, server in its own process)", "",
-             machine_line(info), "",
-             f"SmolLM2-135M ({args.drafter}, budget {args.budget}; --kernel {args.kernel}, passes "
+    tree = f"budget {args.budget}"
+    if args.budget != "auto" and args.tree:
+        tree = f"{args.tree} of {args.budget} nodes" + (f" cut at {args.min_confidence:g}" if args.min_confidence else "")
+        tree += f", drafted up to {args.draft_max_batch} live request(s)" if args.draft_max_batch else ""
+    lines = [f"{MODEL_NAMES.get(args.model, args.model)} ({args.drafter}, {tree}; --kernel {args.kernel}, passes "
              f"{'compiled' if args.compile else 'eager'}, on every treespec server and the generator), "
              f"{args.requests} chat requests per level, "
              f"max_tokens {args.max_tokens}, T = 0 / 1 alternating (seeded), {args.cancel:.0%} closed mid-stream; "
@@ -533,8 +590,7 @@ def write(result: dict, args) -> None:
                      "its T = 1 tokens come from its own sampler (top_k 0, min_p 0, top_p 1, seeded), so its "
                      "text is not checked against treespec's; greedy texts that differ between its levels "
                      f"(batched float sums, not counted as lost): {len(llama['greedy_differs_between_levels'])}")
-    command = "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])
-    publish(Path(args.out), lines, command, result)
+    return lines
 
 
 if __name__ == "__main__":
