@@ -27,7 +27,7 @@ def register(sub) -> None:
     p.add_argument("--drafter", default=None,
                    help="registered drafter name, or 'none': plain decoding, speculation off; default: the "
                         "target's serving preset for this kind of CPU (treespec.cli.presets: smollm2-135m "
-                        "eagle3, qwen2.5-coder-1.5b its 0.5B), else eagle3")
+                        "eagle3, qwen2.5-coder-1.5b its 0.5B, on AVX2-only CPUs lookup), else eagle3")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the drafter's factory, repeatable")
     p.add_argument("--budget", default=None,
@@ -87,7 +87,8 @@ def build_server(args: argparse.Namespace):
         if not sep or not key.strip():
             raise ValueError(f"--drafter-option takes KEY=VALUE (e.g. min_ngram=3), got {pair!r}")
         options[key.strip()] = parse_option_value(raw)
-    budget = None if parse_budget(args.budget) == "auto" else int(args.budget)
+    parsed = parse_budget(args.budget)
+    budget = None if parsed == "auto" else parsed
     if budget is None:
         for flag in ("tree", "min_confidence", "draft_max_batch"):
             if getattr(args, flag):
