@@ -310,6 +310,24 @@ def test_the_serve_command_checks_its_flags_before_loading_a_model(capsys) -> No
     assert "min_confidence is an option of the" in capsys.readouterr().err
 
 
+def test_a_numeric_budget_serves_the_tree_its_flags_name(monkeypatch) -> None:
+    """--budget 4 --tree chain --min-confidence 0.5 --draft-max-batch 1 (Qwen's AVX2 serving
+    preset): the server's builder is that chain, drafted while one request is live."""
+    import treespec
+    from treespec import ChainBuilder
+    from treespec.cli import serve
+    from treespec.cli.main import build_parser
+    from treespec.targets.loader import tiny_target
+
+    target = tiny_target(vocab_size=32, seed=0)
+    monkeypatch.setattr(treespec, "load_target", lambda *a, **k: target)
+    args = build_parser().parse_args(["serve", "--no-compile", "--drafter", "lookup", "--budget", "4", "--tree",
+                                      "chain", "--min-confidence", "0.5", "--draft-max-batch", "1", "--threads", "1"])
+    _, server = serve.build_server(args)
+    assert isinstance(server.builder, ChainBuilder) and server.builder.budget == 4
+    assert server.builder.config.min_confidence == 0.5 and server.draft_max_batch == 1
+
+
 def test_the_serving_doc_openai_block_streams_from_a_live_server(served, capsys) -> None:
     """docs/serving.md's ``import openai`` block as written, pointed at this loopback server (its
     URL and model name put in place of the doc's): it streams the whole reply, which the server
