@@ -506,19 +506,30 @@ def write(result: dict, args) -> None:
     (a run of the same target is replaced), as ``--out``.{json,md}."""
     import json
 
+    info = machine_info()
     runs = {args.model: {**result, "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])}}
     old = Path(args.out).with_suffix(".json")
     if args.keep and old.exists():
-        kept = json.loads(old.read_text())
-        kept = kept.get("runs") or {kept["args"].get("model", "smollm2-135m"): kept}   # one run, before sections
-        runs = {**{m: r for m, r in kept.items() if m != args.model}, **runs}
+        runs = kept_runs(json.loads(old.read_text()), info, args.model) | runs
     lines = ["# Load test of `treespec serve` (loopback, openai client, server in its own process)", "",
-             machine_line(machine_info())]
+             machine_line(info)]
     for model, run in runs.items():
         lines += ["", f"## {MODEL_NAMES.get(model, model)}", "", *section(run), "", f"Reproduce: `{run['command']}`"]
     md = "\n".join(lines) + "\n"
     print(md)
-    write_results(Path(args.out), {"machine": machine_info(), "runs": runs}, md)
+    write_results(Path(args.out), {"machine": info, "runs": runs}, md)
+
+
+def kept_runs(data: dict, info: dict, model: str) -> dict:
+    """The runs of targets other than ``model`` in a result file's ``data`` (sections, or one
+    run written before there were sections), which must come from this CPU: one file holds one
+    machine kind."""
+    theirs = (data["machine"]["cpu_model"], data["machine"]["torch_cpu_capability"])
+    if theirs != (info["cpu_model"], info["torch_cpu_capability"]):
+        raise ValueError(f"--keep: the runs in --out were measured on {theirs[0]} ({theirs[1]}), not this "
+                         f"{info['cpu_model']} ({info['torch_cpu_capability']}); give another --out")
+    runs = data.get("runs") or {data["args"].get("model", "smollm2-135m"): data}
+    return {m: r for m, r in runs.items() if m != model}
 
 
 def section(result: dict) -> list[str]:
